@@ -1,0 +1,451 @@
+# -*- test-case-name: loopd.test.test_inferproxy,loopd.test.test_inferproxy_sockets -*-
+"""
+inferproxy: a Unix-socket → TCP forwarder with hard limits, the only TCP client in loopd.
+
+Each accepted Unix connection gets its own TCP connection upstream and the bytes are relayed
+both ways without being parsed. What Twisted's own C{portforward} lacks is added here:
+
+ - half-close: an EOF from one side becomes a C{shutdown(SHUT_WR)} towards the other, and a
+   pair closes fully only once both directions are done;
+ - teardown that cannot leak: the dead side is unregistered as its peer's producer before
+   the peer is closed (twisted#6461), so a peer paused by backpressure still closes;
+ - backpressure: each transport is the other's streaming producer, so a slow reader on either
+   side pauses reading on the other and buffered bytes stay bounded;
+ - limits: at most C{max_connections} pairs at a time and a token bucket on accept, both
+   decided in L{InferProxyFactory.buildProtocol} (returning C{None} makes Twisted close the
+   accepted socket at once).
+
+Nothing about traffic is logged: one line at start, one per refused connection, one per failed
+upstream connection attempt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from twisted.application.service import Service
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.endpoints import HostnameEndpoint
+from twisted.internet.interfaces import (
+    IAddress,
+    IHalfCloseableProtocol,
+    IListeningPort,
+    IReactorTime,
+    IReactorUNIX,
+    IStreamClientEndpoint,
+    ITCPTransport,
+)
+from twisted.internet.protocol import Factory, Protocol, connectionDone
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from loopd.unixsocket import listen_unix
+
+__all__ = [
+    "InferProxyFactory",
+    "InferProxyService",
+    "ProxyLimits",
+    "TokenBucket",
+    "parse_upstream",
+    "upstream_endpoint",
+]
+
+_log = Logger(namespace="loopd.inferproxy")
+
+
+@dataclass(frozen=True)
+class ProxyLimits:
+    """
+    The forwarder's hard limits, with the seed's defaults.
+
+    @ivar max_connections: pairs open at the same time; one more is refused.
+    @ivar burst: accepts allowed back to back before the bucket runs dry.
+    @ivar refill_per_second: tokens added to the bucket per second.
+    @ivar connect_timeout: seconds to wait for the upstream TCP connection.
+    """
+
+    max_connections: int = 8
+    burst: int = 10
+    refill_per_second: float = 2.0
+    connect_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1 or self.burst < 1:
+            raise ValueError("max_connections and burst must be at least 1")
+        if not self.refill_per_second > 0 or not self.connect_timeout > 0:
+            raise ValueError("refill_per_second and connect_timeout must be positive")
+
+
+class TokenBucket:
+    """
+    A token bucket read from an injected clock: starts full with C{burst} tokens and gains
+    C{refill_per_second} tokens a second, never more than C{burst}.
+    """
+
+    def __init__(self, clock: IReactorTime, burst: int, refill_per_second: float) -> None:
+        """
+        @param clock: where the time comes from.
+        @param burst: the bucket's capacity, and its initial content.
+        @param refill_per_second: the refill rate.
+        """
+        self._clock = clock
+        self._burst = float(burst)
+        self._rate = refill_per_second
+        self._tokens = float(burst)
+        self._stamp = clock.seconds()
+
+    def take(self) -> bool:
+        """
+        Take one token if there is one.
+
+        @return: whether a token was taken.
+        """
+        now = self._clock.seconds()
+        # A clock that steps backwards adds nothing rather than removing tokens.
+        elapsed = max(0.0, now - self._stamp)
+        self._tokens = min(self._burst, self._tokens + elapsed * self._rate)
+        self._stamp = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        return False
+
+
+def _send_or_queue(transport: Any, data: bytes) -> None:
+    """
+    Send C{data} at once when the transport has nothing queued, else queue it.
+
+    Twisted's C{write} always queues and sends on a later reactor turn, which costs a turn
+    per hop; sending at once halves the latency the relay adds (see bench/proxy.py). What
+    the kernel does not take goes through C{write}, so backpressure works as before. This
+    reads L{twisted.internet.abstract.FileDescriptor}'s buffer attributes; a transport
+    without them is simply written to.
+    """
+    queued = getattr(transport, "_tempDataLen", None)
+    if (
+        queued == 0
+        and not transport.dataBuffer
+        and transport.connected
+        and not transport.disconnecting
+    ):
+        sent = transport.writeSomeData(data)
+        if isinstance(sent, int) and sent > 0:
+            data = data[sent:]
+    if data:
+        transport.write(data)
+
+
+@implementer(IHalfCloseableProtocol)
+class _Relay(Protocol):
+    """
+    One side of a forwarding pair: what it reads, its peer writes.
+
+    A side is finished when it has read EOF and its own write direction has been shut down;
+    it then closes its socket. Both sides get there independently once both directions are
+    done.
+    """
+
+    # A real socket transport: ITCPTransport or IUNIXTransport, plus IConsumer and
+    # IPushProducer; no single Twisted interface names all that the relay uses.
+    transport: Any
+    peer: _Relay | None = None
+    _pair: _Pair
+    _read_closed = False
+    _write_closed = False
+    _lost = False
+
+    def dataReceived(self, data: bytes) -> None:
+        """
+        Relay C{data} to the peer unchanged.
+        """
+        assert self.peer is not None
+        _send_or_queue(self.peer.transport, data)
+
+    def readConnectionLost(self) -> None:
+        """
+        Pass this side's EOF on as a half-close of the peer's write direction.
+        """
+        if self._read_closed:
+            return
+        self._read_closed = True
+        peer = self.peer
+        if peer is not None and peer.is_open():
+            # Without this, a producer paused by backpressure would keep the peer's write
+            # direction open forever once its buffer drains (see module docstring).
+            peer.transport.unregisterProducer()
+            peer.transport.loseWriteConnection()
+        self._close_when_finished()
+
+    def writeConnectionLost(self) -> None:
+        """
+        Record that this side's write direction has been shut down.
+        """
+        self._write_closed = True
+        self._close_when_finished()
+
+    def _close_when_finished(self) -> None:
+        if self._read_closed and self._write_closed:
+            self.transport.loseConnection()
+
+    def is_open(self) -> bool:
+        """
+        Whether this side's socket is connected and not yet closing.
+        """
+        return self.transport is not None and not self._lost and not self.transport.disconnecting
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        """
+        Close the peer too: after a clean finish it is closing already, after a failure this
+        is what closes it. Bytes it has buffered are still delivered.
+        """
+        self._lost = True
+        peer = self.peer
+        if peer is not None and peer.is_open():
+            peer.transport.unregisterProducer()
+            peer.transport.loseConnection()
+        self._pair.side_lost()
+
+
+class _Pair:
+    """
+    The bookkeeping of one accepted connection: counts its open sides and gives its slot
+    back to the factory when the last one is lost.
+    """
+
+    def __init__(self, factory: InferProxyFactory) -> None:
+        self._factory = factory
+        self._open_sides = 1
+
+    def side_opened(self) -> None:
+        """
+        The upstream side of the pair connected.
+        """
+        self._open_sides += 1
+
+    def side_lost(self) -> None:
+        """
+        One side of the pair lost its connection.
+        """
+        self._open_sides -= 1
+        if self._open_sides == 0:
+            self._factory.pair_closed()
+
+
+class _UpstreamSide(_Relay):
+    """
+    The TCP side of a pair, connected to the upstream server.
+    """
+
+    def __init__(self, pair: _Pair) -> None:
+        self._pair = pair
+
+    def connectionMade(self) -> None:
+        """
+        Forward small writes at once: the relay already decides when to write.
+        """
+        if ITCPTransport.providedBy(self.transport):
+            self.transport.setTcpNoDelay(True)
+        self._pair.side_opened()
+
+
+class _UpstreamFactory(Factory):
+    noisy = False
+
+    def __init__(self, pair: _Pair) -> None:
+        self._pair = pair
+
+    def buildProtocol(self, addr: IAddress | None) -> _UpstreamSide:
+        return _UpstreamSide(self._pair)
+
+
+class _ClientSide(_Relay):
+    """
+    The Unix side of a pair: an accepted client connection.
+
+    Nothing is read from the client until the upstream connection exists, so nothing needs
+    buffering meanwhile.
+    """
+
+    _connecting: Deferred[Any] | None = None
+
+    def __init__(self, factory: InferProxyFactory) -> None:
+        self._factory = factory
+        self._pair = _Pair(factory)
+
+    def connectionMade(self) -> None:
+        """
+        Pause the client and open the upstream connection.
+        """
+        self.transport.pauseProducing()
+        connecting = self._factory.upstream.connect(_UpstreamFactory(self._pair))
+        self._connecting = connecting
+        connecting.addCallbacks(self._upstream_connected, self._upstream_failed)
+
+    def _upstream_connected(self, upstream: _UpstreamSide) -> None:
+        self._connecting = None
+        self.peer = upstream
+        upstream.peer = self
+        self.transport.registerProducer(upstream.transport, True)
+        upstream.transport.registerProducer(self.transport, True)
+        self.transport.resumeProducing()
+
+    def _upstream_failed(self, failure: Failure) -> None:
+        self._connecting = None
+        if failure.check(CancelledError):
+            return
+        _log.warn(
+            "upstream {upstream} unreachable, client closed: {reason}",
+            upstream=self._factory.upstream_label,
+            reason=failure.getErrorMessage(),
+        )
+        self.transport.abortConnection()
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        """
+        Abandon an upstream connection still being made, then close the pair.
+        """
+        if self._connecting is not None:
+            self._connecting.cancel()
+        super().connectionLost(reason)
+
+
+class InferProxyFactory(Factory):
+    """
+    Builds one forwarding pair per accepted connection, within the connection cap and the
+    accept-rate token bucket.
+
+    @ivar upstream: the endpoint each pair connects to.
+    @ivar upstream_label: how log lines name the upstream.
+    @ivar limits: the limits in force.
+    """
+
+    # Twisted would log every start and stop of the factory: that is traffic.
+    noisy = False
+
+    def __init__(
+        self,
+        upstream: IStreamClientEndpoint,
+        clock: IReactorTime,
+        limits: ProxyLimits,
+        upstream_label: str = "upstream",
+    ) -> None:
+        """
+        @param upstream: the endpoint each pair connects to.
+        @param clock: the time source of the token bucket.
+        @param limits: the limits to enforce.
+        @param upstream_label: how log lines name the upstream.
+        """
+        self.upstream = upstream
+        self.upstream_label = upstream_label
+        self.limits = limits
+        self._bucket = TokenBucket(clock, limits.burst, limits.refill_per_second)
+        self._open_pairs = 0
+
+    @property
+    def open_pairs(self) -> int:
+        """
+        How many pairs are open now (accepted and not yet fully closed).
+        """
+        return self._open_pairs
+
+    def buildProtocol(self, addr: IAddress | None) -> Protocol | None:
+        """
+        Accept a connection within the limits, or return C{None} so it is closed at once.
+        """
+        if self._open_pairs >= self.limits.max_connections:
+            _log.warn(
+                "refused a connection: connection limit reached ({max_connections} open)",
+                max_connections=self.limits.max_connections,
+            )
+            return None
+        if not self._bucket.take():
+            _log.warn(
+                "refused a connection: accept rate limit (burst {burst}, refill {refill}/s)",
+                burst=self.limits.burst,
+                refill=self.limits.refill_per_second,
+            )
+            return None
+        self._open_pairs += 1
+        return _ClientSide(self)
+
+    def pair_closed(self) -> None:
+        """
+        Give back the slot of a pair whose sides are both closed.
+        """
+        self._open_pairs -= 1
+
+
+def parse_upstream(value: str) -> tuple[str, int]:
+    """
+    Split C{HOST:PORT} (C{[v6addr]:PORT} for IPv6) into host and port.
+
+    @raise ValueError: with a one-line reason.
+    """
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"upstream must be HOST:PORT, got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"an IPv6 upstream must be written [ADDRESS]:PORT, got {value!r}")
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"upstream port must be 1-65535, got {port_text!r}")
+    return host, int(port_text)
+
+
+def upstream_endpoint(
+    reactor: object, host: str, port: int, timeout: float
+) -> IStreamClientEndpoint:
+    """
+    The TCP endpoint for C{host}:C{port}: names resolve, IPv4 and IPv6 both work.
+
+    @param reactor: a reactor providing TCP, time and name resolution.
+    """
+    return HostnameEndpoint(reactor, host, port, timeout=timeout)
+
+
+class InferProxyService(Service):
+    """
+    Listens on a Unix socket and forwards each connection through an L{InferProxyFactory}.
+    """
+
+    _port: IListeningPort | None = None
+
+    def __init__(self, reactor: IReactorUNIX, listen_path: str, factory: InferProxyFactory) -> None:
+        """
+        @param reactor: the reactor to listen with.
+        @param listen_path: the Unix socket path.
+        @param factory: the forwarding factory.
+        """
+        self._reactor = reactor
+        self.listen_path = listen_path
+        self.factory = factory
+
+    def startService(self) -> None:
+        """
+        Listen, or raise a L{loopd.unixsocket.UnixSocketError} saying why not.
+        """
+        self._port = listen_unix(self._reactor, self.listen_path, self.factory)
+        super().startService()
+        limits = self.factory.limits
+        _log.info(
+            "inferproxy listening on {path}, forwarding to {upstream} "
+            "(max {max_connections} connections, burst {burst}, refill {refill}/s)",
+            path=self.listen_path,
+            upstream=self.factory.upstream_label,
+            max_connections=limits.max_connections,
+            burst=limits.burst,
+            refill=limits.refill_per_second,
+        )
+
+    def stopService(self) -> Deferred[None] | None:
+        """
+        Stop listening; the socket file is removed when the returned Deferred fires.
+        """
+        super().stopService()
+        port, self._port = self._port, None
+        if port is None:
+            return None
+        return port.stopListening()

@@ -1,0 +1,128 @@
+# -*- test-case-name: loopd.test.test_tap_inferproxy -*-
+"""
+C{twist inferproxy}: command-line options and the service they build.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.application.service import IService
+from twisted.python import usage
+
+from loopd.inferproxy import (
+    InferProxyFactory,
+    InferProxyService,
+    ProxyLimits,
+    parse_upstream,
+    upstream_endpoint,
+)
+from loopd.tap import ExitOnListenError
+
+__all__ = ["Options", "makeService"]
+
+_DEFAULTS = ProxyLimits()
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise ValueError(f"must be a positive integer, got {value}")
+    return number
+
+
+_positive_int.coerceDoc = "A positive integer."  # type: ignore[attr-defined]
+
+
+def _positive_float(value: str) -> float:
+    number = float(value)
+    if not number > 0 or number == float("inf"):
+        raise ValueError(f"must be a positive number, got {value}")
+    return number
+
+
+_positive_float.coerceDoc = "A positive number."  # type: ignore[attr-defined]
+
+
+class Options(usage.Options):
+    """
+    Options of C{twist inferproxy}.
+    """
+
+    synopsis = "--listen PATH --upstream HOST:PORT [options]"
+    longdesc = (
+        "Forward connections accepted on a Unix socket (mode 0600) to a TCP server, "
+        "relaying bytes unparsed, with a connection cap and an accept-rate token bucket."
+    )
+    # Defaults are real numbers: usage.Options does not coerce a default.
+    optParameters: list[list[Any]] = [
+        ["listen", None, None, "Unix socket path to listen on (required)."],
+        ["upstream", None, None, "HOST:PORT of the TCP server (required)."],
+        [
+            "max-connections",
+            None,
+            _DEFAULTS.max_connections,
+            "Connections open at the same time; more are refused.",
+            _positive_int,
+        ],
+        [
+            "burst",
+            None,
+            _DEFAULTS.burst,
+            "Accepts allowed back to back (token bucket size).",
+            _positive_int,
+        ],
+        [
+            "refill",
+            None,
+            _DEFAULTS.refill_per_second,
+            "Token bucket refill, per second.",
+            _positive_float,
+        ],
+        [
+            "connect-timeout",
+            None,
+            _DEFAULTS.connect_timeout,
+            "Seconds to wait for the upstream connection.",
+            _positive_float,
+        ],
+    ]
+
+    def postOptions(self) -> None:
+        """
+        Require --listen and --upstream, and parse the upstream address.
+        """
+        for name in ("listen", "upstream"):
+            if not self[name]:
+                raise usage.UsageError(f"--{name} is required")
+        try:
+            self["upstream_address"] = parse_upstream(self["upstream"])
+        except ValueError as e:
+            raise usage.UsageError(str(e)) from None
+
+
+def makeService(options: Options, reactor: Any = None) -> IService:
+    """
+    Build the inferproxy service from parsed options.
+
+    @param options: the parsed L{Options}.
+    @param reactor: the reactor to use; the global one when C{None}.
+    """
+    if reactor is None:
+        from twisted.internet import reactor
+    limits = ProxyLimits(
+        max_connections=options["max-connections"],
+        burst=options["burst"],
+        refill_per_second=options["refill"],
+        connect_timeout=options["connect-timeout"],
+    )
+    host, port = options["upstream_address"]
+    factory = InferProxyFactory(
+        upstream_endpoint(reactor, host, port, limits.connect_timeout),
+        reactor,
+        limits,
+        upstream_label=options["upstream"],
+    )
+    top = ExitOnListenError("inferproxy")
+    InferProxyService(reactor, options["listen"], factory).setServiceParent(top)
+    return top

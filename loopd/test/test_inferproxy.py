@@ -1,0 +1,368 @@
+"""
+Unit tests for L{loopd.inferproxy}: the token bucket, the limits, the relay and its teardown,
+all in memory with L{task.Clock} and string transports.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.error import ConnectionLost, ConnectionRefusedError
+from twisted.internet.interfaces import (
+    IHalfCloseableProtocol,
+    IProtocolFactory,
+    IStreamClientEndpoint,
+)
+from twisted.internet.protocol import Protocol
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.logger import capturedLogs
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+from zope.interface import implementer
+
+from loopd.inferproxy import (
+    InferProxyFactory,
+    ProxyLimits,
+    TokenBucket,
+    parse_upstream,
+)
+
+
+class HalfCloseTransport(StringTransport):
+    """
+    A string transport that records half-closes and, like a real transport, tolerates
+    unregistering a producer that is not registered.
+    """
+
+    write_closed = False
+
+    def loseWriteConnection(self) -> None:
+        self.write_closed = True
+
+    def unregisterProducer(self) -> None:
+        self.producer = None
+        self.streaming = None
+
+
+@implementer(IStreamClientEndpoint)
+class FakeEndpoint:
+    """
+    An upstream endpoint whose connection attempts the test completes or fails by hand.
+    """
+
+    def __init__(self) -> None:
+        self.attempts: list[tuple[IProtocolFactory, Deferred[Any]]] = []
+        self.cancelled = 0
+
+    def _cancel(self, d: Deferred[Any]) -> None:
+        self.cancelled += 1
+        d.errback(CancelledError())
+
+    def connect(self, factory: IProtocolFactory) -> Deferred[Any]:
+        d: Deferred[Any] = Deferred(self._cancel)
+        self.attempts.append((factory, d))
+        return d
+
+
+class Harness:
+    """
+    A factory with a fake endpoint and a clock, and helpers to open pairs.
+    """
+
+    def __init__(self, limits: ProxyLimits | None = None) -> None:
+        self.clock = Clock()
+        self.endpoint = FakeEndpoint()
+        self.factory = InferProxyFactory(self.endpoint, self.clock, limits or ProxyLimits(), "up:1")
+
+    def accept(self) -> tuple[Protocol, HalfCloseTransport]:
+        client = self.factory.buildProtocol(None)
+        assert client is not None
+        transport = HalfCloseTransport()
+        client.makeConnection(transport)
+        return client, transport
+
+    def connect_upstream(self) -> tuple[Any, HalfCloseTransport]:
+        factory, d = self.endpoint.attempts[-1]
+        upstream: Any = factory.buildProtocol(None)  # type: ignore[arg-type]
+        assert upstream is not None
+        transport = HalfCloseTransport()
+        upstream.makeConnection(transport)
+        d.callback(upstream)
+        return upstream, transport
+
+    def pair(
+        self,
+    ) -> tuple[Protocol, HalfCloseTransport, Protocol, HalfCloseTransport]:
+        client, client_transport = self.accept()
+        upstream, upstream_transport = self.connect_upstream()
+        return client, client_transport, upstream, upstream_transport
+
+
+class TokenBucketTests(SynchronousTestCase):
+    """
+    L{TokenBucket} reads time only from its clock.
+    """
+
+    def test_burst_then_refill(self) -> None:
+        """
+        A full bucket of 10 gives 10 tokens, refuses the 11th, and at 2 per second has a
+        token again 0.5 s later.
+        """
+        clock = Clock()
+        bucket = TokenBucket(clock, 10, 2.0)
+        self.assertEqual([bucket.take() for _ in range(11)], [True] * 10 + [False])
+        clock.advance(0.49)
+        self.assertFalse(bucket.take())
+        clock.advance(0.01)
+        self.assertTrue(bucket.take())
+        self.assertFalse(bucket.take())
+
+    def test_capacity_caps_refill(self) -> None:
+        """
+        A long idle time refills the bucket to its burst size, not beyond.
+        """
+        clock = Clock()
+        bucket = TokenBucket(clock, 3, 2.0)
+        clock.advance(1000)
+        self.assertEqual([bucket.take() for _ in range(4)], [True] * 3 + [False])
+
+    @given(
+        st.integers(1, 20),
+        st.sampled_from([Fraction(1, 2), Fraction(1), Fraction(2), Fraction(10)]),
+        st.lists(st.tuples(st.integers(0, 8), st.integers(0, 12)), min_size=1, max_size=30),
+    )
+    def test_matches_exact_model(
+        self, burst: int, rate: Fraction, steps: list[tuple[int, int]]
+    ) -> None:
+        """
+        Under any interleaving of clock steps (in quarter seconds) and attempts, the bucket
+        grants exactly what an exact rational model of a token bucket grants.
+        """
+        clock = Clock()
+        bucket = TokenBucket(clock, burst, float(rate))
+        tokens = Fraction(burst)
+        for quarters, attempts in steps:
+            clock.advance(quarters / 4)
+            tokens = min(Fraction(burst), tokens + rate * Fraction(quarters, 4))
+            for _ in range(attempts):
+                expected = tokens >= 1
+                if expected:
+                    tokens -= 1
+                self.assertEqual(bucket.take(), expected)
+
+
+class LimitTests(SynchronousTestCase):
+    """
+    L{InferProxyFactory.buildProtocol} refuses what is over a limit, and says which.
+    """
+
+    def test_ninth_connection_refused(self) -> None:
+        """
+        With 8 pairs open the 9th accept is refused with a log line naming the connection
+        limit; once a pair closes, a new one is accepted.
+        """
+        harness = Harness(ProxyLimits(burst=100))
+        pairs = [harness.pair() for _ in range(8)]
+        self.assertEqual(harness.factory.open_pairs, 8)
+        with capturedLogs() as events:
+            self.assertIsNone(harness.factory.buildProtocol(None))
+        self.assertEqual(len(events), 1)
+        self.assertIn("connection limit", events[0]["log_format"])
+        client, _, upstream, _ = pairs[0]
+        client.connectionLost(Failure(ConnectionLost()))
+        self.assertEqual(harness.factory.open_pairs, 8)
+        upstream.connectionLost(Failure(ConnectionLost()))
+        self.assertEqual(harness.factory.open_pairs, 7)
+        self.assertIsNotNone(harness.factory.buildProtocol(None))
+
+    def test_eleventh_burst_connection_refused(self) -> None:
+        """
+        The 11th connection of a burst is refused with a log line naming the rate limit, and
+        one is accepted again 0.5 s later.
+        """
+        harness = Harness(ProxyLimits(max_connections=100))
+        for _ in range(10):
+            self.assertIsNotNone(harness.factory.buildProtocol(None))
+        with capturedLogs() as events:
+            self.assertIsNone(harness.factory.buildProtocol(None))
+        self.assertEqual(len(events), 1)
+        self.assertIn("accept rate limit", events[0]["log_format"])
+        harness.clock.advance(0.5)
+        self.assertIsNotNone(harness.factory.buildProtocol(None))
+
+    def test_cap_refusal_spends_no_token(self) -> None:
+        """
+        A connection refused by the cap does not use up the bucket.
+        """
+        harness = Harness(ProxyLimits(max_connections=1, burst=2, refill_per_second=1))
+        harness.pair()
+        for _ in range(5):
+            self.assertIsNone(harness.factory.buildProtocol(None))
+        self.assertEqual(harness.factory._bucket.take(), True)
+
+    def test_limits_validated(self) -> None:
+        """
+        Limits below one, or rates that are not positive, are refused.
+        """
+        for bad in (
+            {"max_connections": 0},
+            {"burst": 0},
+            {"refill_per_second": 0},
+            {"connect_timeout": -1},
+        ):
+            self.assertRaises(ValueError, ProxyLimits, **bad)
+
+
+class RelayTests(SynchronousTestCase):
+    """
+    A pair relays bytes unchanged, passes half-closes on and closes when both directions are
+    done.
+    """
+
+    def test_client_paused_until_upstream_connects(self) -> None:
+        """
+        Nothing is read from the client before the upstream connection exists.
+        """
+        harness = Harness()
+        _, client_transport = harness.accept()
+        self.assertEqual(client_transport.producerState, "paused")
+        harness.connect_upstream()
+        self.assertEqual(client_transport.producerState, "producing")
+
+    def test_each_transport_produces_for_the_other(self) -> None:
+        """
+        Each transport is registered as the other's streaming producer: this is the
+        backpressure.
+        """
+        _, client_transport, _, upstream_transport = Harness().pair()
+        self.assertIs(client_transport.producer, upstream_transport)
+        self.assertIs(upstream_transport.producer, client_transport)
+        self.assertTrue(client_transport.streaming)
+        self.assertTrue(upstream_transport.streaming)
+
+    def test_sides_are_half_closeable(self) -> None:
+        """
+        Both sides provide L{IHalfCloseableProtocol}, so EOF is not a full close.
+        """
+        client, _, upstream, _ = Harness().pair()
+        self.assertTrue(IHalfCloseableProtocol.providedBy(client))
+        self.assertTrue(IHalfCloseableProtocol.providedBy(upstream))
+
+    @given(
+        st.lists(st.tuples(st.booleans(), st.binary(min_size=1, max_size=64)), max_size=40),
+        st.booleans(),
+    )
+    def test_bytes_arrive_identical(
+        self, chunks: list[tuple[bool, bytes]], client_eof_first: bool
+    ) -> None:
+        """
+        Any interleaving of byte chunks in both directions arrives identical on the other
+        side, each EOF is passed on after the data before it, and the pair closes once both
+        directions are done.
+        """
+        client, client_transport, upstream, upstream_transport = Harness().pair()
+        for from_client, chunk in chunks:
+            (client if from_client else upstream).dataReceived(chunk)
+        up = b"".join(c for from_client, c in chunks if from_client)
+        down = b"".join(c for from_client, c in chunks if not from_client)
+        self.assertEqual(upstream_transport.value(), up)
+        self.assertEqual(client_transport.value(), down)
+        sides = {
+            "client": (client, client_transport),
+            "up": (upstream, upstream_transport),
+        }
+        first, second = ("client", "up") if client_eof_first else ("up", "client")
+        first_side, first_transport = sides[first]
+        second_side, second_transport = sides[second]
+        first_side.readConnectionLost()  # type: ignore[attr-defined]
+        self.assertTrue(second_transport.write_closed)
+        self.assertFalse(first_transport.write_closed)
+        second_side.dataReceived(b"late")
+        self.assertTrue(first_transport.value().endswith(b"late"))
+        second_side.writeConnectionLost()  # type: ignore[attr-defined]
+        self.assertFalse(client_transport.disconnecting)
+        self.assertFalse(upstream_transport.disconnecting)
+        second_side.readConnectionLost()  # type: ignore[attr-defined]
+        self.assertTrue(first_transport.write_closed)
+        first_side.writeConnectionLost()  # type: ignore[attr-defined]
+        self.assertTrue(client_transport.disconnecting)
+        self.assertTrue(upstream_transport.disconnecting)
+
+    def test_eof_unregisters_producer_first(self) -> None:
+        """
+        Passing an EOF on unregisters the finished side as the peer's producer, so a paused
+        producer cannot hold the half-close back.
+        """
+        client, _, _, upstream_transport = Harness().pair()
+        client.readConnectionLost()  # type: ignore[attr-defined]
+        self.assertIsNone(upstream_transport.producer)
+        self.assertTrue(upstream_transport.write_closed)
+
+    def test_failure_closes_peer(self) -> None:
+        """
+        When one side fails, its peer is unregistered from it and closed, and the pair's slot
+        comes back once both are gone.
+        """
+        harness = Harness()
+        client, client_transport, upstream, _ = harness.pair()
+        upstream.connectionLost(Failure(ConnectionLost()))
+        self.assertIsNone(client_transport.producer)
+        self.assertTrue(client_transport.disconnecting)
+        self.assertEqual(harness.factory.open_pairs, 1)
+        client.connectionLost(Failure(ConnectionLost()))
+        self.assertEqual(harness.factory.open_pairs, 0)
+
+    def test_upstream_refused_closes_client(self) -> None:
+        """
+        An upstream that refuses the connection closes the client at once, frees the slot
+        and logs one line naming the upstream.
+        """
+        harness = Harness()
+        client, client_transport = harness.accept()
+        with capturedLogs() as events:
+            harness.endpoint.attempts[-1][1].errback(Failure(ConnectionRefusedError()))
+        self.assertTrue(client_transport.disconnected)
+        self.assertEqual(client_transport.value(), b"")
+        self.assertEqual(len(events), 1)
+        self.assertIn("up:1", events[0]["log_format"].format(**events[0]))
+        client.connectionLost(Failure(ConnectionLost()))
+        self.assertEqual(harness.factory.open_pairs, 0)
+
+    def test_client_gone_cancels_upstream_attempt(self) -> None:
+        """
+        A client that disconnects while the upstream connection is being made cancels that
+        attempt, silently.
+        """
+        harness = Harness()
+        client, _ = harness.accept()
+        with capturedLogs() as events:
+            client.connectionLost(Failure(ConnectionLost()))
+        self.assertEqual(harness.endpoint.cancelled, 1)
+        self.assertEqual(events, [])
+        self.assertEqual(harness.factory.open_pairs, 0)
+
+
+class ParseUpstreamTests(SynchronousTestCase):
+    """
+    L{parse_upstream} reads HOST:PORT and refuses anything else with a reason.
+    """
+
+    def test_forms(self) -> None:
+        """
+        Names, IPv4 and bracketed IPv6 addresses are accepted.
+        """
+        self.assertEqual(parse_upstream("localhost:8080"), ("localhost", 8080))
+        self.assertEqual(parse_upstream("127.0.0.1:1"), ("127.0.0.1", 1))
+        self.assertEqual(parse_upstream("[::1]:65535"), ("::1", 65535))
+
+    def test_bad(self) -> None:
+        """
+        A missing host or port, a port out of range and a bare IPv6 address are refused.
+        """
+        for bad in ("localhost", ":80", "h:0", "h:65536", "h:x", "::1:80", "h:-1"):
+            self.assertRaises(ValueError, parse_upstream, bad)

@@ -1,0 +1,13 @@
+"""
+loopd's C{twist} commands. Each entry names a module whose C{Options} and C{makeService} are
+imported only when the command runs, so C{twist --help} stays cheap.
+"""
+
+from twisted.application.service import ServiceMaker
+
+inferproxy = ServiceMaker(
+    "loopd inferproxy",
+    "loopd.tap.inferproxy",
+    "Forward a Unix socket to a TCP server with hard limits.",
+    "inferproxy",
+)
