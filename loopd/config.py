@@ -1,0 +1,478 @@
+# -*- test-case-name: loopd.test.test_config -*-
+"""
+loopd.toml into a frozen, typed L{Config}.
+
+The file is strict: an unknown key is an error naming its dotted path, a value of the
+wrong type or out of range is an error naming the path, what was expected and what was
+found, and every violation is reported at once in one L{ConfigError}. Every limit of
+the inference path (seed 000, section 4) is a field whose default is the seed's.
+
+Each top-level key is parsed by its own small function listed in L{_SECTIONS}; a later
+section ([gateway], [queue], ...) is a new dataclass, a new L{Config} field and one new
+entry there. Defaults live only in the dataclasses: a key that is absent from the file
+keeps its dataclass default.
+
+Pure apart from L{load_config} reading its file: no reactor, no sockets.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Final, Literal
+
+from loopd._validate import (
+    ABSENT,
+    Problems,
+    Rule,
+    RuleError,
+    SectionParser,
+    as_table,
+    boolean,
+    index_path,
+    integer,
+    integer_list,
+    key_path,
+    number,
+    one_of,
+    read_fields,
+    render,
+    scalar_parser,
+    string,
+    table_parser,
+    unknown_key,
+)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
+
+__all__ = [
+    "Caps",
+    "Config",
+    "ConfigError",
+    "Endpoint",
+    "EndpointKind",
+    "Expect",
+    "Limits",
+    "Retry",
+    "Sampling",
+    "Thinking",
+    "config_from_mapping",
+    "load_config",
+    "parse_config",
+]
+
+EndpointKind = Literal["llama-server", "openai"]
+"""What an endpoint speaks: llama.cpp's server, or any OpenAI-compatible server."""
+
+INT32_MAX: Final = 2**31 - 1
+UINT32_MAX: Final = 2**32 - 1
+RESERVED_NAMES: Final = frozenset({"auto", "mesh"})
+"""Model names the gateway routes itself (DESIGN §19), so no endpoint may take them."""
+
+# sun_path holds 108 bytes on Linux and 104 on the BSDs and macOS, NUL included.
+SOCKET_PATH_MAX: Final = 107 if sys.platform.startswith("linux") else 103
+
+
+class ConfigError(ValueError):
+    """
+    The configuration is invalid. The message has one line per violation.
+
+    @ivar problems: every violation, C{<dotted path>: <what is wrong>}, in file order.
+    @ivar source: where the configuration came from (a file name), or None.
+    """
+
+    def __init__(self, problems: Sequence[str], source: str | None = None) -> None:
+        """Record the violations; the message prefixes each with the source."""
+        self.problems = tuple(problems)
+        self.source = source
+        prefix = f"{source}: " if source else ""
+        super().__init__("\n".join(prefix + line for line in self.problems))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """The waits and the queue bound of one request (seed 000, section 4)."""
+
+    poll_ms: int = 5000
+    """Read timeout before the first byte; each one polls /slots (> 0)."""
+    busy_wait_ms: int = 600_000
+    """How long a busy slot may keep a request waiting before WaitTimeout (>= 0)."""
+    load_wait_ms: int = 180_000
+    """How long a loading or restarting server may take before LoadTimeout (>= 0)."""
+    idle_grace_ms: int = 30_000
+    """Silence allowed while the slot is idle, before Stalled (>= 0)."""
+    liveness_ms: int = 30_000
+    """Silence allowed after the first byte, before Stalled (> 0)."""
+    queue_depth: int = 8
+    """Requests that may wait at loopd's own slot gate; beyond that Busy (>= 0)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Thinking:
+    """The thinking cap: end reasoning after C{cap} tokens, give up after C{overrun}."""
+
+    cap: int = 4096
+    """Reasoning tokens after which loopd asks the server to end reasoning (> 0)."""
+    overrun: int = 256
+    """Reasoning tokens tolerated after asking to end; then ThinkingOverrun (>= 0)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Retry:
+    """The retry schedule of chat_with_retry."""
+
+    attempts: int = 4
+    """Attempts in all, the first included; 1 means no retry (> 0)."""
+    backoff_ms: tuple[int, ...] = (2000, 8000, 30_000)
+    """Wait before retry n; the last value repeats if there are more retries (>= 0)."""
+    jitter: float = 0.25
+    """Each wait is scaled by a random factor in [1 - x, 1 + x] (0 <= x < 1)."""
+    total_ms: int = 300_000
+    """No retry starts after this much time since the first attempt (> 0)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Caps:
+    """Size caps of the HTTP client; exceeding one is a Protocol error."""
+
+    header_bytes: int = 16_384
+    """Status line and headers together (> 0)."""
+    sse_line_bytes: int = 1_048_576
+    """One SSE line (> 0)."""
+    body_bytes: int = 4_194_304
+    """A response body that is not a stream (> 0)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """
+    Sampling settings sent upstream. None means unset: the server's default applies
+    and the field is not sent at all (see L{request_fields}).
+    """
+
+    temperature: float | None = None
+    """0 to 5; 0 is greedy."""
+    top_p: float | None = None
+    """Nucleus sampling, 0 to 1 (1 disables)."""
+    top_k: int | None = None
+    """Keep the k most likely tokens, >= 0 (0 disables)."""
+    min_p: float | None = None
+    """Drop tokens below this fraction of the best one, 0 to 1 (0 disables)."""
+    typical_p: float | None = None
+    """Locally typical sampling, 0 to 1 (1 disables)."""
+    repeat_penalty: float | None = None
+    """Penalty on repeated tokens, 0 < x <= 5 (1 disables)."""
+    repeat_last_n: int | None = None
+    """Tokens considered for the repeat penalty, >= -1 (-1 is the context size)."""
+    presence_penalty: float | None = None
+    """OpenAI presence penalty, -2 to 2."""
+    frequency_penalty: float | None = None
+    """OpenAI frequency penalty, -2 to 2."""
+    seed: int | None = None
+    """RNG seed, 0 to 4294967295; unset lets the server pick one per request."""
+
+    def request_fields(self) -> dict[str, int | float]:
+        """The settings that are set, by their request field name, in field order."""
+        values = ((f.name, getattr(self, f.name)) for f in fields(self))
+        return {name: value for name, value in values if value is not None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Expect:
+    """What the startup self-test requires of the server's /props (None: unchecked)."""
+
+    chat_template_sha256: str | None = None
+    """SHA-256 of the chat template, 64 lowercase hex digits."""
+    n_ctx: int | None = None
+    """Context size of one slot."""
+    total_slots: int | None = None
+    """Number of slots of the server."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Endpoint:
+    """
+    One model server, reached through a Unix socket (an inferproxy's listening socket).
+
+    Direct construction is not validated; L{config_from_mapping} is.
+    """
+
+    name: str
+    """The name sessions use as the model; unique; may contain C{:} and C{.}."""
+    socket: str
+    """Path of the Unix socket, C{~} expanded."""
+    kind: EndpointKind = "llama-server"
+    """What the server speaks; an C{openai} server has no /slots, /props, control."""
+    model: str | None = None
+    """The model id sent upstream, or None to send none."""
+    selftest: bool = True
+    """Run the startup self-test (only for C{llama-server} endpoints)."""
+    expect: Expect = field(default_factory=Expect)
+    """What the self-test checks in /props."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """The whole of loopd.toml."""
+
+    endpoints: tuple[Endpoint, ...]
+    """At least one endpoint, in file order, names unique."""
+    max_tokens: int = 8192
+    """The backstop on generated tokens per request (> 0)."""
+    cache_loss_tokens: int = 64
+    """A turn whose cache reuse falls short by more than this is a cache loss (>= 0)."""
+    limits: Limits = field(default_factory=Limits)
+    """The waits and the queue bound."""
+    thinking: Thinking = field(default_factory=Thinking)
+    """The thinking cap."""
+    retry: Retry = field(default_factory=Retry)
+    """The retry schedule."""
+    caps: Caps = field(default_factory=Caps)
+    """The HTTP client's size caps."""
+    sampling: Sampling = field(default_factory=Sampling)
+    """Sampling settings; only the ones set are sent upstream."""
+
+    def endpoint(self, name: str) -> Endpoint:
+        """Return the endpoint called C{name}; raise KeyError if there is none."""
+        for endpoint in self.endpoints:
+            if endpoint.name == name:
+                return endpoint
+        raise KeyError(name)
+
+
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
+_NAME = re.compile(r"[^\s\x00-\x1f\x7f]+")
+
+
+def _sha256(value: object) -> str:
+    """64 hex digits, returned in lowercase (the case of hexdigest())."""
+    if not isinstance(value, str) or not _SHA256.fullmatch(value):
+        raise RuleError("64 hexadecimal digits (a SHA-256)")
+    return value.lower()
+
+
+def _endpoint_name(value: object) -> str:
+    """A non-empty name without spaces or control characters, not a reserved one."""
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise RuleError("a non-empty string without spaces or control characters")
+    if value in RESERVED_NAMES:
+        raise RuleError('a name other than "auto" and "mesh", which the gateway routes')
+    return value
+
+
+def _socket_path(value: object) -> str:
+    """A Unix socket path, C{~} expanded, that fits in a C{sockaddr_un}."""
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise RuleError("a non-empty path string")
+    path = os.path.expanduser(value)
+    if len(os.fsencode(path)) > SOCKET_PATH_MAX:
+        raise RuleError(f"a Unix socket path of at most {SOCKET_PATH_MAX} bytes")
+    return path
+
+
+_LIMITS_RULES: Final[Mapping[str, Rule]] = {
+    "poll_ms": integer(1),
+    "busy_wait_ms": integer(0),
+    "load_wait_ms": integer(0),
+    "idle_grace_ms": integer(0),
+    "liveness_ms": integer(1),
+    "queue_depth": integer(0),
+}
+_THINKING_RULES: Final[Mapping[str, Rule]] = {
+    "cap": integer(1),
+    "overrun": integer(0),
+}
+_RETRY_RULES: Final[Mapping[str, Rule]] = {
+    "attempts": integer(1),
+    "backoff_ms": integer_list(0),
+    "jitter": number(0, 1, max_open=True),
+    "total_ms": integer(1),
+}
+_CAPS_RULES: Final[Mapping[str, Rule]] = {
+    "header_bytes": integer(1),
+    "sse_line_bytes": integer(1),
+    "body_bytes": integer(1),
+}
+_SAMPLING_RULES: Final[Mapping[str, Rule]] = {
+    "temperature": number(0, 5),
+    "top_p": number(0, 1),
+    "top_k": integer(0, INT32_MAX),
+    "min_p": number(0, 1),
+    "typical_p": number(0, 1),
+    "repeat_penalty": number(0, 5, min_open=True),
+    "repeat_last_n": integer(-1, INT32_MAX),
+    "presence_penalty": number(-2, 2),
+    "frequency_penalty": number(-2, 2),
+    "seed": integer(0, UINT32_MAX),
+}
+_EXPECT_RULES: Final[Mapping[str, Rule]] = {
+    "chat_template_sha256": _sha256,
+    "n_ctx": integer(1),
+    "total_slots": integer(1),
+}
+_ENDPOINT_RULES: Final[Mapping[str, Rule]] = {
+    "name": _endpoint_name,
+    "socket": _socket_path,
+    "kind": one_of("llama-server", "openai"),
+    "model": string(),
+    "selftest": boolean,
+}
+
+
+def _parse_expect(value: object, path: str, problems: Problems) -> Expect:
+    """[endpoint.expect]: optional, and so is each of its keys."""
+    if value is ABSENT:
+        return Expect()
+    table = as_table(value, path, problems)
+    return Expect(**read_fields(table, path, _EXPECT_RULES, problems))
+
+
+def _parse_endpoint(
+    value: object, path: str, problems: Problems, first_use: dict[str, str]
+) -> Endpoint | None:
+    """
+    One [[endpoint]] table; None when its name, socket or kind is unusable.
+
+    @param first_use: the path of the endpoint that first used each name so far.
+    """
+    if not isinstance(value, Mapping):
+        problems.add(path, f"expected a table, got {render(value)}")
+        return None
+    table: Mapping[str, object] = value
+    values = read_fields(
+        table,
+        path,
+        _ENDPOINT_RULES,
+        problems,
+        required=("name", "socket"),
+        handled=("expect",),
+    )
+    name = values.get("name")
+    if name in first_use:
+        problems.add(
+            key_path(path, "name"),
+            f"duplicate endpoint name {render(name)} (first used by {first_use[name]})",
+        )
+    elif name is not None:
+        first_use[name] = path
+    kind = values.get("kind", "llama-server")
+    if kind == "openai" and values.get("selftest") is True:
+        problems.add(
+            key_path(path, "selftest"),
+            "must be false for an openai endpoint: the self-test needs /props",
+        )
+    values.setdefault("selftest", kind == "llama-server")
+    expect = table.get("expect", ABSENT)
+    values["expect"] = _parse_expect(expect, key_path(path, "expect"), problems)
+    kind_invalid = "kind" in table and "kind" not in values
+    if kind_invalid or "name" not in values or "socket" not in values:
+        return None
+    return Endpoint(**values)
+
+
+def _parse_endpoints(value: object, path: str, problems: Problems) -> Any:
+    """The [[endpoint]] array: at least one table, names unique."""
+    if value is ABSENT or (isinstance(value, (list, tuple)) and not value):
+        problems.add(path, "at least one [[endpoint]] table is required")
+        return ABSENT
+    if not isinstance(value, (list, tuple)):
+        got = render(value)
+        problems.add(path, f"expected an array of tables ([[endpoint]]), got {got}")
+        return ABSENT
+    endpoints: list[Endpoint] = []
+    first_use: dict[str, str] = {}
+    for index, item in enumerate(value):
+        endpoint = _parse_endpoint(item, index_path(path, index), problems, first_use)
+        if endpoint is not None:
+            endpoints.append(endpoint)
+    return tuple(endpoints)
+
+
+@dataclass(frozen=True)
+class _Section:
+    """A known top-level key: the L{Config} field it fills and its parser."""
+
+    attribute: str
+    parse: SectionParser
+
+
+_SECTIONS: Final[Mapping[str, _Section]] = {
+    "max_tokens": _Section("max_tokens", scalar_parser(integer(1, INT32_MAX))),
+    "cache_loss_tokens": _Section("cache_loss_tokens", scalar_parser(integer(0))),
+    "limits": _Section("limits", table_parser(Limits, _LIMITS_RULES)),
+    "thinking": _Section("thinking", table_parser(Thinking, _THINKING_RULES)),
+    "retry": _Section("retry", table_parser(Retry, _RETRY_RULES)),
+    "caps": _Section("caps", table_parser(Caps, _CAPS_RULES)),
+    "sampling": _Section("sampling", table_parser(Sampling, _SAMPLING_RULES)),
+    "endpoint": _Section("endpoints", _parse_endpoints),
+}
+
+
+def config_from_mapping(data: Mapping[str, object], source: str | None = None) -> Config:
+    """
+    Validate an already decoded document (what tomllib returns) into a L{Config}.
+
+    @raise ConfigError: listing every violation, in document order.
+    """
+    problems = Problems()
+    values: dict[str, Any] = {}
+    table = as_table(data, "(top level)", problems)
+    if problems:
+        raise ConfigError(problems.lines(), source)
+    for key, value in table.items():
+        section = _SECTIONS.get(key) if isinstance(key, str) else None
+        if section is None:
+            problems.add(key_path("", key), unknown_key(key, _SECTIONS))
+            continue
+        result = section.parse(value, key, problems)
+        if result is not ABSENT:
+            values[section.attribute] = result
+    for key, section in _SECTIONS.items():
+        if key not in table:
+            result = section.parse(ABSENT, key, problems)
+            if result is not ABSENT:
+                values[section.attribute] = result
+    if problems:
+        raise ConfigError(problems.lines(), source)
+    return Config(**values)
+
+
+def parse_config(text: str, source: str = "<string>") -> Config:
+    """
+    Parse the text of a loopd.toml into a L{Config}.
+
+    @param source: names the text in error messages (a file name).
+    @raise ConfigError: for a TOML syntax error (with its line) or any violation.
+    """
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError([f"invalid TOML: {error}"], source) from None
+    return config_from_mapping(data, source)
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """
+    Read and parse the loopd.toml at C{path}.
+
+    @raise ConfigError: when the file cannot be read, is not UTF-8, or is invalid.
+    """
+    source = os.fspath(path)
+    try:
+        with open(source, "rb") as stream:
+            raw = stream.read()
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise ConfigError([f"cannot read the file: {reason}"], source) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        message = f"not UTF-8 text (byte {error.start})"
+        raise ConfigError([message], source) from None
+    return parse_config(text, source)

@@ -1,0 +1,236 @@
+"""
+Config documents for the tests of L{loopd.config}: TOML snippets, writers that turn a Config
+back into a decoded document or TOML text, and hypothesis strategies for valid configs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+from hypothesis import strategies as st
+
+from loopd import config as config_module
+from loopd.config import (
+    Caps,
+    Config,
+    Endpoint,
+    Expect,
+    Limits,
+    Retry,
+    Sampling,
+    Thinking,
+)
+
+EP = '[[endpoint]]\nname = "local"\nsocket = "/tmp/ld/infer.sock"\n'
+"""The smallest valid endpoint, added to documents that test other sections."""
+OPENAI = '[[endpoint]]\nname = "o"\nsocket = "/tmp/o"\nkind = "openai"\n'
+"""The smallest valid openai endpoint."""
+SECTION_TYPES: dict[str, type] = {
+    "limits": Limits,
+    "thinking": Thinking,
+    "retry": Retry,
+    "caps": Caps,
+    "sampling": Sampling,
+}
+"""Each top-level table of a document other than [[endpoint]], with its dataclass."""
+
+
+def minimal_mapping() -> dict[str, object]:
+    """A fresh decoded document with one endpoint and nothing else."""
+    return {"endpoint": [{"name": "local", "socket": "/tmp/ld/infer.sock"}]}
+
+
+def table_of(value: Any) -> dict[str, Any]:
+    """The keys of a section dataclass that are set, as a decoded TOML table."""
+    out = {}
+    for item in fields(value):
+        got = getattr(value, item.name)
+        if isinstance(got, Expect):
+            got = table_of(got)
+        elif isinstance(got, tuple):
+            got = list(got)
+        if got is not None:
+            out[item.name] = got
+    return out
+
+
+def mapping_of(config: Config) -> dict[str, object]:
+    """The decoded TOML document that describes C{config} completely."""
+    return {
+        "max_tokens": config.max_tokens,
+        "cache_loss_tokens": config.cache_loss_tokens,
+        **{name: table_of(getattr(config, name)) for name in SECTION_TYPES},
+        "endpoint": [table_of(endpoint) for endpoint in config.endpoints],
+    }
+
+
+def toml_value(value: object) -> str:
+    """Spell a scalar or an array as TOML (finite floats only)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
+    if isinstance(value, str):
+        return '"' + "".join(toml_char(char) for char in value) + '"'
+    return repr(value)
+
+
+def toml_char(char: str) -> str:
+    """One character of a TOML basic string, escaped where TOML needs it."""
+    if char in '"\\':
+        return "\\" + char
+    if ord(char) < 0x20 or ord(char) == 0x7F:
+        return f"\\u{ord(char):04x}"
+    return char
+
+
+def toml_text(document: Any) -> str:
+    """Write a document shaped like L{mapping_of}'s as TOML text."""
+
+    def pairs(table: dict[str, object]) -> list[str]:
+        return [f"{k} = {toml_value(v)}" for k, v in table.items() if k != "expect"]
+
+    lines = pairs({k: v for k, v in document.items() if isinstance(v, int)})
+    for name in SECTION_TYPES:
+        lines += [f"[{name}]", *pairs(document[name])]
+    for endpoint in document["endpoint"]:
+        lines += ["[[endpoint]]", *pairs(endpoint)]
+        lines += ["[endpoint.expect]", *pairs(endpoint["expect"])]
+    return "\n".join(lines) + "\n"
+
+
+def bad_document(dotted: str, value: str) -> tuple[str, str]:
+    """A valid document but for C{dotted} set to C{value}; and that key's path."""
+    section, _, key = dotted.rpartition(".")
+    endpoint = {"name": '"local"', "socket": '"/tmp/ld/infer.sock"'}
+    head = tail = ""
+    if section == "endpoint":
+        endpoint[key] = value
+    elif section == "endpoint.expect":
+        tail = f"[endpoint.expect]\n{key} = {value}\n"
+    elif section:
+        head = f"[{section}]\n{key} = {value}\n"
+    else:
+        head = f"{key} = {value}\n"
+    text = head + "[[endpoint]]\n"
+    text += "".join(f"{k} = {v}\n" for k, v in endpoint.items()) + tail
+    return text, dotted.replace("endpoint", "endpoint[0]", 1)
+
+
+def optional(strategy: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """The strategy's values or None (unset)."""
+    return st.none() | strategy
+
+
+def counts(minimum: int) -> st.SearchStrategy[int]:
+    """Integers from C{minimum} up, large ones included."""
+    return st.integers(minimum, 2**40)
+
+
+def reals(
+    low: int, high: int, open_low: bool = False, open_high: bool = False
+) -> st.SearchStrategy[float | int]:
+    """Finite numbers in a range, ints among them (TOML allows 1 for 1.0)."""
+    floats = st.floats(low, high, exclude_min=open_low, exclude_max=open_high)
+    return floats | st.integers(low + open_low, high - open_high)
+
+
+names = st.text(st.characters(categories=["L", "N", "P", "S"]), min_size=1, max_size=12).filter(
+    lambda name: name not in ("auto", "mesh")
+)
+"""Valid endpoint names: no spaces or control characters, not a routing word."""
+expects = st.builds(
+    Expect,
+    chat_template_sha256=optional(st.text("0123456789abcdef", min_size=64, max_size=64)),
+    n_ctx=optional(counts(1)),
+    total_slots=optional(counts(1)),
+)
+"""Valid [endpoint.expect] tables, any key unset."""
+
+
+def endpoints_of(kind: str, selftest: st.SearchStrategy[bool]) -> st.SearchStrategy[Endpoint]:
+    """Valid endpoints of one kind."""
+    return st.builds(
+        Endpoint,
+        kind=st.just(kind),
+        selftest=selftest,
+        name=names,
+        socket=st.text("abcz09._-/", max_size=40).map(lambda tail: "/tmp/" + tail),
+        model=optional(st.text(min_size=1, max_size=20)),
+        expect=expects,
+    )
+
+
+endpoints = endpoints_of("llama-server", st.booleans()) | endpoints_of("openai", st.just(False))
+"""Valid endpoints of either kind (openai ones never self-test)."""
+configs = st.builds(
+    Config,
+    endpoints=st.lists(endpoints, min_size=1, max_size=3, unique_by=lambda e: e.name).map(tuple),
+    max_tokens=st.integers(1, 2**31 - 1),
+    cache_loss_tokens=counts(0),
+    limits=st.builds(
+        Limits,
+        poll_ms=counts(1),
+        busy_wait_ms=counts(0),
+        load_wait_ms=counts(0),
+        idle_grace_ms=counts(0),
+        liveness_ms=counts(1),
+        queue_depth=counts(0),
+    ),
+    thinking=st.builds(Thinking, cap=counts(1), overrun=counts(0)),
+    retry=st.builds(
+        Retry,
+        attempts=counts(1),
+        total_ms=counts(1),
+        backoff_ms=st.lists(counts(0), min_size=1, max_size=5).map(tuple),
+        jitter=reals(0, 1, open_high=True),
+    ),
+    caps=st.builds(Caps, header_bytes=counts(1), sse_line_bytes=counts(1), body_bytes=counts(1)),
+    sampling=st.builds(
+        Sampling,
+        temperature=optional(reals(0, 5)),
+        top_p=optional(reals(0, 1)),
+        top_k=optional(st.integers(0, 2**31 - 1)),
+        min_p=optional(reals(0, 1)),
+        typical_p=optional(reals(0, 1)),
+        repeat_penalty=optional(reals(0, 5, open_low=True)),
+        repeat_last_n=optional(st.integers(-1, 2**31 - 1)),
+        presence_penalty=optional(reals(-2, 2)),
+        frequency_penalty=optional(reals(-2, 2)),
+        seed=optional(st.integers(0, 2**32 - 1)),
+    ),
+)
+"""Valid configurations, every key set to a value the loader accepts."""
+json_like = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=10,
+)
+"""Any value a decoder could hand over, valid or not (None included, which TOML lacks)."""
+
+TABLES: list[tuple[str, Callable[[Any], Any], set[str]]] = [
+    ("", lambda doc: doc, set(config_module._SECTIONS)),
+    *[
+        (name, lambda doc, name=name: doc[name], {f.name for f in fields(cls)})
+        for name, cls in SECTION_TYPES.items()
+    ],
+    ("endpoint[0]", lambda doc: doc["endpoint"][0], {f.name for f in fields(Endpoint)}),
+    (
+        "endpoint[0].expect",
+        lambda doc: doc["endpoint"][0]["expect"],
+        {f.name for f in fields(Expect)},
+    ),
+]
+"""Where an unknown key can go: its table's dotted path, how to reach it, its keys."""
+INTEGER_KEYS: list[tuple[str, str | None]] = [
+    ("max_tokens", None),
+    ("cache_loss_tokens", None),
+    *[(s, f.name) for s in ("limits", "thinking", "caps") for f in fields(SECTION_TYPES[s])],
+    *[("retry", k) for k in ("attempts", "total_ms")],
+    *[("sampling", k) for k in ("top_k", "repeat_last_n", "seed")],
+]
+"""Every integer key as (section, key); key None for a top-level key."""
