@@ -1,0 +1,424 @@
+# -*- test-case-name: loopd.test.test_llama_types -*-
+"""
+The llama client's values: what goes in (messages, tools, a request), what comes back while
+it runs (events), what comes back at the end (a completion) and how it fails (errors).
+
+All values are frozen dataclasses. Messages are the four kinds a chat template knows; an
+assistant message has the same three fields as a recorded one (content, reasoning_content,
+tool_calls), so a session log can be replayed without conversion.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+__all__ = [
+    "Assistant",
+    "Busy",
+    "ChatEvent",
+    "ChatMessage",
+    "ChatRequest",
+    "Completion",
+    "Connect",
+    "Content",
+    "FinishReason",
+    "Http",
+    "InferError",
+    "LoadTimeout",
+    "Progress",
+    "Protocol",
+    "Queued",
+    "Reasoning",
+    "Retrying",
+    "Stalled",
+    "StreamClosedEarly",
+    "System",
+    "ThinkingCapped",
+    "ThinkingOverrun",
+    "Timings",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolSchema",
+    "User",
+    "WaitTimeout",
+    "Waiting",
+]
+
+#: How much of an error body an L{Http} error keeps.
+HTTP_BODY_CAP = 4096
+
+
+# ---------------------------------------------------------------------------------------
+# What goes in
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """
+    One tool call of an assistant message.
+
+    @ivar id: the call's id, which the tool result refers to.
+    @ivar name: the function's name.
+    @ivar arguments: the arguments as JSON text, exactly as the model wrote them.
+    """
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """
+    Base of the four message kinds: L{System}, L{User}, L{Assistant} and L{Tool}.
+    """
+
+
+@dataclass(frozen=True)
+class System(ChatMessage):
+    """
+    The system prompt.
+    """
+
+    content: str
+
+
+@dataclass(frozen=True)
+class User(ChatMessage):
+    """
+    A user turn.
+    """
+
+    content: str
+
+
+@dataclass(frozen=True)
+class Assistant(ChatMessage):
+    """
+    An earlier assistant turn, as it was completed.
+    """
+
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+@dataclass(frozen=True)
+class Tool(ChatMessage):
+    """
+    The result of a tool call.
+    """
+
+    tool_call_id: str
+    content: str
+
+
+@dataclass(frozen=True)
+class ToolSchema:
+    """
+    A tool offered to the model.
+
+    @ivar parameters: the JSON schema of the arguments.
+    """
+
+    name: str
+    description: str
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object"})
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """
+    One chat request.
+
+    @ivar slot: the server slot the request is pinned to (C{id_slot}), or C{-1} to let
+        the server choose.
+    @ivar messages: the conversation so far.
+    @ivar tools: the tools offered; fixed for a session's epoch so the prompt prefix stays
+        cacheable.
+    @ivar thinking: whether the model may think before answering.
+    """
+
+    slot: int
+    messages: tuple[ChatMessage, ...]
+    tools: tuple[ToolSchema, ...] = ()
+    thinking: bool = True
+
+
+# ---------------------------------------------------------------------------------------
+# What comes back while it runs
+
+
+@dataclass(frozen=True)
+class ChatEvent:
+    """
+    Base of the events a running request reports.
+    """
+
+
+@dataclass(frozen=True)
+class Queued(ChatEvent):
+    """
+    Waiting for loopd's own slot gate, with C{ahead} requests in front.
+    """
+
+    ahead: int
+
+
+@dataclass(frozen=True)
+class Waiting(ChatEvent):
+    """
+    Sent, and no byte back yet; one per C{/slots} poll.
+
+    @ivar slot_busy: the slot is running another request.
+    @ivar loading: C{/slots} failed or answered 503: the server is loading or restarting.
+    """
+
+    slot_busy: bool
+    loading: bool = False
+
+
+@dataclass(frozen=True)
+class Progress(ChatEvent):
+    """
+    Prompt processing: C{processed} of C{total} tokens, C{cache} of them reused.
+    """
+
+    total: int
+    cache: int
+    processed: int
+
+
+@dataclass(frozen=True)
+class Reasoning(ChatEvent):
+    """
+    A piece of the thinking text.
+    """
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Content(ChatEvent):
+    """
+    A piece of the answer.
+    """
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta(ChatEvent):
+    """
+    A piece of tool call C{index}: the id and name on first sight, then argument text.
+    """
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ThinkingCapped(ChatEvent):
+    """
+    Thinking reached the cap after C{tokens} tokens and the server was told to end it.
+    """
+
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Retrying(ChatEvent):
+    """
+    Attempt C{attempt} failed with C{error}; the next starts in C{after_ms}.
+    """
+
+    attempt: int
+    after_ms: int
+    error: str
+
+
+# ---------------------------------------------------------------------------------------
+# What comes back at the end
+
+
+class FinishReason(enum.Enum):
+    """
+    Why generation stopped.
+    """
+
+    STOP = "stop"
+    TOOL_CALLS = "tool_calls"
+    LENGTH = "length"
+
+
+@dataclass(frozen=True)
+class Timings:
+    """
+    The server's counts for a request: C{cache_n} prompt tokens reused, C{prompt_n}
+    evaluated, C{predicted_n} generated, and the generation speed when reported.
+    """
+
+    cache_n: int = 0
+    prompt_n: int = 0
+    predicted_n: int = 0
+    predicted_per_second: float | None = None
+
+    @property
+    def total(self) -> int:
+        """
+        The context the request used: C{cache_n + prompt_n + predicted_n}.
+        """
+        return self.cache_n + self.prompt_n + self.predicted_n
+
+
+@dataclass(frozen=True)
+class Completion:
+    """
+    A finished assistant turn. Nothing is final before this exists.
+    """
+
+    id: str
+    content: str | None
+    reasoning_content: str | None
+    tool_calls: tuple[ToolCall, ...]
+    finish_reason: FinishReason
+    timings: Timings
+    reasoning_tokens: int = 0
+    thinking_capped: bool = False
+
+    def as_message(self) -> Assistant:
+        """
+        This completion as the assistant message of the next request.
+        """
+        return Assistant(self.content, self.reasoning_content, self.tool_calls)
+
+
+# ---------------------------------------------------------------------------------------
+# How it fails
+
+
+class InferError(Exception):
+    """
+    Base of every llama client failure. The kinds are reachable as attributes too
+    (C{InferError.Http}), as the design names them.
+    """
+
+    Busy: ClassVar[type[Busy]]
+    Connect: ClassVar[type[Connect]]
+    WaitTimeout: ClassVar[type[WaitTimeout]]
+    LoadTimeout: ClassVar[type[LoadTimeout]]
+    Stalled: ClassVar[type[Stalled]]
+    StreamClosedEarly: ClassVar[type[StreamClosedEarly]]
+    ThinkingOverrun: ClassVar[type[ThinkingOverrun]]
+    Http: ClassVar[type[Http]]
+    Protocol: ClassVar[type[Protocol]]
+
+
+class Busy(InferError):
+    """
+    loopd's queue for the slot is full.
+    """
+
+
+class Connect(InferError):
+    """
+    The server's socket could not be connected to; C{reason} says why.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class WaitTimeout(InferError):
+    """
+    The slot stayed busy past C{busy_wait_ms}.
+    """
+
+
+class LoadTimeout(InferError):
+    """
+    The server stayed unavailable (loading or restarting) past C{load_wait_ms}.
+    """
+
+
+class Stalled(InferError):
+    """
+    Silence past the liveness limit (or past the idle grace on an idle slot).
+    """
+
+
+class StreamClosedEarly(InferError):
+    """
+    The stream ended before a chunk carried a C{finish_reason}.
+    """
+
+
+class ThinkingOverrun(InferError):
+    """
+    Thinking went on past the cap and the overrun allowance, or the server refused to end
+    it; the request was cancelled.
+    """
+
+
+class Http(InferError):
+    """
+    The server answered with an error status, or sent an error event mid-stream.
+
+    @ivar status: the HTTP status (for a mid-stream error event, the event's C{code}, or
+        500 when it has none).
+    @ivar body: the error body, at most 4 KiB of it.
+    @ivar context_exceeded: the prompt does not fit the slot's context (400 with
+        C{exceed_context_size_error}); the caller may compact and try again.
+    """
+
+    def __init__(self, status: int, body: str) -> None:
+        body = _cap_text(body, HTTP_BODY_CAP)
+        super().__init__(f"HTTP {status}: {body}")
+        self.status = status
+        self.body = body
+        self.context_exceeded = _is_context_exceeded(status, body)
+
+
+class Protocol(InferError):
+    """
+    The server broke the protocol or a size cap: an over-long header block or SSE line, an
+    oversized body, or JSON that is not what llama-server sends.
+    """
+
+
+for _kind in (
+    Busy,
+    Connect,
+    WaitTimeout,
+    LoadTimeout,
+    Stalled,
+    StreamClosedEarly,
+    ThinkingOverrun,
+    Http,
+    Protocol,
+):
+    setattr(InferError, _kind.__name__, _kind)
+
+
+def _cap_text(text: str, limit: int) -> str:
+    encoded = text.encode("utf-8")
+    if len(encoded) <= limit:
+        return text
+    return encoded[:limit].decode("utf-8", "ignore")
+
+
+def _is_context_exceeded(status: int, body: str) -> bool:
+    if status != 400:
+        return False
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("type") == "exceed_context_size_error"
