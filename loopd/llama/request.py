@@ -1,0 +1,182 @@
+# -*- test-case-name: loopd.test.test_llama_request -*-
+"""
+The body of a chat-completions request, built from typed inputs and the configuration.
+
+Pure: values in, a JSON-ready dict (and its bytes) out. The same inputs always give the
+same bytes, key order included, so a retry sends exactly what the first attempt sent.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from loopd.config import Config, Endpoint
+from loopd.llama.types import (
+    Assistant,
+    ChatMessage,
+    ChatRequest,
+    System,
+    Tool,
+    ToolCall,
+    ToolSchema,
+    User,
+)
+
+__all__ = [
+    "LLAMA_ONLY_FIELDS",
+    "chat_body",
+    "encode",
+    "render_messages",
+    "render_tools",
+]
+
+LLAMA_ONLY_FIELDS = frozenset(
+    {
+        "id_slot",
+        "cache_prompt",
+        "return_progress",
+        "timings_per_token",
+        "reasoning_control",
+        "chat_template_kwargs",
+    }
+)
+"""The request fields only llama.cpp's server knows; an C{openai} endpoint gets none."""
+
+
+def render_messages(messages: Iterable[ChatMessage]) -> list[dict[str, Any]]:
+    """
+    Render messages in the OpenAI chat shape, in order.
+
+      - L{System}, L{User}: C{{"role", "content"}}.
+      - L{Assistant}: C{{"role": "assistant", "content"}} with C{content} C{null} when it
+        is None; C{reasoning_content} only when it is not None; C{tool_calls} only when
+        there are any, each C{{"id", "type": "function", "function": {"name",
+        "arguments"}}} with the arguments as the model wrote them (JSON text).
+      - L{Tool}: C{{"role": "tool", "tool_call_id", "content"}}.
+
+    @raise TypeError: a message of another kind.
+    """
+    return [_render_message(message) for message in messages]
+
+
+def _render_message(message: ChatMessage) -> dict[str, Any]:
+    """One message; see L{render_messages}."""
+    if isinstance(message, System):
+        return {"role": "system", "content": message.content}
+    if isinstance(message, User):
+        return {"role": "user", "content": message.content}
+    if isinstance(message, Assistant):
+        rendered: dict[str, Any] = {"role": "assistant", "content": message.content}
+        if message.reasoning_content is not None:
+            rendered["reasoning_content"] = message.reasoning_content
+        if message.tool_calls:
+            rendered["tool_calls"] = [_render_tool_call(call) for call in message.tool_calls]
+        return rendered
+    if isinstance(message, Tool):
+        return {"role": "tool", "tool_call_id": message.tool_call_id, "content": message.content}
+    raise TypeError(f"not a chat message: {type(message).__name__}")
+
+
+def _render_tool_call(call: ToolCall) -> dict[str, Any]:
+    """One tool call of an assistant message."""
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+def render_tools(tools: Iterable[ToolSchema]) -> list[dict[str, Any]]:
+    """
+    Render tool schemas as OpenAI tools, in order: C{{"type": "function", "function":
+    {"name", "description", "parameters"}}}, the parameters schema passed through as is.
+    """
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": tool.name,
+                "description": tool.description,
+                "parameters": tool.parameters,
+            },
+        }
+        for tool in tools
+    ]
+
+
+def chat_body(
+    request: ChatRequest, config: Config, endpoint: Endpoint, *, stream: bool = True
+) -> dict[str, Any]:
+    """
+    The JSON body of C{POST /v1/chat/completions} for C{request}.
+
+    Fields, in this order:
+
+      - C{model}: C{endpoint.model}, only when it is set (a router needs it; a single-model
+        server ignores it).
+      - C{messages}: L{render_messages} of C{request.messages}.
+      - C{tools}: L{render_tools} of C{request.tools}, only when there are any.
+      - C{stream}: the C{stream} argument.
+      - C{stream_options}: C{{"include_usage": true}}, only for an C{openai} endpoint when
+        streaming, so that the last chunk carries the token counts.
+      - C{max_tokens}: C{config.max_tokens}, the backstop on generated tokens.
+      - the sampling settings that are set in C{config.sampling} (temperature, top_p,
+        top_k, min_p, typical_p, repeat_penalty, repeat_last_n, presence_penalty,
+        frequency_penalty, seed), under their own names; unset ones are not sent, so the
+        server's defaults apply.
+      - C{id_slot}: C{request.slot}, the slot the request is pinned to (C{-1}: any).
+      - C{cache_prompt}: C{true}, reuse the slot's cached prompt prefix.
+      - C{return_progress}: C{true}, send C{prompt_progress} while the prompt is read.
+      - C{timings_per_token}: C{true}, put C{timings} on every token's chunk (the thinking
+        cap counts reasoning tokens from it).
+      - C{chat_template_kwargs}: C{{"enable_thinking": request.thinking}}.
+      - C{reasoning_effort}: C{"none"}, only when thinking is off (the OpenAI way to say
+        it, which llama.cpp's server understands too).
+      - C{reasoning_control}: C{true}, only when thinking is on: arms the server's
+        C{reasoning_end} control so the thinking cap can end a thinking block.
+
+    For an endpoint of kind C{openai}, the fields only llama.cpp's server knows
+    (L{LLAMA_ONLY_FIELDS}) are left out.
+
+    @param stream: ask for a C{text/event-stream} answer.
+    """
+    llama = endpoint.kind == "llama-server"
+    body: dict[str, Any] = {}
+    if endpoint.model is not None:
+        body["model"] = endpoint.model
+    body["messages"] = render_messages(request.messages)
+    if request.tools:
+        body["tools"] = render_tools(request.tools)
+    body["stream"] = stream
+    if stream and not llama:
+        body["stream_options"] = {"include_usage": True}
+    body["max_tokens"] = config.max_tokens
+    body.update(config.sampling.request_fields())
+    if llama:
+        body["id_slot"] = request.slot
+        body["cache_prompt"] = True
+        body["return_progress"] = True
+        body["timings_per_token"] = True
+        body["chat_template_kwargs"] = {"enable_thinking": request.thinking}
+    if not request.thinking:
+        body["reasoning_effort"] = "none"
+    elif llama:
+        body["reasoning_control"] = True
+    return body
+
+
+def encode(body: dict[str, Any]) -> bytes:
+    """
+    Encode a request body as compact JSON (no spaces), UTF-8, keys in their order.
+
+    @raise ValueError: the body holds something JSON cannot carry: NaN or an infinity, a
+        value of a type JSON has no form for, or text that is not valid Unicode (a lone
+        surrogate).
+    """
+    try:
+        text = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except TypeError as error:
+        raise ValueError(f"not JSON: {error}") from None
+    return text.encode("utf-8")

@@ -1,0 +1,327 @@
+"""Tests for L{loopd.llama.request}: messages, tools and the chat-completions body."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import fields
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+from twisted.trial.unittest import SynchronousTestCase
+
+from loopd.config import Config, Endpoint, Sampling
+from loopd.llama.request import (
+    LLAMA_ONLY_FIELDS,
+    chat_body,
+    encode,
+    render_messages,
+    render_tools,
+)
+from loopd.llama.types import (
+    Assistant,
+    ChatMessage,
+    ChatRequest,
+    System,
+    Tool,
+    ToolCall,
+    ToolSchema,
+    User,
+)
+
+LLAMA = Endpoint(name="local", socket="/tmp/ld-infer.sock", model="tiny")
+OPENAI = Endpoint(name="remote", socket="/tmp/ld-remote.sock", kind="openai", model="gpt-x")
+CONFIG = Config(endpoints=(LLAMA, OPENAI))
+WEATHER = ToolSchema(
+    name="get_weather",
+    description="The weather in a city.",
+    parameters={"type": "object", "properties": {"city": {"type": "string"}}},
+)
+MESSAGES: tuple[ChatMessage, ...] = (System("Be brief."), User("Hi"))
+SAMPLING_FIELDS = frozenset(f.name for f in fields(Sampling))
+
+
+def request(**changes: Any) -> ChatRequest:
+    """A two-message request on slot 0, with the given fields changed."""
+    values: dict[str, Any] = {"slot": 0, "messages": MESSAGES}
+    values.update(changes)
+    return ChatRequest(**values)
+
+
+class RenderMessagesTests(SynchronousTestCase):
+    """L{render_messages} gives the OpenAI shape of each message kind."""
+
+    def test_system_and_user(self) -> None:
+        """System and user messages become a role and their content."""
+        self.assertEqual(
+            render_messages([System("rules"), User("question")]),
+            [{"role": "system", "content": "rules"}, {"role": "user", "content": "question"}],
+        )
+
+    def test_assistant_content_only(self) -> None:
+        """An assistant message with only content has neither reasoning nor tool_calls."""
+        self.assertEqual(
+            render_messages([Assistant("answer")]),
+            [{"role": "assistant", "content": "answer"}],
+        )
+
+    def test_assistant_without_content_is_null(self) -> None:
+        """An assistant message whose content is None sends content null."""
+        rendered = render_messages([Assistant(None)])
+        self.assertEqual(rendered, [{"role": "assistant", "content": None}])
+        self.assertIn(b'"content":null', encode({"m": rendered}))
+
+    def test_assistant_reasoning_when_set(self) -> None:
+        """reasoning_content is sent when it is set, even when it is empty."""
+        self.assertEqual(
+            render_messages([Assistant("a", "thought"), Assistant("b", "")]),
+            [
+                {"role": "assistant", "content": "a", "reasoning_content": "thought"},
+                {"role": "assistant", "content": "b", "reasoning_content": ""},
+            ],
+        )
+
+    def test_assistant_tool_calls(self) -> None:
+        """Tool calls become function calls with their id, name and argument text."""
+        calls = (ToolCall("c1", "get_weather", '{"city":"Oslo"}'), ToolCall("c2", "noop", "{}"))
+        self.assertEqual(
+            render_messages([Assistant(None, "plan", calls)]),
+            [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "reasoning_content": "plan",
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'},
+                        },
+                        {
+                            "id": "c2",
+                            "type": "function",
+                            "function": {"name": "noop", "arguments": "{}"},
+                        },
+                    ],
+                }
+            ],
+        )
+
+    def test_tool_result(self) -> None:
+        """A tool result carries the id of its call and its content."""
+        self.assertEqual(
+            render_messages([Tool("c1", "sunny")]),
+            [{"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
+        )
+
+    def test_order_kept(self) -> None:
+        """Messages are rendered in the order given."""
+        messages = [User("1"), Assistant("2"), User("3")]
+        self.assertEqual([m["content"] for m in render_messages(messages)], ["1", "2", "3"])
+
+    def test_unknown_kind(self) -> None:
+        """A message of no known kind is a TypeError."""
+        self.assertRaises(TypeError, render_messages, [ChatMessage()])
+
+
+class RenderToolsTests(SynchronousTestCase):
+    """L{render_tools} gives OpenAI function tools."""
+
+    def test_tool(self) -> None:
+        """A tool becomes a function with its name, description and parameters."""
+        self.assertEqual(
+            render_tools([WEATHER]),
+            [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "description": "The weather in a city.",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"city": {"type": "string"}},
+                        },
+                    },
+                }
+            ],
+        )
+
+    def test_default_parameters(self) -> None:
+        """A tool without a schema offers an object of any shape."""
+        rendered = render_tools([ToolSchema("noop", "Does nothing.")])
+        self.assertEqual(rendered[0]["function"]["parameters"], {"type": "object"})
+
+
+class ChatBodyTests(SynchronousTestCase):
+    """L{chat_body} for a llama-server endpoint."""
+
+    def test_whole_body(self) -> None:
+        """Every field, in a fixed order, for a thinking request with tools."""
+        body = chat_body(request(slot=1, tools=(WEATHER,)), CONFIG, LLAMA)
+        self.assertEqual(
+            body,
+            {
+                "model": "tiny",
+                "messages": render_messages(MESSAGES),
+                "tools": render_tools([WEATHER]),
+                "stream": True,
+                "max_tokens": 8192,
+                "id_slot": 1,
+                "cache_prompt": True,
+                "return_progress": True,
+                "timings_per_token": True,
+                "chat_template_kwargs": {"enable_thinking": True},
+                "reasoning_control": True,
+            },
+        )
+        self.assertEqual(
+            list(body),
+            [
+                "model",
+                "messages",
+                "tools",
+                "stream",
+                "max_tokens",
+                "id_slot",
+                "cache_prompt",
+                "return_progress",
+                "timings_per_token",
+                "chat_template_kwargs",
+                "reasoning_control",
+            ],
+        )
+
+    def test_model_only_when_set(self) -> None:
+        """An endpoint without a model id sends no model field."""
+        endpoint = Endpoint(name="local", socket="/tmp/ld-infer.sock")
+        self.assertNotIn("model", chat_body(request(), CONFIG, endpoint))
+
+    def test_slot(self) -> None:
+        """id_slot is the request's slot, -1 included."""
+        self.assertEqual(chat_body(request(slot=3), CONFIG, LLAMA)["id_slot"], 3)
+        self.assertEqual(chat_body(request(slot=-1), CONFIG, LLAMA)["id_slot"], -1)
+
+    def test_tools_absent_when_none(self) -> None:
+        """A request without tools sends no tools field."""
+        self.assertNotIn("tools", chat_body(request(), CONFIG, LLAMA))
+
+    def test_thinking_off(self) -> None:
+        """Thinking off: enable_thinking false, reasoning_effort none, no control."""
+        body = chat_body(request(thinking=False), CONFIG, LLAMA)
+        self.assertEqual(body["chat_template_kwargs"], {"enable_thinking": False})
+        self.assertEqual(body["reasoning_effort"], "none")
+        self.assertNotIn("reasoning_control", body)
+
+    def test_thinking_on(self) -> None:
+        """Thinking on: enable_thinking true, reasoning control armed, no effort field."""
+        body = chat_body(request(thinking=True), CONFIG, LLAMA)
+        self.assertIs(body["chat_template_kwargs"]["enable_thinking"], True)
+        self.assertIs(body["reasoning_control"], True)
+        self.assertNotIn("reasoning_effort", body)
+
+    def test_max_tokens_from_config(self) -> None:
+        """max_tokens is the configured backstop."""
+        config = Config(endpoints=(LLAMA,), max_tokens=123)
+        self.assertEqual(chat_body(request(), config, LLAMA)["max_tokens"], 123)
+
+    def test_sampling_unset(self) -> None:
+        """With no sampling settings, no sampling field is sent."""
+        body = chat_body(request(), CONFIG, LLAMA)
+        self.assertEqual(set(body) & SAMPLING_FIELDS, set())
+
+    def test_sampling_set(self) -> None:
+        """The sampling settings that are set are sent under their own names, only those."""
+        sampling = Sampling(temperature=0.0, top_k=40, seed=7, repeat_last_n=-1)
+        config = Config(endpoints=(LLAMA,), sampling=sampling)
+        body = chat_body(request(), config, LLAMA)
+        sent = {key: body[key] for key in body if key in SAMPLING_FIELDS}
+        self.assertEqual(sent, {"temperature": 0.0, "top_k": 40, "repeat_last_n": -1, "seed": 7})
+
+    def test_not_streaming(self) -> None:
+        """stream=False asks for a plain answer."""
+        self.assertIs(chat_body(request(), CONFIG, LLAMA, stream=False)["stream"], False)
+
+    def test_same_bytes_every_time(self) -> None:
+        """Building a body twice gives the same bytes: a retry resends exactly."""
+        req = request(tools=(WEATHER,))
+        self.assertEqual(
+            encode(chat_body(req, CONFIG, LLAMA)), encode(chat_body(req, CONFIG, LLAMA))
+        )
+
+
+class OpenAIBodyTests(SynchronousTestCase):
+    """L{chat_body} for an endpoint of kind openai (DESIGN §3.6)."""
+
+    def test_whole_body(self) -> None:
+        """No llama.cpp-only field; stream_options asks for usage."""
+        config = Config(endpoints=(OPENAI,), sampling=Sampling(top_p=0.9))
+        body = chat_body(request(slot=2, tools=(WEATHER,)), config, OPENAI)
+        self.assertEqual(
+            body,
+            {
+                "model": "gpt-x",
+                "messages": render_messages(MESSAGES),
+                "tools": render_tools([WEATHER]),
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "max_tokens": 8192,
+                "top_p": 0.9,
+            },
+        )
+
+    def test_no_llama_fields(self) -> None:
+        """Thinking on or off, no field only llama.cpp's server knows is sent."""
+        for thinking in (True, False):
+            body = chat_body(request(thinking=thinking), CONFIG, OPENAI)
+            self.assertEqual(set(body) & LLAMA_ONLY_FIELDS, set())
+
+    def test_thinking_off(self) -> None:
+        """Thinking off still sends reasoning_effort none, an OpenAI field."""
+        body = chat_body(request(thinking=False), CONFIG, OPENAI)
+        self.assertEqual(body["reasoning_effort"], "none")
+
+    def test_not_streaming(self) -> None:
+        """Without streaming there are no stream options."""
+        body = chat_body(request(), CONFIG, OPENAI, stream=False)
+        self.assertIs(body["stream"], False)
+        self.assertNotIn("stream_options", body)
+
+
+class EncodeTests(SynchronousTestCase):
+    """L{encode} writes compact UTF-8 JSON."""
+
+    def test_compact(self) -> None:
+        """No whitespace between tokens, keys in their order."""
+        self.assertEqual(encode({"b": [1, 2], "a": {"x": None}}), b'{"b":[1,2],"a":{"x":null}}')
+
+    def test_utf8(self) -> None:
+        """Text outside ASCII is written as UTF-8, not escaped."""
+        self.assertEqual(encode({"t": "é😀"}), '{"t":"é😀"}'.encode())
+
+    def test_body_round_trip(self) -> None:
+        """A whole body decodes back to itself."""
+        req = request(messages=(User("x"), Assistant(None, "r", (ToolCall("i", "n", "{}"),))))
+        body = chat_body(req, CONFIG, LLAMA)
+        self.assertEqual(json.loads(encode(body)), body)
+
+    def test_nan(self) -> None:
+        """NaN and the infinities are a ValueError."""
+        for value in (math.nan, math.inf, -math.inf):
+            self.assertRaises(ValueError, encode, {"x": value})
+
+    def test_not_json(self) -> None:
+        """A value JSON has no form for is a ValueError."""
+        self.assertRaises(ValueError, encode, {"x": object()})
+
+    def test_lone_surrogate(self) -> None:
+        """Text that is not valid Unicode is a ValueError."""
+        self.assertRaises(ValueError, encode, {"x": "\ud800"})
+
+    @given(st.lists(st.tuples(st.sampled_from(["system", "user", "tool"]), st.text()), max_size=5))
+    def test_text_faithful(self, specs: list[tuple[str, str]]) -> None:
+        """Any message text reaches the wire unchanged."""
+        kinds = {"system": System, "user": User, "tool": lambda text: Tool("id", text)}
+        messages = tuple(kinds[kind](text) for kind, text in specs)
+        sent = json.loads(encode(chat_body(request(messages=messages), CONFIG, LLAMA)))
+        self.assertEqual([m["content"] for m in sent["messages"]], [text for _, text in specs])
