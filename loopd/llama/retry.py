@@ -1,0 +1,188 @@
+# -*- test-case-name: loopd.test.test_llama_retry -*-
+"""
+Retrying a failed request: what is retryable, the backoff schedule, and the retry loop.
+
+A request that failed because the server was away or went quiet (L{Connect},
+L{StreamClosedEarly}, L{Stalled}, L{LoadTimeout}, or L{Http} 503) is tried again: at most
+C{Retry.attempts} attempts in all, waiting C{backoff_ms[i]} scaled by a random factor in
+C{[1 - jitter, 1 + jitter]} before retry C{i + 1}, and never starting a wait that would end
+more than C{total_ms} after the first attempt started. Everything else is returned at once:
+L{WaitTimeout} has already waited, HTTP 400 may ask the caller to compact, and the rest are
+bugs. Retrying is safe because nothing is recorded before a completion is final.
+
+The timers run on an injected C{IReactorTime}, the random source is injectable, and the
+schedule itself is pure (L{backoff_wait}, L{backoff_schedule}).
+"""
+
+from __future__ import annotations
+
+import random as _random
+from collections.abc import Callable, Iterable
+from typing import Generic, TypeVar
+
+from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from loopd.config import Retry
+from loopd.llama.types import (
+    ChatEvent,
+    Connect,
+    Http,
+    LoadTimeout,
+    Retrying,
+    Stalled,
+    StreamClosedEarly,
+)
+
+__all__ = ["backoff_schedule", "backoff_wait", "is_retryable", "with_retry"]
+
+_T = TypeVar("_T")
+
+_log = Logger(namespace="loopd.llama.retry")
+
+_RETRYABLE = (Connect, StreamClosedEarly, Stalled, LoadTimeout)
+_SERVICE_UNAVAILABLE = 503
+
+
+def is_retryable(error: BaseException) -> bool:
+    """
+    Whether a request that failed with C{error} may be tried again: L{Connect},
+    L{StreamClosedEarly}, L{Stalled}, L{LoadTimeout}, and L{Http} with status 503.
+    """
+    if isinstance(error, Http):
+        return error.status == _SERVICE_UNAVAILABLE
+    return isinstance(error, _RETRYABLE)
+
+
+def backoff_wait(policy: Retry, retry: int, r: float) -> int:
+    """
+    The wait in milliseconds before retry C{retry + 1} (so C{retry} counts from 0):
+    C{backoff_ms[retry]} (the last entry repeating) times C{1 + jitter * (2r - 1)}, rounded.
+
+    @param r: a random number in C{[0, 1]}; 0 gives the shortest wait, 1 the longest.
+    @raise ValueError: when C{retry} is negative or C{r} is outside C{[0, 1]}.
+    """
+    if retry < 0:
+        raise ValueError(f"retry must be >= 0, got {retry}")
+    if not 0.0 <= r <= 1.0:
+        raise ValueError(f"r must be in [0, 1], got {r!r}")
+    steps = policy.backoff_ms
+    base = steps[min(retry, len(steps) - 1)] if steps else 0
+    return round(base * (1 + policy.jitter * (2 * r - 1)))
+
+
+def backoff_schedule(policy: Retry, randoms: Iterable[float]) -> list[int]:
+    """
+    The waits in milliseconds before each retry of C{policy}: C{attempts - 1} of them,
+    retry C{i} drawing the C{i}-th number of C{randoms} (fewer when C{randoms} runs out).
+    """
+    retries = range(policy.attempts - 1)
+    return [backoff_wait(policy, retry, r) for retry, r in zip(retries, randoms, strict=False)]
+
+
+def with_retry(
+    attempt: Callable[[], Deferred[_T]],
+    *,
+    clock: IReactorTime,
+    policy: Retry,
+    on_event: Callable[[ChatEvent], None],
+    random: Callable[[], float] = _random.random,
+) -> Deferred[_T]:
+    """
+    Run C{attempt()} and, while it fails retryably, wait and run it again.
+
+    Before each wait L{Retrying} is emitted with the number of the attempt that failed, the
+    wait, and the error. The caller's C{attempt} goes back through the slot gate itself.
+
+    @param attempt: starts one attempt; called once per attempt.
+    @param clock: the timers of the waits, and the time since the first attempt started.
+    @param random: draws the jitter of each wait, a number in C{[0, 1]}.
+    @return: a Deferred with the first success, or the failure of the last attempt (at once
+        for one that is not retryable). Cancelling it cancels the running attempt or the
+        pending wait and fails it with C{CancelledError}.
+    """
+    return _Retrier(attempt, clock, policy, on_event, random).start()
+
+
+class _Retrier(Generic[_T]):
+    """One run of L{with_retry}: the attempt in progress or the wait before the next."""
+
+    def __init__(
+        self,
+        attempt: Callable[[], Deferred[_T]],
+        clock: IReactorTime,
+        policy: Retry,
+        on_event: Callable[[ChatEvent], None],
+        random: Callable[[], float],
+    ) -> None:
+        self._attempt = attempt
+        self._clock = clock
+        self._policy = policy
+        self._on_event = on_event
+        self._random = random
+        self._result: Deferred[_T] = Deferred(self._cancel)
+        self._cancelled = False
+        self._started = 0.0
+        self._tries = 0
+        self._running: Deferred[_T] | None = None
+        self._timer: IDelayedCall | None = None
+
+    def start(self) -> Deferred[_T]:
+        """Start the first attempt and return the Deferred of the whole run."""
+        self._started = self._clock.seconds()
+        self._try()
+        return self._result
+
+    def _try(self) -> None:
+        """Start one attempt."""
+        self._timer = None
+        self._tries += 1
+        running = maybeDeferred(self._attempt)
+        self._running = running
+        running.addCallbacks(self._succeeded, self._failed)
+
+    def _succeeded(self, value: _T) -> None:
+        """An attempt succeeded: so does the run, unless it was cancelled."""
+        self._running = None
+        if not self._cancelled:
+            self._result.callback(value)
+
+    def _failed(self, failure: Failure) -> None:
+        """An attempt failed: retry it after a wait, or fail the run with its failure."""
+        self._running = None
+        if self._cancelled:
+            return
+        error = failure.value
+        if error is None or not is_retryable(error) or self._tries >= self._policy.attempts:
+            self._result.errback(failure)
+            return
+        wait = backoff_wait(self._policy, self._tries - 1, self._random())
+        elapsed_ms = (self._clock.seconds() - self._started) * 1000
+        if elapsed_ms + wait > self._policy.total_ms:
+            self._result.errback(failure)
+            return
+        event = Retrying(
+            attempt=self._tries, after_ms=wait, error=str(error) or type(error).__name__
+        )
+        try:
+            self._on_event(event)
+        except Exception:
+            _log.failure("on_event raised while handling {event!r}", event=event)
+        if self._result.called:
+            # The listener cancelled the run.
+            return
+        self._timer = self._clock.callLater(wait / 1000, self._try)
+
+    def _cancel(self, result: Deferred[_T]) -> None:
+        """
+        The canceller of the run: stop the wait or cancel the attempt. Deferred.cancel then
+        fails the run with C{CancelledError}, whatever the attempt does on cancellation.
+        """
+        self._cancelled = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._running is not None:
+            self._running.cancel()
