@@ -91,6 +91,8 @@ class ServerOptions:
     n_ctx: int = 8192
     parallel: int = 2
     threads: int = 2
+    batch: int = 0  # n_batch and n_ubatch; 0: llama.cpp's default
+    kv_unified: bool = False  # one KV pool of n_ctx cells shared by all slots
 
     def command(self, ready_timeout: float = 60.0, exit_on_eof: bool = False) -> list[str]:
         """Return the argv (Python first) of a child that serves with these options."""
@@ -98,6 +100,8 @@ class ServerOptions:
         argv += ["--port", str(self.port), "--alias", self.alias]
         argv += ["--ctx", str(self.n_ctx), "--parallel", str(self.parallel)]
         argv += ["--threads", str(self.threads), "--ready-timeout", str(ready_timeout)]
+        argv += ["--batch", str(self.batch)] if self.batch else []
+        argv += ["--kv-unified"] if self.kv_unified else []
         return argv + (["--exit-on-eof"] if exit_on_eof else [])
 
 
@@ -165,6 +169,8 @@ class RealServer:
         n_ctx: int = 8192,
         parallel: int = 2,
         threads: int = 2,
+        batch: int = 0,
+        kv_unified: bool = False,
         start_timeout: float = 60.0,
         stop_timeout: float = 10.0,
         query_timeout: float = 30.0,
@@ -172,7 +178,9 @@ class RealServer:
         """Describe the server; nothing runs until `start`."""
         self._reactor = reactor
         self._clock = IReactorTime(reactor)
-        self.options = ServerOptions(model_path, alias, port, n_ctx, parallel, threads)
+        self.options = ServerOptions(
+            model_path, alias, port, n_ctx, parallel, threads, batch, kv_unified
+        )
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self.query_timeout = query_timeout
@@ -422,6 +430,9 @@ def serve(args: argparse.Namespace) -> int:
     params.endpoint_metrics = True
     params.cpuparams.n_threads = args.threads
     params.cpuparams_batch.n_threads = args.threads
+    if args.batch:
+        params.n_batch = params.n_ubatch = args.batch
+    params.kv_unified = args.kv_unified
     try:
         server = xllamacpp.Server(params)
     except RuntimeError as e:
@@ -471,6 +482,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--ctx", type=int, default=8192, help="total context, split over slots")
     add("--parallel", type=int, default=2, help="slots")
     add("--threads", type=int, default=2)
+    add("--batch", type=int, default=0, help="n_batch and n_ubatch (0: default)")
+    add("--kv-unified", action="store_true", help="one KV pool shared by the slots")
     add("--ready-timeout", type=float, default=60.0)
     add("--exit-on-eof", action="store_true", help="stop when stdin closes")
     add("--data", help="JSON body to POST ('-': read stdin)")
