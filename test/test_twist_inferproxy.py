@@ -11,53 +11,20 @@ import shutil
 import signal
 import socket
 import stat
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.endpoints import UNIXClientEndpoint
-from twisted.internet.error import ProcessDone
-from twisted.internet.protocol import Factory, ProcessProtocol
-from twisted.python.failure import Failure
+from twisted.internet.protocol import Factory
 from twisted.trial.unittest import TestCase
 
 import loopd
 from loopd.test.support.peers import Peer, UpstreamFactory, real_reactor
+from loopd.test.support.twist import TwistProcess, spawn_twist, stop_twist
 
 ROOT = Path(loopd.__file__).parent.parent
-
-
-class TwistProcess(ProcessProtocol):
-    """
-    A C{twist} child process: collects its output, fires when a line containing C{ready}
-    appears and when it ends.
-    """
-
-    def __init__(self, ready: bytes) -> None:
-        self.ready_marker = ready
-        self.output = b""
-        self.errors = b""
-        self.ready: Deferred[None] = Deferred()
-        self.ended: Deferred[int] = Deferred()
-
-    def outReceived(self, data: bytes) -> None:
-        self.output += data
-        if self.ready_marker in self.output and not self.ready.called:
-            self.ready.callback(None)
-
-    def errReceived(self, data: bytes) -> None:
-        self.errors += data
-
-    def processEnded(self, reason: Failure) -> None:
-        self.signal = None if reason.check(ProcessDone) else reason.value.signal
-        code = 0 if reason.check(ProcessDone) else reason.value.exitCode
-        if not self.ready.called:
-            self.ready.errback(
-                RuntimeError(f"exited {code} before ready: {(self.output + self.errors)!r}")
-            )
-        self.ended.callback(code)
 
 
 class TwistInferproxyTests(TestCase):
@@ -84,29 +51,16 @@ class TwistInferproxyTests(TestCase):
         """
         Start C{twist inferproxy} from the checkout root, as the README says.
         """
-        process = TwistProcess(b"inferproxy listening on")
-        argv = [
-            sys.executable,
-            "-m",
-            "twisted",
-            "--log-format=text",
+        process = spawn_twist(
+            real_reactor(),
+            b"inferproxy listening on",
             "inferproxy",
             "--listen",
             self.path,
             "--upstream",
             self.upstream,
-        ]
-        transport = real_reactor().spawnProcess(
-            process, sys.executable, argv, env=dict(os.environ), path=str(ROOT)
         )
-
-        def stop() -> Deferred[int]:
-            if not process.ended.called:
-                transport.signalProcess("KILL")
-            return process.ended
-
-        self.addCleanup(stop)
-        process.transport = transport
+        self.addCleanup(stop_twist, process)
         return process
 
     @inlineCallbacks

@@ -1,4 +1,87 @@
 """
 The llama client: streams a chat over a Unix socket with bounded waits, liveness, a thinking
-cap, a slot gate and retries; embeddable in any Twisted program.
+cap through the server's reasoning-end control, a slot gate and retries; embeddable in any
+Twisted program.
+
+    client = Client(reactor, config, config.endpoints[0])
+    d = client.chat_with_retry(ChatRequest(slot=0, messages=(User("Hi"),)), print)
+
+Everything public lives in the private-purpose modules beside this one and is re-exported
+here; import from C{loopd.llama}.
 """
+
+from loopd.llama.client import Client
+from loopd.llama.gate import ISlotGate, NoGate, SlotGate
+from loopd.llama.info import CacheOutcome, SlotState, cache_outcome
+from loopd.llama.types import (
+    Assistant,
+    Busy,
+    ChatEvent,
+    ChatMessage,
+    ChatRequest,
+    Completion,
+    Connect,
+    Content,
+    FinishReason,
+    Http,
+    InferError,
+    LoadTimeout,
+    Progress,
+    Protocol,
+    Queued,
+    Reasoning,
+    Retrying,
+    Stalled,
+    StreamClosedEarly,
+    System,
+    ThinkingCapped,
+    ThinkingOverrun,
+    Timings,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolSchema,
+    User,
+    Waiting,
+    WaitTimeout,
+)
+
+__all__ = [
+    "Assistant",
+    "Busy",
+    "CacheOutcome",
+    "ChatEvent",
+    "ChatMessage",
+    "ChatRequest",
+    "Client",
+    "Completion",
+    "Connect",
+    "Content",
+    "FinishReason",
+    "Http",
+    "ISlotGate",
+    "InferError",
+    "LoadTimeout",
+    "NoGate",
+    "Progress",
+    "Protocol",
+    "Queued",
+    "Reasoning",
+    "Retrying",
+    "SlotGate",
+    "SlotState",
+    "Stalled",
+    "StreamClosedEarly",
+    "System",
+    "ThinkingCapped",
+    "ThinkingOverrun",
+    "Timings",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolSchema",
+    "User",
+    "WaitTimeout",
+    "Waiting",
+    "cache_outcome",
+]

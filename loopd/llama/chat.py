@@ -1,0 +1,355 @@
+# -*- test-case-name: loopd.test.test_llama_chat -*-
+"""
+One chat request from send to completion: the first-byte wait, liveness and the thinking
+cap (seed section 4, steps 2 to 5). The slot gate and retries wrap this from outside.
+
+ - Waiting. llama-server sends nothing, not even headers, while a request waits for its
+   slot. Every C{poll_ms} without the headers the call asks C{/slots} on a second
+   connection and reports L{Waiting}: a busy slot may keep it waiting up to
+   C{busy_wait_ms} (then L{WaitTimeout}); a failing C{/slots} or a 503 means the server is
+   loading or restarting, up to C{load_wait_ms} (then L{LoadTimeout}); an idle slot and
+   still nothing for C{idle_grace_ms} is L{Stalled}. Each limit counts from when its state
+   was first seen, and the state is judged at each poll.
+ - Streaming. After the headers, silence longer than C{liveness_ms} is L{Stalled};
+   progress events, deltas and pings all count as signs of life. There is no total
+   deadline.
+ - Thinking cap. At C{thinking.cap} reasoning tokens the call asks the server to end the
+   reasoning (C{reasoning_end} on a second connection), reports L{ThinkingCapped} and
+   reads on. C{thinking.overrun} more reasoning tokens, or a control reply without
+   C{success: true}, cancels the request: L{ThinkingOverrun}.
+ - Done. The chunk with a C{finish_reason} and then C{[DONE]} (or the end of the body)
+   give the L{Completion}; a body that ends before a C{finish_reason} is
+   L{StreamClosedEarly}.
+
+An endpoint of kind C{openai} has no C{/slots} and no control: the wait is a plain
+first-byte timeout of C{busy_wait_ms} (L{WaitTimeout}) and only C{max_tokens} bounds
+thinking (DESIGN.md §3.6).
+
+Cancelling the returned Deferred closes every connection of the call, which makes
+llama-server stop generating.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IDelayedCall
+from twisted.python.failure import Failure
+
+from loopd import http
+from loopd.config import Config, Endpoint
+from loopd.llama.assemble import Assembler, parse_chunk
+from loopd.llama.info import get_json, parse_slots, slot_busy
+from loopd.llama.request import chat_body, encode
+from loopd.llama.types import (
+    ChatEvent,
+    ChatRequest,
+    Completion,
+    Http,
+    InferError,
+    LoadTimeout,
+    Protocol,
+    Stalled,
+    StreamClosedEarly,
+    ThinkingCapped,
+    ThinkingOverrun,
+    Waiting,
+    WaitTimeout,
+)
+from loopd.sse import SSEDecoder, SSEError, SSEEvent
+
+__all__ = ["ChatCall", "CHAT_PATH", "CONTROL_PATH"]
+
+CHAT_PATH = "/v1/chat/completions"
+CONTROL_PATH = "/v1/chat/completions/control"
+
+EventSink = Callable[[ChatEvent], None]
+
+
+class ChatCall:
+    """
+    One request's life; L{run} starts it once.
+    """
+
+    def __init__(
+        self,
+        reactor: Any,
+        config: Config,
+        endpoint: Endpoint,
+        request: ChatRequest,
+        on_event: EventSink,
+    ) -> None:
+        """
+        @param reactor: provides IReactorTime and IReactorUNIX.
+        @param config: limits, caps and request settings.
+        @param endpoint: the server to ask.
+        @param request: what to ask.
+        @param on_event: receives the call's events as they happen.
+        """
+        self._reactor = reactor
+        self._config = config
+        self._endpoint = endpoint
+        self._request = request
+        self._on_event = on_event
+        self._llama = endpoint.kind == "llama-server"
+        self._caps = http.HttpCaps(config.caps.header_bytes, config.caps.body_bytes)
+        self._decoder = SSEDecoder(config.caps.sse_line_bytes)
+        self._assembler = Assembler()
+        self._result: Deferred[Completion] = Deferred(lambda d: self._fail(CancelledError()))
+        self._pending: list[Deferred[Any]] = []
+        self._response: http.HttpResponse | None = None
+        self._timer: IDelayedCall | None = None
+        self._state_since: dict[str, float] = {}
+        self._capped_at: int | None = None
+        self._finished = False
+
+    # -- starting and ending -------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        """
+        Whether the call has ended, with a completion or a failure.
+        """
+        return self._finished
+
+    def run(self) -> Deferred[Completion]:
+        """
+        Send the request; the Deferred fires with the completion or fails with an
+        L{InferError} (or C{CancelledError} when cancelled).
+        """
+        body = encode(chat_body(self._request, self._config, self._endpoint))
+        sending = self._track(
+            http.request(
+                self._reactor,
+                self._endpoint.socket,
+                "POST",
+                CHAT_PATH,
+                body,
+                caps=self._caps,
+                connect_timeout=self._seconds(self._config.limits.poll_ms),
+            )
+        )
+        sending.addCallbacks(self._headers_arrived, self._fail)
+        self._arm(self._first_byte_limit(), self._poll)
+        return self._result
+
+    def _fail(self, reason: BaseException | Failure) -> None:
+        self._end(reason if isinstance(reason, Failure) else Failure(reason))
+
+    def _end(self, outcome: Completion | Failure) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self._disarm()
+        response, self._response = self._response, None
+        if response is not None:
+            response.abort()
+        pending, self._pending = self._pending, []
+        for d in pending:
+            d.cancel()
+        if isinstance(outcome, Failure):
+            self._result.errback(outcome)
+        else:
+            self._result.callback(outcome)
+
+    def _track(self, d: Deferred[Any]) -> Deferred[Any]:
+        """
+        Keep C{d} so that ending the call cancels it; it leaves the list when it fires.
+        """
+        self._pending.append(d)
+
+        def forget(result: Any) -> Any:
+            if d in self._pending:
+                self._pending.remove(d)
+            return result
+
+        d.addBoth(forget)
+        return d
+
+    # -- timers --------------------------------------------------------------------------
+
+    @staticmethod
+    def _seconds(ms: int) -> float:
+        return ms / 1000.0
+
+    def _arm(self, ms: int, action: Callable[[], None]) -> None:
+        self._disarm()
+        self._timer = self._reactor.callLater(self._seconds(ms), action)
+
+    def _disarm(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+
+    def _first_byte_limit(self) -> int:
+        limits = self._config.limits
+        return limits.poll_ms if self._llama else limits.busy_wait_ms
+
+    # -- before the first byte -----------------------------------------------------------
+
+    def _poll(self) -> None:
+        self._timer = None
+        if not self._llama:
+            self._fail(WaitTimeout(f"no answer within {self._config.limits.busy_wait_ms} ms"))
+            return
+        polling = self._track(
+            get_json(
+                self._reactor,
+                self._endpoint.socket,
+                "GET",
+                "/slots",
+                caps=self._caps,
+                connect_timeout=self._seconds(self._config.limits.poll_ms),
+            )
+        )
+        # A /slots that hangs is a server in trouble, as good as a failing one.
+        polling.addTimeout(self._seconds(self._config.limits.poll_ms), self._reactor)
+        polling.addCallbacks(self._slots_answered, self._slots_failed)
+
+    def _slots_answered(self, value: object) -> None:
+        try:
+            busy = slot_busy(parse_slots(value), self._request.slot)
+        except Protocol as e:
+            self._fail(e)
+            return
+        self._observe("busy" if busy else "idle")
+
+    def _slots_failed(self, reason: Failure) -> None:
+        if self._finished:
+            return
+        self._observe("loading")
+
+    def _observe(self, state: str) -> None:
+        """
+        Judge one poll's finding: report it, end the wait past its limit, else poll again.
+        """
+        if self._finished or self._response is not None:
+            return
+        now = self._reactor.seconds()
+        for other in list(self._state_since):
+            if other != state:
+                del self._state_since[other]
+        since = self._state_since.setdefault(state, now)
+        self._on_event(Waiting(slot_busy=state == "busy", loading=state == "loading"))
+        limits = self._config.limits
+        waited = (now - since) * 1000
+        if state == "busy" and waited >= limits.busy_wait_ms:
+            self._fail(WaitTimeout(f"slot {self._request.slot} busy for {waited:.0f} ms"))
+        elif state == "loading" and waited >= limits.load_wait_ms:
+            self._fail(LoadTimeout(f"server unavailable for {waited:.0f} ms"))
+        elif state == "idle" and waited >= limits.idle_grace_ms:
+            self._fail(Stalled(f"slot idle and no answer for {waited:.0f} ms"))
+        else:
+            self._arm(limits.poll_ms, self._poll)
+
+    # -- the answer ----------------------------------------------------------------------
+
+    def _headers_arrived(self, response: http.HttpResponse) -> None:
+        if self._finished:
+            response.abort()
+            return
+        self._response = response
+        self._disarm()
+        if response.status != 200:
+            reading = self._track(response.read_body())
+            reading.addCallbacks(
+                lambda raw: self._fail(Http(response.status, raw.decode("utf-8", "replace"))),
+                self._fail,
+            )
+            return
+        self._arm(self._config.limits.liveness_ms, self._silent)
+        streaming = self._track(response.deliver(self._data_received))
+        streaming.addCallbacks(self._body_ended, self._fail)
+
+    def _silent(self) -> None:
+        self._timer = None
+        self._fail(Stalled(f"no data for {self._config.limits.liveness_ms} ms"))
+
+    def _data_received(self, data: bytes) -> None:
+        if self._finished:
+            return
+        self._arm(self._config.limits.liveness_ms, self._silent)
+        try:
+            items = self._decoder.feed(data)
+        except SSEError as e:
+            self._fail(Protocol(f"bad event stream: {e}"))
+            return
+        for item in items:
+            # An event can end the call (done, an error, the thinking overrun).
+            if isinstance(item, SSEEvent) and not self.finished:
+                self._event(item)
+
+    def _event(self, event: SSEEvent) -> None:
+        if event.done:
+            self._complete()
+            return
+        try:
+            events = self._assembler.feed(parse_chunk(event.data), event.data)
+        except InferError as e:
+            self._fail(e)
+            return
+        for chat_event in events:
+            self._on_event(chat_event)
+        self._check_thinking()
+
+    def _body_ended(self, _: object) -> None:
+        self._complete()
+
+    def _complete(self) -> None:
+        if self._finished:
+            return
+        try:
+            completion = self._assembler.completion(thinking_capped=self._capped_at is not None)
+        except StreamClosedEarly as e:
+            self._fail(e)
+            return
+        self._end(completion)
+
+    # -- the thinking cap ----------------------------------------------------------------
+
+    def _check_thinking(self) -> None:
+        if not (self._llama and self._request.thinking):
+            return
+        assembler = self._assembler
+        if not assembler.in_reasoning:
+            return
+        tokens = assembler.reasoning_tokens
+        thinking = self._config.thinking
+        if self._capped_at is None:
+            if tokens >= thinking.cap:
+                self._cap(tokens)
+        elif tokens >= self._capped_at + thinking.overrun:
+            self._fail(
+                ThinkingOverrun(f"still thinking {tokens - self._capped_at} tokens after the cap")
+            )
+
+    def _cap(self, tokens: int) -> None:
+        self._capped_at = tokens
+        control: dict[str, object] = {"id": self._assembler.id, "action": "reasoning_end"}
+        if self._endpoint.model:
+            control["model"] = self._endpoint.model
+        ending = self._track(
+            get_json(
+                self._reactor,
+                self._endpoint.socket,
+                "POST",
+                CONTROL_PATH,
+                control,
+                caps=self._caps,
+                connect_timeout=self._seconds(self._config.limits.poll_ms),
+            )
+        )
+        ending.addCallbacks(self._control_answered, self._control_failed)
+        self._on_event(ThinkingCapped(tokens))
+
+    def _control_answered(self, value: object) -> None:
+        if isinstance(value, dict) and value.get("success") is True:
+            return
+        self._fail(ThinkingOverrun(f"the server did not end the reasoning: {value!r}"))
+
+    def _control_failed(self, reason: Failure) -> None:
+        if self._finished:
+            return
+        self._fail(ThinkingOverrun(f"the reasoning_end control failed: {reason.value}"))

@@ -1,0 +1,147 @@
+# -*- test-case-name: loopd.test.test_llama_client -*-
+"""
+L{Client}: the llama client's front, one per endpoint. A chat goes through the slot gate,
+then L{ChatCall}; C{chat_with_retry} repeats what is worth repeating.
+"""
+
+from __future__ import annotations
+
+import random as _random
+from collections.abc import Callable
+from typing import Any
+
+from twisted.internet.defer import Deferred
+
+from loopd import http
+from loopd.config import Config, Endpoint
+from loopd.llama.chat import ChatCall, EventSink
+from loopd.llama.gate import ISlotGate, SlotGate
+from loopd.llama.info import SlotState, get_json, parse_slots
+from loopd.llama.retry import with_retry
+from loopd.llama.types import ChatRequest, Completion, Protocol
+
+__all__ = ["Client"]
+
+
+class Client:
+    """
+    Talks to one endpoint's server over its Unix socket.
+
+    @ivar config: the limits and request settings in force.
+    @ivar endpoint: the server this client talks to.
+    @ivar gate: the slot gate every chat passes; by default one in flight per slot.
+    """
+
+    def __init__(
+        self,
+        reactor: Any,
+        config: Config,
+        endpoint: Endpoint,
+        gate: ISlotGate | None = None,
+        random: Callable[[], float] = _random.random,
+    ) -> None:
+        """
+        @param reactor: provides IReactorTime and IReactorUNIX; every wait uses it.
+        @param config: the limits and request settings.
+        @param endpoint: the server to talk to.
+        @param gate: where chats wait for their slot; a L{SlotGate} of
+            C{limits.queue_depth} when not given.
+        @param random: the jitter source of retries, returning floats in [0, 1).
+        """
+        self._reactor = reactor
+        self.config = config
+        self.endpoint = endpoint
+        self.gate = gate if gate is not None else SlotGate(config.limits.queue_depth)
+        self._random = random
+        self._caps = http.HttpCaps(config.caps.header_bytes, config.caps.body_bytes)
+
+    def chat(self, request: ChatRequest, on_event: EventSink) -> Deferred[Completion]:
+        """
+        One attempt: wait for the slot gate, then run the request. Cancelling the Deferred
+        leaves the gate's queue or aborts the request.
+        """
+        waiting = self.gate.acquire(request.slot, on_event)
+        running: list[Deferred[Completion]] = []
+
+        def go(grant: Any) -> Deferred[Completion]:
+            call = ChatCall(self._reactor, self.config, self.endpoint, request, on_event).run()
+            running.append(call)
+
+            def release(result: object) -> object:
+                grant.release()
+                return result
+
+            call.addBoth(release)
+            return call
+
+        def cancel(d: Deferred[Completion]) -> None:
+            if running:
+                running[0].cancel()
+            else:
+                waiting.cancel()
+
+        result: Deferred[Completion] = Deferred(cancel)
+        outcome: Deferred[Any] = waiting.addCallback(go)
+        outcome.chainDeferred(result)
+        return result
+
+    def chat_with_retry(self, request: ChatRequest, on_event: EventSink) -> Deferred[Completion]:
+        """
+        L{chat}, repeated after the failures worth repeating (seed §4 "Retry"); each
+        attempt goes back through the gate and a L{Retrying} event precedes it.
+        """
+        return with_retry(
+            lambda: self.chat(request, on_event),
+            clock=self._reactor,
+            policy=self.config.retry,
+            on_event=on_event,
+            random=self._random,
+        )
+
+    def _get(self, method: str, path: str, body: object = None) -> Deferred[Any]:
+        return get_json(
+            self._reactor,
+            self.endpoint.socket,
+            method,
+            path,
+            body,
+            caps=self._caps,
+            connect_timeout=self.config.limits.poll_ms / 1000.0,
+        )
+
+    def props(self) -> Deferred[dict[str, Any]]:
+        """
+        The server's C{/props}: chat template, per-slot context, number of slots.
+        """
+        answer = self._get("GET", "/props")
+        answer.addCallback(_expect_object, "/props")
+        return answer
+
+    def slots(self) -> Deferred[tuple[SlotState, ...]]:
+        """
+        The server's C{/slots}: which slot is running a task.
+        """
+        answer = self._get("GET", "/slots")
+        answer.addCallback(parse_slots)
+        return answer
+
+    def tokenize(self, text: str) -> Deferred[list[int]]:
+        """
+        The token ids of C{text} (special tokens parsed, none added).
+        """
+        answer = self._get("POST", "/tokenize", {"content": text, "add_special": False})
+
+        def tokens(value: object) -> list[int]:
+            ids = _expect_object(value, "/tokenize").get("tokens")
+            if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+                raise Protocol("/tokenize did not answer a list of token ids")
+            return ids
+
+        answer.addCallback(tokens)
+        return answer
+
+
+def _expect_object(value: object, path: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise Protocol(f"{path} did not answer a JSON object")
+    return value

@@ -1,0 +1,141 @@
+# -*- test-case-name: loopd.test.test_llama_info -*-
+"""
+What the server says about itself (C{/props}, C{/slots}, C{/tokenize}) and the pure
+cache-loss judgement between two requests of a session.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from twisted.internet.defer import Deferred
+
+from loopd import http
+from loopd.llama.types import Http, Protocol, Timings
+
+__all__ = [
+    "CacheOutcome",
+    "SlotState",
+    "cache_outcome",
+    "get_json",
+    "parse_slots",
+    "slot_busy",
+]
+
+
+@dataclass(frozen=True)
+class CacheOutcome:
+    """
+    How well a request reused the previous request's prompt cache.
+
+    @ivar loss: the cache fell short of the previous request's context by more than the
+        threshold.
+    @ivar expected: the previous request's whole context (cache_n + prompt_n + predicted_n).
+    @ivar cached: what this request reused (its cache_n).
+    """
+
+    loss: bool
+    expected: int
+    cached: int
+
+    @property
+    def shortfall(self) -> int:
+        """
+        How many tokens of the previous context were not reused.
+        """
+        return max(0, self.expected - self.cached)
+
+
+def cache_outcome(previous: Timings, current: Timings, threshold: int = 64) -> CacheOutcome:
+    """
+    Compare C{current.cache_n} with the previous request's total: more than C{threshold}
+    tokens short is a loss.
+    """
+    expected = previous.total
+    return CacheOutcome(
+        loss=expected - current.cache_n > threshold, expected=expected, cached=current.cache_n
+    )
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """
+    One entry of C{/slots}: the slot's id and whether it is running a task.
+    """
+
+    id: int
+    is_processing: bool
+
+
+def parse_slots(value: object) -> tuple[SlotState, ...]:
+    """
+    Read a C{/slots} answer.
+
+    @raise Protocol: it is not a list of slot objects.
+    """
+    if not isinstance(value, list):
+        raise Protocol(f"/slots is not a list: {type(value).__name__}")
+    slots = []
+    for entry in value:
+        if not isinstance(entry, dict) or not isinstance(entry.get("id"), int):
+            raise Protocol("/slots entry without an integer id")
+        slots.append(SlotState(entry["id"], entry.get("is_processing") is True))
+    return tuple(slots)
+
+
+def slot_busy(slots: Sequence[SlotState], slot: int) -> bool:
+    """
+    Whether a request for C{slot} must wait: that slot (taken modulo the number of slots,
+    as llama-server does) is processing, or, for C{slot} -1, every slot is.
+    """
+    if not slots:
+        return False
+    if slot < 0:
+        return all(s.is_processing for s in slots)
+    return slots[slot % len(slots)].is_processing
+
+
+def get_json(
+    reactor: Any,
+    socket_path: str,
+    method: str,
+    path: str,
+    body: object = None,
+    *,
+    caps: http.HttpCaps,
+    connect_timeout: float,
+) -> Deferred[Any]:
+    """
+    One JSON request: the decoded answer of a 200, L{Http} for any other status,
+    L{Protocol} for a body that is not JSON.
+    """
+    payload = None if body is None else json.dumps(body, separators=(",", ":")).encode()
+
+    def read(response: http.HttpResponse) -> Deferred[Any]:
+        reading = response.read_body()
+        reading.addCallback(decode, response.status)
+        return reading
+
+    def decode(raw: bytes, status: int) -> Any:
+        text = raw.decode("utf-8", "replace")
+        if status != 200:
+            raise Http(status, text)
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise Protocol(f"{path} answered with a body that is not JSON") from None
+
+    answer = http.request(
+        reactor,
+        socket_path,
+        method,
+        path,
+        payload,
+        caps=caps,
+        connect_timeout=connect_timeout,
+    )
+    answer.addCallback(read)
+    return answer

@@ -1,0 +1,233 @@
+"""
+The llama client end to end: a real llama.cpp server (xllamacpp) with the project's tiny
+models, a real `twist inferproxy` in front of it, and L{loopd.llama.Client} talking to the
+inferproxy's Unix socket.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.trial.unittest import SkipTest, TestCase
+
+from loopd.config import Config, Endpoint, Limits, Retry, Thinking
+from loopd.llama import (
+    ChatEvent,
+    ChatRequest,
+    Client,
+    FinishReason,
+    Reasoning,
+    Retrying,
+    System,
+    ThinkingCapped,
+    ToolSchema,
+    User,
+    cache_outcome,
+)
+from loopd.test.support.peers import real_reactor
+from loopd.test.support.twist import TwistProcess, spawn_twist, stop_twist
+
+try:
+    from loopd.test.support.real_server import RealServer
+    from loopd.test.support.tiny_model import write_tiny_model
+except ImportError as e:  # pragma: no cover - the test extra is not installed
+    raise SkipTest(f"the real llama.cpp server needs the test extra: {e}") from None
+
+ANSWER = "Hello from the tiny model!"
+WEATHER = ToolSchema(
+    "get_weather",
+    "Get the weather for a city.",
+    {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+)
+
+
+class Models:
+    """
+    The two tiny models, built once for the module in a temporary directory.
+    """
+
+    directory: str | None = None
+
+    @classmethod
+    def path(cls, name: str) -> str:
+        if cls.directory is None:
+            cls.directory = tempfile.mkdtemp(prefix="ldm", dir="/tmp")
+            write_tiny_model(os.path.join(cls.directory, "tiny.gguf"))
+            write_tiny_model(os.path.join(cls.directory, "tiny-think.gguf"), think_forever=True)
+        return os.path.join(cls.directory, name)
+
+
+def tearDownModule() -> None:
+    if Models.directory is not None:
+        shutil.rmtree(Models.directory, True)
+
+
+class LlamaEndToEndTests(TestCase):
+    """
+    The client against the real thing.
+    """
+
+    timeout = 120
+
+    @inlineCallbacks
+    def start(self, model: str, **config: Any) -> Any:
+        """
+        Start the server and an inferproxy in front of it; build a client for them.
+        """
+        reactor = real_reactor()
+        self.directory = tempfile.mkdtemp(prefix="lde", dir="/tmp")
+        self.addCleanup(shutil.rmtree, self.directory, True)
+        self.socket = os.path.join(self.directory, "infer.sock")
+        self.server = RealServer(reactor, Models.path(model))
+        self.addCleanup(self.server.stop)
+        yield self.server.start()
+        yield self.start_proxy()
+        endpoint = Endpoint(name="tiny", socket=self.socket)
+        self.client = Client(reactor, Config(endpoints=(endpoint,), **config), endpoint)
+        self.events: list[ChatEvent] = []
+
+    @inlineCallbacks
+    def start_proxy(self) -> Any:
+        self.proxy: TwistProcess = spawn_twist(
+            real_reactor(),
+            b"inferproxy listening on",
+            "inferproxy",
+            "--listen",
+            self.socket,
+            "--upstream",
+            f"127.0.0.1:{self.server.port}",
+        )
+        self.addCleanup(stop_twist, self.proxy)
+        yield self.proxy.ready
+
+    def ask(self, *messages: Any, tools: tuple[ToolSchema, ...] = (), thinking: bool = True) -> Any:
+        request = ChatRequest(slot=0, messages=tuple(messages), tools=tools, thinking=thinking)
+        return self.client.chat_with_retry(request, self.events.append)
+
+    @inlineCallbacks
+    def test_plain_answer(self) -> Any:
+        """
+        With thinking off the model answers at once: stop, no reasoning, timings counted.
+        """
+        yield self.start("tiny.gguf")
+        completion = yield self.ask(User("Hi"), thinking=False)
+        self.assertEqual(completion.content, ANSWER)
+        self.assertIsNone(completion.reasoning_content)
+        self.assertEqual(completion.finish_reason, FinishReason.STOP)
+        self.assertGreater(completion.timings.predicted_n, 0)
+        self.assertTrue(completion.id.startswith("chatcmpl-"))
+
+    @inlineCallbacks
+    def test_thinking_then_answer(self) -> Any:
+        """
+        With thinking on the reasoning streams first, then the answer.
+        """
+        yield self.start("tiny.gguf")
+        completion = yield self.ask(System("Be brief."), User("Hi"))
+        self.assertEqual(completion.reasoning_content, "Let me think about this...")
+        self.assertEqual(completion.content, ANSWER)
+        kinds = [type(e).__name__ for e in self.events]
+        self.assertLess(kinds.index("Reasoning"), kinds.index("Content"))
+        self.assertGreater(completion.reasoning_tokens, 0)
+
+    @inlineCallbacks
+    def test_tool_call(self) -> Any:
+        """
+        Offered a tool, the model calls it with valid JSON arguments.
+        """
+        yield self.start("tiny.gguf")
+        completion = yield self.ask(User("Weather?"), tools=(WEATHER,))
+        self.assertEqual(completion.finish_reason, FinishReason.TOOL_CALLS)
+        (call,) = completion.tool_calls
+        self.assertEqual(call.name, "get_weather")
+        self.assertEqual(call.arguments.replace(" ", ""), '{"city":"test"}')
+
+    @inlineCallbacks
+    def test_second_turn_hits_cache(self) -> Any:
+        """
+        The second turn of a conversation on the same slot reuses the first turn's prompt.
+        """
+        yield self.start("tiny.gguf")
+        first_messages = (System("You are a test."), User("Hi"))
+        first = yield self.ask(*first_messages, thinking=False)
+        second = yield self.ask(*first_messages, first.as_message(), User("Again"), thinking=False)
+        outcome = cache_outcome(first.timings, second.timings)
+        self.assertFalse(outcome.loss, outcome)
+        self.assertGreater(second.timings.cache_n, 0)
+
+    @inlineCallbacks
+    def test_thinking_cap_real_control(self) -> Any:
+        """
+        A model that would think forever is stopped at the cap by the server's own
+        reasoning_end control, and then answers.
+        """
+        yield self.start("tiny-think.gguf", thinking=Thinking(cap=40, overrun=256))
+        completion = yield self.ask(User("Think"))
+        capped = [e for e in self.events if isinstance(e, ThinkingCapped)]
+        self.assertEqual(len(capped), 1)
+        self.assertGreaterEqual(capped[0].tokens, 40)
+        self.assertTrue(completion.thinking_capped)
+        self.assertEqual(completion.content, ANSWER)
+
+    def _retrying_config(self) -> dict[str, Any]:
+        return {
+            "max_tokens": 2000,
+            "thinking": Thinking(cap=100_000, overrun=256),
+            "retry": Retry(attempts=6, backoff_ms=(300, 600, 1200), jitter=0.0),
+            "limits": Limits(poll_ms=500, load_wait_ms=20_000, liveness_ms=10_000),
+        }
+
+    def after_reasoning(self, count: int) -> Deferred[None]:
+        """
+        Fire once C{count} reasoning events have arrived.
+        """
+        seen: Deferred[None] = Deferred()
+
+        def watch(event: ChatEvent) -> None:
+            self.events.append(event)
+            reasoning = sum(isinstance(e, Reasoning) for e in self.events)
+            if reasoning >= count and not seen.called:
+                seen.callback(None)
+
+        self.watch = watch
+        return seen
+
+    @inlineCallbacks
+    def test_server_restart_survived(self) -> Any:
+        """
+        The server killed and restarted under a request: chat_with_retry retries and the
+        completion it returns is whole.
+        """
+        yield self.start("tiny-think.gguf", **self._retrying_config())
+        midway = self.after_reasoning(5)
+        request = ChatRequest(slot=0, messages=(User("Think"),))
+        answer = self.client.chat_with_retry(request, lambda e: self.watch(e))
+        yield midway
+        yield self.server.kill()
+        yield self.server.start()
+        completion = yield answer
+        self.assertTrue(any(isinstance(e, Retrying) for e in self.events))
+        self.assertEqual(completion.finish_reason, FinishReason.LENGTH)
+        self.assertEqual(completion.timings.predicted_n, 2000)
+
+    @inlineCallbacks
+    def test_inferproxy_restart_survived(self) -> Any:
+        """
+        The inferproxy killed and restarted under a request: the same, through the
+        forwarder.
+        """
+        yield self.start("tiny-think.gguf", **self._retrying_config())
+        midway = self.after_reasoning(5)
+        request = ChatRequest(slot=0, messages=(User("Think"),))
+        answer = self.client.chat_with_retry(request, lambda e: self.watch(e))
+        yield midway
+        yield stop_twist(self.proxy)
+        yield self.start_proxy()
+        completion = yield answer
+        self.assertTrue(any(isinstance(e, Retrying) for e in self.events))
+        self.assertEqual(completion.finish_reason, FinishReason.LENGTH)
+        self.assertEqual(completion.timings.predicted_n, 2000)
