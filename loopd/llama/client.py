@@ -133,7 +133,9 @@ class Client:
 
         def tokens(value: object) -> list[int]:
             ids = _expect_object(value, "/tokenize").get("tokens")
-            if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            if not isinstance(ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in ids
+            ):
                 raise Protocol("/tokenize did not answer a list of token ids")
             return ids
 

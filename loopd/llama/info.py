@@ -80,9 +80,11 @@ def parse_slots(value: object) -> tuple[SlotState, ...]:
         raise Protocol(f"/slots is not a list: {type(value).__name__}")
     slots = []
     for entry in value:
-        if not isinstance(entry, dict) or not isinstance(entry.get("id"), int):
+        ident = entry.get("id") if isinstance(entry, dict) else None
+        # JSON booleans are not numbers, though Python's bool is an int.
+        if not isinstance(ident, int) or isinstance(ident, bool):
             raise Protocol("/slots entry without an integer id")
-        slots.append(SlotState(entry["id"], entry.get("is_processing") is True))
+        slots.append(SlotState(ident, entry.get("is_processing") is True))
     return tuple(slots)
 
 
