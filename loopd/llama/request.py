@@ -121,11 +121,14 @@ def chat_body(
       - C{stream}: the C{stream} argument.
       - C{stream_options}: C{{"include_usage": true}}, only for an C{openai} endpoint when
         streaming, so that the last chunk carries the token counts.
-      - C{max_tokens}: C{config.max_tokens}, the backstop on generated tokens.
+      - C{max_tokens}: C{config.max_tokens}, the backstop on generated tokens, or the
+        request's own C{max_tokens} when that is lower.
       - the sampling settings that are set in C{config.sampling} (temperature, top_p,
         top_k, min_p, typical_p, repeat_penalty, repeat_last_n, presence_penalty,
         frequency_penalty, seed), under their own names; unset ones are not sent, so the
-        server's defaults apply.
+        server's defaults apply. The request's C{temperature} and C{top_p} override them.
+      - C{stop}: the request's stop strings, when there are any.
+      - C{tool_choice}: the request's, when it sets one and offers tools.
       - C{id_slot}: C{request.slot}, the slot the request is pinned to (C{-1}: any).
       - C{cache_prompt}: C{true}, reuse the slot's cached prompt prefix.
       - C{return_progress}: C{true}, send C{prompt_progress} while the prompt is read.
@@ -152,8 +155,16 @@ def chat_body(
     body["stream"] = stream
     if stream and not llama:
         body["stream_options"] = {"include_usage": True}
-    body["max_tokens"] = config.max_tokens
+    body["max_tokens"] = _max_tokens(request, config)
     body.update(config.sampling.request_fields())
+    for name in ("temperature", "top_p"):
+        value = getattr(request, name)
+        if value is not None:
+            body[name] = value
+    if request.stop:
+        body["stop"] = list(request.stop)
+    if request.tool_choice is not None and request.tools:
+        body["tool_choice"] = request.tool_choice
     if llama:
         body["id_slot"] = request.slot
         body["cache_prompt"] = True
@@ -165,6 +176,12 @@ def chat_body(
     elif llama:
         body["reasoning_control"] = True
     return body
+
+
+def _max_tokens(request: ChatRequest, config: Config) -> int:
+    if request.max_tokens is None:
+        return config.max_tokens
+    return min(request.max_tokens, config.max_tokens)
 
 
 def encode(body: dict[str, Any]) -> bytes:

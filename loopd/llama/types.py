@@ -141,12 +141,24 @@ class ChatRequest:
     @ivar tools: the tools offered; fixed for a session's epoch so the prompt prefix stays
         cacheable.
     @ivar thinking: whether the model may think before answering.
+    @ivar max_tokens: a lower bound than the config's C{max_tokens} for this request; the
+        config's value stays the ceiling.
+    @ivar temperature: overrides the configured sampling temperature.
+    @ivar top_p: overrides the configured top_p.
+    @ivar stop: stop strings.
+    @ivar tool_choice: C{"auto"}, C{"none"} or C{"required"}; unset leaves the server's
+        default (auto).
     """
 
     slot: int
     messages: tuple[ChatMessage, ...]
     tools: tuple[ToolSchema, ...] = ()
     thinking: bool = True
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] = ()
+    tool_choice: str | None = None
 
 
 # ---------------------------------------------------------------------------------------

@@ -250,6 +250,33 @@ class ChatBodyTests(SynchronousTestCase):
         )
 
 
+class OverrideTests(SynchronousTestCase):
+    """A request's own settings override the configured ones, within the config's ceiling."""
+
+    def test_max_tokens_never_above_config(self) -> None:
+        """A lower max_tokens is sent; a higher one is cut to the config's."""
+        self.assertEqual(chat_body(request(max_tokens=100), CONFIG, LLAMA)["max_tokens"], 100)
+        body = chat_body(request(max_tokens=10**6), CONFIG, LLAMA)
+        self.assertEqual(body["max_tokens"], CONFIG.max_tokens)
+
+    def test_sampling_overrides(self) -> None:
+        """temperature and top_p from the request win over the config's sampling."""
+        config = Config(endpoints=(LLAMA,), sampling=Sampling(temperature=0.7, top_p=0.9))
+        body = chat_body(request(temperature=0.0, top_p=0.5), config, LLAMA)
+        self.assertEqual((body["temperature"], body["top_p"]), (0.0, 0.5))
+
+    def test_stop(self) -> None:
+        """Stop strings are sent as a list, and only when there are some."""
+        self.assertEqual(chat_body(request(stop=("END",)), CONFIG, LLAMA)["stop"], ["END"])
+        self.assertNotIn("stop", chat_body(request(), CONFIG, LLAMA))
+
+    def test_tool_choice_only_with_tools(self) -> None:
+        """tool_choice goes with the tools it chooses among, never alone."""
+        body = chat_body(request(tools=(WEATHER,), tool_choice="required"), CONFIG, LLAMA)
+        self.assertEqual(body["tool_choice"], "required")
+        self.assertNotIn("tool_choice", chat_body(request(tool_choice="required"), CONFIG, LLAMA))
+
+
 class OpenAIBodyTests(SynchronousTestCase):
     """L{chat_body} for an endpoint of kind openai (DESIGN §3.6)."""
 
