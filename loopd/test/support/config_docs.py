@@ -20,6 +20,7 @@ from loopd.config import (
     Limits,
     Retry,
     Sampling,
+    Server,
     Thinking,
 )
 
@@ -33,6 +34,7 @@ SECTION_TYPES: dict[str, type] = {
     "retry": Retry,
     "caps": Caps,
     "sampling": Sampling,
+    "server": Server,
 }
 """Each top-level table of a document other than [[endpoint]], with its dataclass."""
 

@@ -1,0 +1,189 @@
+# -*- test-case-name: loopd.test.test_config -*-
+"""
+The typed values of a loopd.toml: one frozen dataclass per section, each default the
+specification's. L{loopd.config} builds them from a file; everything else reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+__all__ = [
+    "Caps",
+    "Config",
+    "Endpoint",
+    "EndpointKind",
+    "Expect",
+    "Limits",
+    "Retry",
+    "Sampling",
+    "Server",
+    "Thinking",
+]
+
+EndpointKind = Literal["llama-server", "openai"]
+"""What an endpoint speaks: llama.cpp's server, or any OpenAI-compatible server."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """The waits and the queue bound of one request (seed 000, section 4)."""
+
+    poll_ms: int = 5000
+    """Read timeout before the first byte; each one polls /slots (> 0)."""
+    busy_wait_ms: int = 600_000
+    """How long a busy slot may keep a request waiting before WaitTimeout (>= 0)."""
+    load_wait_ms: int = 180_000
+    """How long a loading or restarting server may take before LoadTimeout (>= 0)."""
+    idle_grace_ms: int = 30_000
+    """Silence allowed while the slot is idle, before Stalled (>= 0)."""
+    liveness_ms: int = 30_000
+    """Silence allowed after the first byte, before Stalled (> 0)."""
+    queue_depth: int = 8
+    """Requests that may wait at loopd's own slot gate; beyond that Busy (>= 0)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Thinking:
+    """The thinking cap: end reasoning after C{cap} tokens, give up after C{overrun}."""
+
+    cap: int = 4096
+    """Reasoning tokens after which loopd asks the server to end reasoning (> 0)."""
+    overrun: int = 256
+    """Reasoning tokens tolerated after asking to end; then ThinkingOverrun (>= 0)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Retry:
+    """The retry schedule of chat_with_retry."""
+
+    attempts: int = 4
+    """Attempts in all, the first included; 1 means no retry (> 0)."""
+    backoff_ms: tuple[int, ...] = (2000, 8000, 30_000)
+    """Wait before retry n; the last value repeats if there are more retries (>= 0)."""
+    jitter: float = 0.25
+    """Each wait is scaled by a random factor in [1 - x, 1 + x] (0 <= x < 1)."""
+    total_ms: int = 300_000
+    """No retry starts after this much time since the first attempt (> 0)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Caps:
+    """Size caps of the HTTP client; exceeding one is a Protocol error."""
+
+    header_bytes: int = 16_384
+    """Status line and headers together (> 0)."""
+    sse_line_bytes: int = 1_048_576
+    """One SSE line (> 0)."""
+    body_bytes: int = 4_194_304
+    """A response body that is not a stream (> 0)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """
+    Sampling settings sent upstream. None means unset: the server's default applies
+    and the field is not sent at all (see L{request_fields}).
+    """
+
+    temperature: float | None = None
+    """0 to 5; 0 is greedy."""
+    top_p: float | None = None
+    """Nucleus sampling, 0 to 1 (1 disables)."""
+    top_k: int | None = None
+    """Keep the k most likely tokens, >= 0 (0 disables)."""
+    min_p: float | None = None
+    """Drop tokens below this fraction of the best one, 0 to 1 (0 disables)."""
+    typical_p: float | None = None
+    """Locally typical sampling, 0 to 1 (1 disables)."""
+    repeat_penalty: float | None = None
+    """Penalty on repeated tokens, 0 < x <= 5 (1 disables)."""
+    repeat_last_n: int | None = None
+    """Tokens considered for the repeat penalty, >= -1 (-1 is the context size)."""
+    presence_penalty: float | None = None
+    """OpenAI presence penalty, -2 to 2."""
+    frequency_penalty: float | None = None
+    """OpenAI frequency penalty, -2 to 2."""
+    seed: int | None = None
+    """RNG seed, 0 to 4294967295; unset lets the server pick one per request."""
+
+    def request_fields(self) -> dict[str, int | float]:
+        """The settings that are set, by their request field name, in field order."""
+        values = ((f.name, getattr(self, f.name)) for f in fields(self))
+        return {name: value for name, value in values if value is not None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Expect:
+    """What the startup self-test requires of the server's /props (None: unchecked)."""
+
+    chat_template_sha256: str | None = None
+    """SHA-256 of the chat template, 64 lowercase hex digits."""
+    n_ctx: int | None = None
+    """Context size of one slot."""
+    total_slots: int | None = None
+    """Number of slots of the server."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Endpoint:
+    """
+    One model server, reached through a Unix socket (an inferproxy's listening socket).
+
+    Direct construction is not validated; L{config_from_mapping} is.
+    """
+
+    name: str
+    """The name sessions use as the model; unique; may contain C{:} and C{.}."""
+    socket: str
+    """Path of the Unix socket, C{~} expanded."""
+    kind: EndpointKind = "llama-server"
+    """What the server speaks; an C{openai} server has no /slots, /props, control."""
+    model: str | None = None
+    """The model id sent upstream, or None to send none."""
+    selftest: bool = True
+    """Run the startup self-test (only for C{llama-server} endpoints)."""
+    expect: Expect = field(default_factory=Expect)
+    """What the self-test checks in /props."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Server:
+    """Where the gateway listens and what it accepts ([server])."""
+
+    listen: str | None = None
+    """A strports description; None: a Unix socket C{loopd.sock} in the default directory."""
+    body_bytes: int = 8 * 1024 * 1024
+    """The largest request body the gateway accepts; a larger one is refused with 413."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """The whole of loopd.toml."""
+
+    endpoints: tuple[Endpoint, ...]
+    """At least one endpoint, in file order, names unique."""
+    max_tokens: int = 8192
+    """The backstop on generated tokens per request (> 0)."""
+    cache_loss_tokens: int = 64
+    """A turn whose cache reuse falls short by more than this is a cache loss (>= 0)."""
+    limits: Limits = field(default_factory=Limits)
+    """The waits and the queue bound."""
+    thinking: Thinking = field(default_factory=Thinking)
+    """The thinking cap."""
+    retry: Retry = field(default_factory=Retry)
+    """The retry schedule."""
+    caps: Caps = field(default_factory=Caps)
+    """The HTTP client's size caps."""
+    sampling: Sampling = field(default_factory=Sampling)
+    """Sampling settings; only the ones set are sent upstream."""
+    server: Server = field(default_factory=Server)
+    """The gateway's listener."""
+
+    def endpoint(self, name: str) -> Endpoint:
+        """Return the endpoint called C{name}; raise KeyError if there is none."""
+        for endpoint in self.endpoints:
+            if endpoint.name == name:
+                return endpoint
+        raise KeyError(name)
