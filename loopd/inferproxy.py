@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from twisted.application.service import Service
+from twisted.internet.abstract import isIPAddress, isIPv6Address
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.endpoints import HostnameEndpoint
+from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
 from twisted.internet.interfaces import (
     IAddress,
     IHalfCloseableProtocol,
@@ -401,8 +402,15 @@ def upstream_endpoint(
     """
     The TCP endpoint for C{host}:C{port}: names resolve, IPv4 and IPv6 both work.
 
+    An address is connected to directly: C{HostnameEndpoint} would send even an IP literal
+    through the resolver's thread pool, which costs most of a millisecond per connection.
+
     @param reactor: a reactor providing TCP, time and name resolution.
     """
+    if isIPAddress(host):
+        return TCP4ClientEndpoint(reactor, host, port, timeout=timeout)
+    if isIPv6Address(host):
+        return TCP6ClientEndpoint(reactor, host, port, timeout=timeout)
     return HostnameEndpoint(reactor, host, port, timeout=timeout)
 
 

@@ -30,6 +30,7 @@ from loopd.inferproxy import (
     ProxyLimits,
     TokenBucket,
     parse_upstream,
+    upstream_endpoint,
 )
 
 
@@ -366,3 +367,24 @@ class ParseUpstreamTests(SynchronousTestCase):
         """
         for bad in ("localhost", ":80", "h:0", "h:65536", "h:x", "::1:80", "h:-1"):
             self.assertRaises(ValueError, parse_upstream, bad)
+
+
+class UpstreamEndpointTests(SynchronousTestCase):
+    """
+    L{upstream_endpoint} connects to addresses directly and resolves only names.
+    """
+
+    def test_kinds(self) -> None:
+        """
+        IPv4 and IPv6 literals get plain TCP endpoints; a name gets a resolving one.
+        """
+        from twisted.internet.endpoints import (
+            HostnameEndpoint,
+            TCP4ClientEndpoint,
+            TCP6ClientEndpoint,
+        )
+
+        clock = Clock()
+        self.assertIsInstance(upstream_endpoint(clock, "127.0.0.1", 1, 1.0), TCP4ClientEndpoint)
+        self.assertIsInstance(upstream_endpoint(clock, "::1", 1, 1.0), TCP6ClientEndpoint)
+        self.assertIsInstance(upstream_endpoint(clock, "localhost", 1, 1.0), HostnameEndpoint)
