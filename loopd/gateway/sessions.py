@@ -1,0 +1,150 @@
+# -*- test-case-name: loopd.test.test_gateway_sessions -*-
+"""
+The gateway's session table: which server slot each session used last, and how its last
+completion went.
+
+A session keeps the slot it used last whenever that slot is free, because its prompt prefix
+is still in that slot's KV cache (DESIGN §3 decision 16). When it must move, it goes to a free
+slot that no other session calls home, so sessions do not trample each other's caches.
+
+Pure: no reactor, no I/O. The table is bounded; the least recently recorded session goes first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from loopd.llama.info import CacheOutcome, cache_outcome
+from loopd.llama.types import Timings
+
+__all__ = ["DEFAULT_MAX_SESSIONS", "Sessions"]
+
+#: How many sessions a table remembers unless told otherwise.
+DEFAULT_MAX_SESSIONS = 1024
+
+#: Slots never recorded are older than any recorded one.
+_NEVER = -1
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """What the table knows about one session: its last slot and last completion's timings."""
+
+    slot: int
+    timings: Timings
+
+
+class Sessions:
+    """
+    A bounded table of session id → the slot it used last and the timings of its last
+    completion, evicting the least recently recorded session beyond C{max_sessions}.
+    """
+
+    def __init__(self, max_sessions: int = DEFAULT_MAX_SESSIONS) -> None:
+        """
+        @param max_sessions: how many sessions to remember, at least 1.
+        """
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        self._max = max_sessions
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        # How many remembered sessions used each slot last.
+        self._homes: Counter[int] = Counter()
+        # When each slot last completed a request, in record() calls.
+        self._slot_used: dict[int, int] = {}
+        self._clock = itertools.count()
+        self._anonymous: weakref.WeakKeyDictionary[object, str] = weakref.WeakKeyDictionary()
+        self._anonymous_serial = itertools.count(1)
+
+    def __len__(self) -> int:
+        """How many sessions the table remembers now."""
+        return len(self._entries)
+
+    def last_slot(self, session: str) -> int | None:
+        """The slot C{session} used last, or C{None} for a session the table does not know."""
+        entry = self._entries.get(session)
+        return None if entry is None else entry.slot
+
+    def choose_slot(self, session: str, n_slots: int, busy: Callable[[int], bool]) -> int:
+        """
+        Pick the slot for C{session}'s next request. The table is not changed.
+
+          1. The session's last slot, when it is not busy.
+          2. Otherwise a free slot, preferring one that no other session used last, then
+             the one least recently used, then the lowest.
+          3. Every slot busy: the session's last slot (the request queues at the gate), or,
+             for a new session, the slot fewest sessions call home.
+
+        @param n_slots: how many slots the endpoint has, at least 1. A remembered slot
+            outside C{range(n_slots)} is ignored.
+        @param busy: whether a slot has a request in flight now.
+        """
+        if n_slots < 1:
+            raise ValueError(f"n_slots must be >= 1, got {n_slots}")
+        last = self.last_slot(session)
+        if last is not None and not 0 <= last < n_slots:
+            last = None
+        if last is not None and not busy(last):
+            return last
+        free = [slot for slot in range(n_slots) if slot != last and not busy(slot)]
+        if free:
+            return min(free, key=lambda s: (self._homes[s] > 0, self._age(s), s))
+        if last is not None:
+            return last
+        return min(range(n_slots), key=lambda s: (self._homes[s], self._age(s), s))
+
+    def record(
+        self, session: str, slot: int, timings: Timings, threshold: int
+    ) -> CacheOutcome | None:
+        """
+        Remember that C{session}'s latest completion ran on C{slot} with C{timings}.
+
+        @param threshold: how many tokens short of the previous context is a cache loss
+            (the config's C{cache_loss_tokens}).
+        @return: the cache outcome against the session's previous completion, or C{None}
+            when the table had none (a new session, or one evicted since).
+        """
+        previous = self._entries.pop(session, None)
+        outcome = None
+        if previous is not None:
+            self._homes[previous.slot] -= 1
+            outcome = cache_outcome(previous.timings, timings, threshold)
+        self._entries[session] = _Entry(slot, timings)
+        self._homes[slot] += 1
+        self._slot_used[slot] = next(self._clock)
+        while len(self._entries) > self._max:
+            _, evicted = self._entries.popitem(last=False)
+            self._homes[evicted.slot] -= 1
+        return outcome
+
+    def forget(self, session: str) -> None:
+        """Drop C{session} from the table (a closed connection's anonymous session)."""
+        entry = self._entries.pop(session, None)
+        if entry is not None:
+            self._homes[entry.slot] -= 1
+
+    def anonymous_id(self, connection_key: object) -> str:
+        """
+        A stable session id for a request without C{X-Session-Id}: one anonymous session
+        per connection.
+
+        @param connection_key: the connection (for instance the request's channel). The
+            same object always gets the same id and a later object never reuses an earlier
+            one's id; a key that cannot be weakly referenced is identified by its value.
+        """
+        try:
+            known = self._anonymous.get(connection_key)
+        except TypeError:
+            return f"anonymous:{type(connection_key).__name__}:{connection_key!r}"
+        if known is None:
+            known = f"anonymous:{next(self._anonymous_serial)}"
+            self._anonymous[connection_key] = known
+        return known
+
+    def _age(self, slot: int) -> int:
+        """When C{slot} last completed a request; smaller is longer ago."""
+        return self._slot_used.get(slot, _NEVER)

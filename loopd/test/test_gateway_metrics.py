@@ -1,0 +1,192 @@
+"""Tests for L{loopd.gateway.metrics}: what C{/metrics} renders after observations."""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+from twisted.trial.unittest import SynchronousTestCase
+
+from loopd.gateway.metrics import GatewayMetrics
+from loopd.llama.types import Timings
+
+#: A sample's labels, and a family's samples keyed by (sample name, labels).
+Labels = frozenset[tuple[str, str]]
+Samples = dict[tuple[str, Labels], float]
+
+
+def scrape(metrics: GatewayMetrics) -> dict[str, Samples]:
+    """Render and parse: family name → (sample name, labels) → value."""
+    body, _ = metrics.render()
+    families: dict[str, Samples] = {}
+    for family in text_string_to_metric_families(body.decode("utf-8")):
+        samples = families.setdefault(family.name, {})
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return families
+
+
+def labels(**values: str) -> Labels:
+    """A label set as scrape() keys it."""
+    return frozenset(values.items())
+
+
+class RenderTests(SynchronousTestCase):
+    """Each family shows up with the right labels and values."""
+
+    def test_content_type(self) -> None:
+        """render() answers bytes and the Prometheus text content type."""
+        body, content_type = GatewayMetrics().render()
+        self.assertIsInstance(body, bytes)
+        self.assertEqual(content_type, CONTENT_TYPE_LATEST)
+        self.assertTrue(content_type.startswith("text/plain;"))
+
+    def test_families_declared_before_any_observation(self) -> None:
+        """Every loopd family is declared, with its type, even before anything happened."""
+        body, _ = GatewayMetrics().render()
+        types = {f.name: f.type for f in text_string_to_metric_families(body.decode())}
+        self.assertEqual(
+            types,
+            {
+                "loopd_requests": "counter",
+                "loopd_time_to_first_token_seconds": "histogram",
+                "loopd_tokens": "counter",
+                "loopd_cache_losses": "counter",
+                "loopd_queue_depth": "gauge",
+            },
+        )
+
+    def test_requests_by_outcome(self) -> None:
+        """Requests are counted per endpoint and outcome."""
+        metrics = GatewayMetrics()
+        metrics.observe_request("main", "ok")
+        metrics.observe_request("main", "ok")
+        metrics.observe_request("main", "busy")
+        metrics.observe_request("other", "context_exceeded")
+        samples = scrape(metrics)["loopd_requests"]
+        name = "loopd_requests_total"
+        self.assertEqual(samples[(name, labels(endpoint="main", outcome="ok"))], 2.0)
+        self.assertEqual(samples[(name, labels(endpoint="main", outcome="busy"))], 1.0)
+        self.assertEqual(samples[(name, labels(endpoint="other", outcome="context_exceeded"))], 1.0)
+        totals = {key for key in samples if key[0] == name}
+        self.assertEqual(len(totals), 3)
+
+    def test_time_to_first_token(self) -> None:
+        """First-token times land in the histogram's buckets, sum and count."""
+        metrics = GatewayMetrics()
+        metrics.observe_first_token("main", 0.003)
+        metrics.observe_first_token("main", 0.2)
+        metrics.observe_first_token("main", 42.0)
+        samples = scrape(metrics)["loopd_time_to_first_token_seconds"]
+        name = "loopd_time_to_first_token_seconds"
+        main = labels(endpoint="main")
+        self.assertEqual(samples[(name + "_count", main)], 3.0)
+        self.assertAlmostEqual(samples[(name + "_sum", main)], 42.203)
+
+        def bucket(le: str) -> float:
+            return samples[(name + "_bucket", labels(endpoint="main", le=le))]
+
+        self.assertEqual(bucket("0.005"), 1.0)
+        self.assertEqual(bucket("0.25"), 2.0)
+        self.assertEqual(bucket("30.0"), 2.0)
+        self.assertEqual(bucket("60.0"), 3.0)
+        self.assertEqual(bucket("+Inf"), 3.0)
+
+    def test_tokens_by_kind(self) -> None:
+        """A completion's timings add prompt, cached and completion tokens."""
+        metrics = GatewayMetrics()
+        metrics.observe_completion("main", Timings(cache_n=100, prompt_n=20, predicted_n=7))
+        metrics.observe_completion("main", Timings(cache_n=120, prompt_n=5, predicted_n=3))
+        samples = scrape(metrics)["loopd_tokens"]
+        name = "loopd_tokens_total"
+        self.assertEqual(samples[(name, labels(endpoint="main", kind="prompt"))], 25.0)
+        self.assertEqual(samples[(name, labels(endpoint="main", kind="cached"))], 220.0)
+        self.assertEqual(samples[(name, labels(endpoint="main", kind="completion"))], 10.0)
+
+    def test_cache_losses(self) -> None:
+        """Cache losses are counted per endpoint."""
+        metrics = GatewayMetrics()
+        metrics.observe_cache_loss("main")
+        metrics.observe_cache_loss("main")
+        metrics.observe_cache_loss("other")
+        samples = scrape(metrics)["loopd_cache_losses"]
+        name = "loopd_cache_losses_total"
+        self.assertEqual(samples[(name, labels(endpoint="main"))], 2.0)
+        self.assertEqual(samples[(name, labels(endpoint="other"))], 1.0)
+
+    def test_queue_depth_explicit(self) -> None:
+        """An explicitly set queue depth is what the next scrape shows."""
+        metrics = GatewayMetrics()
+        metrics.set_queue_depth("main", 3)
+        metrics.set_queue_depth("main", 5)
+        metrics.set_queue_depth("other", 0)
+        samples = scrape(metrics)["loopd_queue_depth"]
+        self.assertEqual(samples[("loopd_queue_depth", labels(endpoint="main"))], 5.0)
+        self.assertEqual(samples[("loopd_queue_depth", labels(endpoint="other"))], 0.0)
+
+    def test_queue_depth_from_callable(self) -> None:
+        """A callable source is read afresh at every scrape."""
+        metrics = GatewayMetrics()
+        depth = [2]
+        metrics.set_queue_depth("main", lambda: depth[0])
+        key = ("loopd_queue_depth", labels(endpoint="main"))
+        self.assertEqual(scrape(metrics)["loopd_queue_depth"][key], 2.0)
+        depth[0] = 7
+        self.assertEqual(scrape(metrics)["loopd_queue_depth"][key], 7.0)
+
+    def test_queue_depth_callable_then_explicit(self) -> None:
+        """Setting a number after a callable replaces the callable."""
+        metrics = GatewayMetrics()
+        metrics.set_queue_depth("main", lambda: 9)
+        metrics.set_queue_depth("main", 4)
+        key = ("loopd_queue_depth", labels(endpoint="main"))
+        self.assertEqual(scrape(metrics)["loopd_queue_depth"][key], 4.0)
+        metrics.set_queue_depth("main", lambda: 6)
+        self.assertEqual(scrape(metrics)["loopd_queue_depth"][key], 6.0)
+
+    def test_queue_depth_callable_failing(self) -> None:
+        """A source that raises is logged and reads NaN; the rest of the scrape survives."""
+        metrics = GatewayMetrics()
+
+        def broken() -> int:
+            raise ZeroDivisionError()
+
+        metrics.set_queue_depth("main", broken)
+        metrics.observe_request("main", "ok")
+        families = scrape(metrics)
+        value = families["loopd_queue_depth"][("loopd_queue_depth", labels(endpoint="main"))]
+        self.assertTrue(math.isnan(value))
+        requests = families["loopd_requests"]
+        self.assertEqual(
+            requests[("loopd_requests_total", labels(endpoint="main", outcome="ok"))], 1.0
+        )
+        self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
+
+
+class IsolationTests(SynchronousTestCase):
+    """Gateways in one process keep their own counts."""
+
+    def test_two_instances_do_not_share(self) -> None:
+        """Observations on one GatewayMetrics never show up in another."""
+        first, second = GatewayMetrics(), GatewayMetrics()
+        first.observe_request("main", "ok")
+        first.observe_cache_loss("main")
+        second.observe_request("main", "busy")
+        one, two = scrape(first), scrape(second)
+        ok = ("loopd_requests_total", labels(endpoint="main", outcome="ok"))
+        busy = ("loopd_requests_total", labels(endpoint="main", outcome="busy"))
+        self.assertEqual(one["loopd_requests"][ok], 1.0)
+        self.assertNotIn(busy, one["loopd_requests"])
+        self.assertEqual(two["loopd_requests"][busy], 1.0)
+        self.assertNotIn(ok, two["loopd_requests"])
+        self.assertEqual(two["loopd_cache_losses"], {})
+
+    def test_not_on_the_global_registry(self) -> None:
+        """Nothing of loopd is registered with prometheus_client's process-wide registry."""
+        GatewayMetrics().observe_request("main", "ok")
+        self.assertIsNot(GatewayMetrics().registry, REGISTRY)
+        self.assertIsNone(REGISTRY.get_sample_value("loopd_requests_total", {}))
+        self.assertIsNone(
+            REGISTRY.get_sample_value("loopd_requests_total", {"endpoint": "main", "outcome": "ok"})
+        )

@@ -1,0 +1,321 @@
+"""Tests for L{loopd.gateway.sessions}: slot choice, records and bounds of the session table."""
+
+from __future__ import annotations
+
+import gc
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from twisted.trial.unittest import SynchronousTestCase
+
+from loopd.gateway.sessions import DEFAULT_MAX_SESSIONS, Sessions
+from loopd.llama.info import CacheOutcome
+from loopd.llama.types import Timings
+
+
+def busy_of(*slots: int):
+    """A busy callable saying that exactly C{slots} are busy."""
+    taken = frozenset(slots)
+    return lambda slot: slot in taken
+
+
+def never_busy(slot: int) -> bool:
+    """No slot is busy."""
+    return False
+
+
+T = Timings(cache_n=10, prompt_n=20, predicted_n=30)
+
+
+class Connection:
+    """A stand-in for a connection object: weakly referenceable, compared by identity."""
+
+
+class ChooseSlotTests(SynchronousTestCase):
+    """choose_slot, rule by rule."""
+
+    def test_new_session_all_free_takes_lowest(self) -> None:
+        """A new session on an idle server gets slot 0."""
+        self.assertEqual(Sessions().choose_slot("a", 4, never_busy), 0)
+
+    def test_keeps_last_slot_when_free(self) -> None:
+        """A session keeps its last slot while it is free, even if others are fresher."""
+        sessions = Sessions()
+        sessions.record("a", 2, T, 64)
+        self.assertEqual(sessions.choose_slot("a", 4, never_busy), 2)
+
+    def test_keeps_last_slot_when_other_slots_busy(self) -> None:
+        """Other slots being busy does not matter when the session's own slot is free."""
+        sessions = Sessions()
+        sessions.record("a", 1, T, 64)
+        self.assertEqual(sessions.choose_slot("a", 3, busy_of(0, 2)), 1)
+
+    def test_new_session_avoids_homes_of_others(self) -> None:
+        """A new session picks a free slot no other session used last."""
+        sessions = Sessions()
+        sessions.record("a", 0, T, 64)
+        sessions.record("b", 1, T, 64)
+        self.assertEqual(sessions.choose_slot("c", 3, never_busy), 2)
+
+    def test_moving_session_avoids_homes_of_others(self) -> None:
+        """A session whose slot is busy moves to a free slot that is nobody's home."""
+        sessions = Sessions()
+        sessions.record("b", 1, T, 64)
+        sessions.record("c", 2, T, 64)
+        sessions.record("c", 3, T, 64)
+        sessions.record("a", 0, T, 64)
+        # Slot 1 was used longer ago than slot 2, but slot 1 is b's home and 2 is nobody's.
+        self.assertEqual(sessions.choose_slot("a", 4, busy_of(0, 3)), 2)
+
+    def test_unclaimed_free_slots_least_recently_used_first(self) -> None:
+        """Among free slots nobody calls home, the least recently used wins."""
+        sessions = Sessions()
+        sessions.record("x", 0, T, 64)
+        sessions.record("y", 1, T, 64)
+        sessions.record("x", 2, T, 64)  # slot 0 is now nobody's home, used before slot 2
+        sessions.record("y", 3, T, 64)  # slot 1 too, used after slot 0
+        self.assertEqual(sessions.choose_slot("new", 4, busy_of(2, 3)), 0)
+
+    def test_never_used_slot_before_used_one(self) -> None:
+        """A slot that never ran a request counts as the least recently used."""
+        sessions = Sessions()
+        sessions.record("x", 1, T, 64)
+        sessions.forget("x")
+        self.assertEqual(sessions.choose_slot("new", 3, busy_of(0)), 2)
+
+    def test_all_free_slots_claimed_takes_least_recently_used(self) -> None:
+        """When every free slot is someone's home, the least recently used free one wins."""
+        sessions = Sessions()
+        sessions.record("b", 1, T, 64)
+        sessions.record("c", 2, T, 64)
+        sessions.record("a", 0, T, 64)
+        self.assertEqual(sessions.choose_slot("a", 3, busy_of(0)), 1)
+        sessions.record("b", 1, T, 64)
+        self.assertEqual(sessions.choose_slot("a", 3, busy_of(0)), 2)
+
+    def test_all_busy_known_session_queues_on_its_slot(self) -> None:
+        """With every slot busy, a known session stays on its last slot."""
+        sessions = Sessions()
+        sessions.record("b", 0, T, 64)
+        sessions.record("c", 0, T, 64)
+        sessions.record("a", 0, T, 64)
+        self.assertEqual(sessions.choose_slot("a", 2, busy_of(0, 1)), 0)
+
+    def test_all_busy_new_session_takes_slot_with_fewest_sessions(self) -> None:
+        """With every slot busy, a new session goes where the fewest sessions live."""
+        sessions = Sessions()
+        sessions.record("a", 0, T, 64)
+        sessions.record("b", 0, T, 64)
+        sessions.record("c", 2, T, 64)
+        sessions.record("d", 1, T, 64)
+        sessions.record("e", 1, T, 64)
+        self.assertEqual(sessions.choose_slot("new", 3, busy_of(0, 1, 2)), 2)
+
+    def test_all_busy_new_session_tie_goes_to_least_recently_used(self) -> None:
+        """Slots with equally many sessions are told apart by when they were last used."""
+        sessions = Sessions()
+        sessions.record("a", 1, T, 64)
+        sessions.record("b", 0, T, 64)
+        self.assertEqual(sessions.choose_slot("new", 2, busy_of(0, 1)), 1)
+
+    def test_single_slot(self) -> None:
+        """With one slot, every session gets slot 0, busy or not."""
+        sessions = Sessions()
+        sessions.record("a", 0, T, 64)
+        self.assertEqual(sessions.choose_slot("a", 1, busy_of(0)), 0)
+        self.assertEqual(sessions.choose_slot("b", 1, busy_of(0)), 0)
+        self.assertEqual(sessions.choose_slot("b", 1, never_busy), 0)
+
+    def test_last_slot_out_of_range_is_ignored(self) -> None:
+        """A remembered slot beyond n_slots (the server shrank) is treated as no slot."""
+        sessions = Sessions()
+        sessions.record("a", 5, T, 64)
+        self.assertEqual(sessions.choose_slot("a", 2, never_busy), 0)
+        self.assertEqual(sessions.choose_slot("a", 2, busy_of(0, 1)), 0)
+
+    def test_choose_does_not_change_the_table(self) -> None:
+        """choose_slot neither adds the session nor changes its last slot."""
+        sessions = Sessions()
+        sessions.choose_slot("a", 2, never_busy)
+        self.assertEqual(len(sessions), 0)
+        sessions.record("b", 0, T, 64)
+        self.assertEqual(sessions.choose_slot("b", 2, busy_of(0)), 1)
+        self.assertEqual(sessions.last_slot("b"), 0)
+
+    def test_no_slots_is_an_error(self) -> None:
+        """n_slots below 1 is a ValueError."""
+        self.assertRaises(ValueError, Sessions().choose_slot, "a", 0, never_busy)
+
+
+class RecordTests(SynchronousTestCase):
+    """record, forget and the table's bound."""
+
+    def test_first_record_has_no_outcome(self) -> None:
+        """A session's first completion has nothing to compare with."""
+        self.assertIsNone(Sessions().record("a", 0, T, 64))
+
+    def test_hit(self) -> None:
+        """Reusing the whole previous context is not a loss."""
+        sessions = Sessions()
+        sessions.record("a", 0, Timings(cache_n=0, prompt_n=100, predicted_n=20), 64)
+        outcome = sessions.record("a", 0, Timings(cache_n=120, prompt_n=15, predicted_n=5), 64)
+        self.assertEqual(outcome, CacheOutcome(loss=False, expected=120, cached=120))
+
+    def test_loss_with_both_numbers(self) -> None:
+        """Falling more than the threshold short is a loss reporting expected and cached."""
+        sessions = Sessions()
+        sessions.record("a", 0, Timings(cache_n=50, prompt_n=100, predicted_n=50), 64)
+        outcome = sessions.record("a", 1, Timings(cache_n=10, prompt_n=250), 64)
+        self.assertEqual(outcome, CacheOutcome(loss=True, expected=200, cached=10))
+
+    def test_threshold_is_passed_through(self) -> None:
+        """The same shortfall is a loss or not depending on the threshold given."""
+        sessions = Sessions()
+        sessions.record("a", 0, Timings(prompt_n=100), 64)
+        outcome = sessions.record("a", 0, Timings(cache_n=90), 5)
+        self.assertEqual(outcome, CacheOutcome(loss=True, expected=100, cached=90))
+        outcome = sessions.record("a", 0, Timings(cache_n=80), 64)
+        self.assertEqual(outcome, CacheOutcome(loss=False, expected=90, cached=80))
+
+    def test_sessions_are_independent(self) -> None:
+        """One session's completions are never compared with another's."""
+        sessions = Sessions()
+        sessions.record("a", 0, Timings(prompt_n=1000), 64)
+        self.assertIsNone(sessions.record("b", 0, Timings(cache_n=0, prompt_n=5), 64))
+
+    def test_record_remembers_slot(self) -> None:
+        """The slot of the latest completion is the session's last slot."""
+        sessions = Sessions()
+        sessions.record("a", 0, T, 64)
+        sessions.record("a", 3, T, 64)
+        self.assertEqual(sessions.last_slot("a"), 3)
+        self.assertIsNone(sessions.last_slot("b"))
+
+    def test_bound_evicts_least_recently_recorded(self) -> None:
+        """Past max_sessions the session recorded longest ago is forgotten."""
+        sessions = Sessions(max_sessions=2)
+        sessions.record("a", 0, T, 64)
+        sessions.record("b", 1, T, 64)
+        sessions.record("a", 0, T, 64)
+        sessions.record("c", 2, T, 64)
+        self.assertEqual(len(sessions), 2)
+        self.assertIsNone(sessions.last_slot("b"))
+        self.assertEqual(sessions.last_slot("a"), 0)
+        self.assertIsNone(sessions.record("b", 1, T, 64))
+
+    def test_evicted_session_no_longer_claims_its_slot(self) -> None:
+        """Once a session is evicted its slot is nobody's home again."""
+        sessions = Sessions(max_sessions=2)
+        sessions.record("a", 0, T, 64)
+        sessions.record("b", 1, T, 64)
+        sessions.record("c", 1, T, 64)  # evicts a
+        self.assertEqual(sessions.choose_slot("new", 3, busy_of(2)), 0)
+
+    def test_forget(self) -> None:
+        """A forgotten session is gone and no longer claims its slot."""
+        sessions = Sessions()
+        sessions.record("a", 0, T, 64)
+        sessions.forget("a")
+        sessions.forget("never-seen")
+        self.assertEqual(len(sessions), 0)
+        self.assertIsNone(sessions.record("a", 0, T, 64))
+
+    def test_default_bound(self) -> None:
+        """The default table holds 1024 sessions."""
+        sessions = Sessions()
+        for n in range(DEFAULT_MAX_SESSIONS + 10):
+            sessions.record(str(n), 0, T, 64)
+        self.assertEqual(len(sessions), 1024)
+        self.assertIsNone(sessions.last_slot("9"))
+        self.assertEqual(sessions.last_slot("10"), 0)
+
+    def test_bound_must_be_positive(self) -> None:
+        """max_sessions below 1 is a ValueError."""
+        self.assertRaises(ValueError, Sessions, 0)
+
+
+class AnonymousTests(SynchronousTestCase):
+    """anonymous_id: one session per connection."""
+
+    def test_stable_per_connection(self) -> None:
+        """The same connection always gets the same id."""
+        sessions = Sessions()
+        connection = Connection()
+        self.assertEqual(sessions.anonymous_id(connection), sessions.anonymous_id(connection))
+
+    def test_distinct_connections(self) -> None:
+        """Two connections get different ids."""
+        sessions = Sessions()
+        self.assertNotEqual(
+            sessions.anonymous_id(Connection()), sessions.anonymous_id(Connection())
+        )
+
+    def test_not_reused_after_connection_is_gone(self) -> None:
+        """A connection created after another was collected never inherits its id."""
+        sessions = Sessions()
+        first = Connection()
+        old = sessions.anonymous_id(first)
+        del first
+        gc.collect()
+        self.assertNotEqual(sessions.anonymous_id(Connection()), old)
+
+    def test_value_keys(self) -> None:
+        """Keys that cannot be weakly referenced are told apart by value."""
+        sessions = Sessions()
+        self.assertEqual(sessions.anonymous_id(7), sessions.anonymous_id(7))
+        self.assertNotEqual(sessions.anonymous_id(7), sessions.anonymous_id(8))
+        self.assertNotEqual(sessions.anonymous_id(7), sessions.anonymous_id("7"))
+        self.assertEqual(sessions.anonymous_id(("a", 1)), sessions.anonymous_id(("a", 1)))
+
+
+records = st.lists(
+    st.tuples(st.sampled_from("abcd"), st.integers(min_value=0, max_value=7)), max_size=30
+)
+
+
+@st.composite
+def scenarios(draw):
+    """A history of records on a server of n_slots, the asking session and the busy slots."""
+    n_slots = draw(st.integers(min_value=1, max_value=6))
+    # One slot past the end now and then: a server restarted with fewer slots.
+    slot = st.integers(min_value=0, max_value=n_slots)
+    history = draw(st.lists(st.tuples(st.sampled_from("abcd"), slot), max_size=30))
+    busy = draw(st.lists(st.booleans(), min_size=n_slots, max_size=n_slots))
+    # Mostly a session recorded lately (likely still in the table), sometimes a new one.
+    session = draw(st.sampled_from([name for name, _ in history[-3:]] + ["new"]))
+    return (
+        history,
+        draw(st.integers(min_value=1, max_value=6)),
+        n_slots,
+        session,
+        frozenset(i for i, b in enumerate(busy) if b),
+    )
+
+
+class PropertyTests(SynchronousTestCase):
+    """Properties of choose_slot and the bound over any history."""
+
+    @settings(max_examples=400)
+    @given(scenarios())
+    def test_choose_slot(self, scenario) -> None:
+        """The choice is in range, keeps a free last slot and never takes a busy slot needlessly."""
+        history, max_sessions, n_slots, session, busy = scenario
+        sessions = Sessions(max_sessions)
+        for name, slot in history:
+            sessions.record(name, slot, T, 64)
+        chosen = sessions.choose_slot(session, n_slots, busy.__contains__)
+        self.assertTrue(0 <= chosen < n_slots)
+        last = sessions.last_slot(session)
+        if last is not None and last < n_slots and last not in busy:
+            self.assertEqual(chosen, last)
+        if any(slot not in busy for slot in range(n_slots)):
+            self.assertNotIn(chosen, busy)
+
+    @given(history=records, max_sessions=st.integers(min_value=1, max_value=6))
+    def test_bounded(self, history, max_sessions) -> None:
+        """The table never holds more than max_sessions, and always the latest recorded one."""
+        sessions = Sessions(max_sessions)
+        for name, slot in history:
+            sessions.record(name, slot, T, 64)
+            self.assertLessEqual(len(sessions), max_sessions)
+            self.assertEqual(sessions.last_slot(name), slot)
