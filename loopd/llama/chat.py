@@ -209,6 +209,8 @@ class ChatCall:
         polling.addCallbacks(self._slots_answered, self._slots_failed)
 
     def _slots_answered(self, value: object) -> None:
+        if self._finished or self._response is not None:
+            return
         try:
             busy = slot_busy(parse_slots(value), self._request.slot)
         except Protocol as e:
@@ -234,7 +236,9 @@ class ChatCall:
         since = self._state_since.setdefault(state, now)
         self._on_event(Waiting(slot_busy=state == "busy", loading=state == "loading"))
         limits = self._config.limits
-        waited = (now - since) * 1000
+        # Clock times are float sums (0.05 * 3 is 0.15000000000000002): a difference can fall
+        # a hair short of a limit, so compare whole nanoseconds.
+        waited = round((now - since) * 1000, 6)
         if state == "busy" and waited >= limits.busy_wait_ms:
             self._fail(WaitTimeout(f"slot {self._request.slot} busy for {waited:.0f} ms"))
         elif state == "loading" and waited >= limits.load_wait_ms:
@@ -251,17 +255,35 @@ class ChatCall:
             response.abort()
             return
         self._response = response
-        self._disarm()
-        if response.status != 200:
-            reading = self._track(response.read_body())
-            reading.addCallbacks(
-                lambda raw: self._fail(Http(response.status, raw.decode("utf-8", "replace"))),
-                self._fail,
-            )
-            return
         self._arm(self._config.limits.liveness_ms, self._silent)
+        if response.status != 200:
+            self._read_error(response)
+            return
         streaming = self._track(response.deliver(self._data_received))
         streaming.addCallbacks(self._body_ended, self._fail)
+
+    def _read_error(self, response: http.HttpResponse) -> None:
+        """
+        Read an error body under the body cap, with the liveness limit between reads, then
+        fail with L{Http}.
+        """
+        pieces: list[bytes] = []
+        cap = self._config.caps.body_bytes
+        received = 0
+
+        def collect(data: bytes) -> None:
+            nonlocal received
+            self._arm(self._config.limits.liveness_ms, self._silent)
+            received += len(data)
+            if received > cap:
+                raise Protocol(f"error body over {cap} bytes")
+            pieces.append(data)
+
+        def failed(_: object) -> None:
+            self._fail(Http(response.status, b"".join(pieces).decode("utf-8", "replace")))
+
+        reading = self._track(response.deliver(collect))
+        reading.addCallbacks(failed, self._fail)
 
     def _silent(self) -> None:
         self._timer = None

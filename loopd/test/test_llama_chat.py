@@ -1,0 +1,499 @@
+"""
+Tests for L{loopd.llama.chat}: one chat request against the scripted fake llama-server in
+memory on a C{MemoryReactorClock} (L{MemoryNet}), every limit between 50 and 200 ms. Nothing
+sleeps: the clock jumps from one scheduled call to the next, so every event, failure and close
+has an exact clock time, which the tests assert (to 1e-9 s: sums of 0.05 are not exact in
+binary). L{loopd.test.test_llama_chat_thinking} has the thinking cap, cancellation and kind
+C{openai}, with the same L{Harness} and L{ChatTestCase}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.testing import MemoryReactorClock
+from twisted.trial.unittest import SynchronousTestCase
+
+import loopd
+from loopd.config import Caps, Config, Endpoint, Limits
+from loopd.llama.chat import ChatCall
+from loopd.llama.types import (
+    ChatEvent,
+    ChatRequest,
+    Completion,
+    Content,
+    FinishReason,
+    Http,
+    LoadTimeout,
+    Progress,
+    Protocol,
+    Reasoning,
+    Stalled,
+    StreamClosedEarly,
+    Timings,
+    ToolCall,
+    ToolCallDelta,
+    User,
+    Waiting,
+    WaitTimeout,
+)
+from loopd.test.support.fake_llama import (
+    CHAT,
+    LOADING,
+    SLOTS,
+    SSE_HEADERS,
+    ConnectionRecord,
+    FakeLlama,
+    Piece,
+    Reply,
+    ReplySource,
+    error_reply,
+    event_bytes,
+    slots_reply,
+    sse_reply,
+)
+from loopd.test.support.memory_net import MemoryNet
+
+FIXTURES = Path(loopd.__file__).resolve().parent.parent / "fixtures" / "transcripts"
+#: The fake's socket path: in memory only, nothing is created on disk.
+PATH = "/tmp/ld-chat/llama.sock"
+LIMITS = Limits(poll_ms=50, busy_wait_ms=200, load_wait_ms=150, idle_grace_ms=100, liveness_ms=80)
+REQUEST = ChatRequest(slot=0, messages=(User("Hi"),))
+HELLO = ["Hello", " from", " the", " tiny", " model", "!"]
+THOUGHT = ["Let", " me", " think", " about", " this", "..."]
+ANSWER, THINKING = "".join(HELLO), "".join(THOUGHT)
+#: The events of thinking.sse; they stay the same when the transcripts are re-recorded.
+THINKING_EVENTS: list[ChatEvent] = [Progress(21, 20, 20), Progress(21, 20, 21)]
+THINKING_EVENTS += [*map(Reasoning, THOUGHT), *map(Content, HELLO)]
+NEVER = math.inf
+#: A chat request that is never answered, not even with headers (a slot that never frees).
+UNANSWERED = sse_reply([], headers_delay=NEVER)
+
+
+def make_config(kind: Any = "llama-server", model: str | None = "tiny", **changes: Any) -> Config:
+    """One endpoint at L{PATH}, of this kind and model, the test limits, and C{changes}."""
+    endpoint = Endpoint(name="tiny", socket=PATH, kind=kind, model=model)
+    return Config(endpoints=(endpoint,), max_tokens=300, limits=LIMITS, **changes)
+
+
+def at(seconds: float | None) -> float | None:
+    """A clock time rounded to the nanosecond, to compare with the time a test expects."""
+    return None if seconds is None else round(seconds, 9)
+
+
+def transcript_events(name: str) -> list[bytes]:
+    """The SSE events of a recorded transcript, each with its blank line, C{[DONE]} included."""
+    raw = (FIXTURES / name).read_bytes()
+    return [event + b"\n\n" for event in raw.split(b"\n\n") if event]
+
+
+def transcript_chunks(name: str) -> list[dict[str, Any]]:
+    """The JSON chunks of a recorded transcript, C{[DONE]} left out."""
+    data = [event.decode("utf-8").strip()[6:] for event in transcript_events(name)]
+    return [json.loads(text) for text in data if text != "[DONE]"]
+
+
+def stream(events: list[bytes], delay_s: float = 0.0, **changes: Any) -> Reply:
+    """A 200 stream of these raw events, one piece each C{delay_s} apart, no C{[DONE]} added."""
+    reply = sse_reply([Piece(delay_s, event) for event in events], done=False)
+    return dataclasses.replace(reply, **changes)
+
+
+def last_timings(name: str) -> Timings:
+    """The timings of the last chunk of a transcript, which the completion must keep."""
+    timings = transcript_chunks(name)[-1]["timings"]
+    keys = ("cache_n", "prompt_n", "predicted_n", "predicted_per_second")
+    return Timings(*(timings[key] for key in keys))
+
+
+class Harness:
+    """One L{ChatCall} against a L{FakeLlama} on a L{MemoryNet}; events and end timed."""
+
+    def __init__(self, config: Config | None = None, request: ChatRequest = REQUEST) -> None:
+        """A fresh clock, fake and network; C{config} defaults to L{make_config}'s."""
+        self.reactor = MemoryReactorClock()
+        self.fake = FakeLlama(self.reactor)
+        self.net = MemoryNet(self.reactor)
+        self.net.listen(PATH, self.fake)
+        self.config = config or make_config()
+        self.request = request
+        self.events: list[tuple[float, ChatEvent]] = []
+        self.ended_at: float | None = None
+
+    def start(self, chat: Reply | None = None, slots: ReplySource | None = None) -> Deferred[Any]:
+        """Script the chat reply and the default C{/slots} answer, then run the call."""
+        if chat is not None:
+            self.fake.script("POST", CHAT, chat)
+        if slots is not None:
+            self.fake.set_default("GET", SLOTS, slots)
+        endpoint = self.config.endpoints[0]
+        d = ChatCall(self.reactor, self.config, endpoint, self.request, self._event).run()
+        d.addBoth(self._ended)
+        self.net.pump()
+        return d
+
+    def _event(self, event: ChatEvent) -> None:
+        self.events.append((self.reactor.seconds(), event))
+
+    def _ended(self, result: object) -> object:
+        self.ended_at = self.reactor.seconds()
+        return result
+
+    def run(self, chat: Reply | None = None, slots: ReplySource | None = None) -> Deferred[Any]:
+        """L{start}, then L{run_to_end}."""
+        d = self.start(chat, slots)
+        self.run_to_end()
+        return d
+
+    def run_to_end(self, limit: float = 10.0) -> None:
+        """Run the clock to the call's end, not past it (a timer left is still seen)."""
+        while self.ended_at is None:
+            due = [call.getTime() for call in self.reactor.getDelayedCalls()]
+            soonest = min((when for when in due if when <= limit), default=None)
+            if soonest is None:
+                return
+            self.net.run_to(soonest)
+
+    def of(self, *kinds: type[ChatEvent]) -> list[ChatEvent]:
+        """The events of these kinds (every event when none is given), in order."""
+        return [event for _, event in self.events if not kinds or isinstance(event, kinds)]
+
+    def times(self, kind: type[ChatEvent]) -> list[float | None]:
+        """The clock times of the events of one kind."""
+        return [at(when) for when, event in self.events if isinstance(event, kind)]
+
+    def chat_connection(self) -> ConnectionRecord:
+        """The connection that carried the chat request."""
+        [request] = self.fake.requests_to("POST", CHAT)
+        return request.connection
+
+    def slots_polls(self) -> list[float | None]:
+        """The clock times at which C{/slots} was asked."""
+        return [at(r.received_at) for r in self.fake.requests_to("GET", SLOTS)]
+
+
+class ChatTestCase(SynchronousTestCase):
+    """Assertions shared by the chat tests; no tests of its own."""
+
+    def assert_closed_by_client(self, record: ConnectionRecord, when: float) -> None:
+        """The client closed C{record}'s connection at clock time C{when}."""
+        self.assertEqual((record.client_closed, at(record.closed_at)), (True, at(when)))
+
+    def assert_settled(self, h: Harness, when: float) -> None:
+        """The call ended at clock time C{when}; no timer is left, no connection is open."""
+        h.net.pump()
+        self.assertEqual(at(h.ended_at), at(when))
+        self.assertEqual((h.reactor.getDelayedCalls(), h.net.open_connections()), ([], []))
+
+    def assert_failed(self, h: Harness, d: Deferred[Any], kind: Any, when: float) -> Any:
+        """C{d} failed with C{kind} at clock time C{when}, and settled; returns the error."""
+        error = self.failureResultOf(d, kind).value
+        self.assert_settled(h, when)
+        return error
+
+    def assert_answered(self, h: Harness, d: Deferred[Any], when: float) -> Completion:
+        """C{d} fired with a completion at clock time C{when}, and settled; returns it."""
+        completion: Completion = self.successResultOf(d)
+        self.assert_settled(h, when)
+        return completion
+
+
+class StreamTests(ChatTestCase):
+    """A whole recorded stream gives its events in order and the completion."""
+
+    def test_thinking_transcript(self) -> None:
+        """thinking.sse: events in order, the completion, and no /slots poll."""
+        h = Harness()
+        d = h.run(stream(transcript_events("thinking.sse"), 0.01))
+        first_id, timings = transcript_chunks("thinking.sse")[0]["id"], last_timings("thinking.sse")
+        expected = Completion(first_id, ANSWER, THINKING, (), FinishReason.STOP, timings, 7)
+        # 17 events 10 ms apart; the answer ends with the 17th, [DONE].
+        self.assertEqual(self.assert_answered(h, d, 0.17), expected)
+        self.assertEqual(h.of(), THINKING_EVENTS)
+        self.assertEqual(h.slots_polls(), [])
+
+    def test_request_body(self) -> None:
+        """The body on the wire has the seed's fields, from the request and the config."""
+        h = Harness(request=ChatRequest(slot=1, messages=(User("Hi"),)))
+        h.start(stream(transcript_events("plain.sse")))
+        [request] = h.fake.requests_to("POST", CHAT)
+        seed = dict(model="tiny", stream=True, id_slot=1, cache_prompt=True, return_progress=True)
+        seed.update(timings_per_token=True, reasoning_control=True, max_tokens=300)
+        self.assertEqual({key: request.json.get(key) for key in seed}, seed)
+        self.assertEqual(request.json["messages"], [{"role": "user", "content": "Hi"}])
+        self.assertEqual(request.header("connection"), "close")
+
+    def test_tool_call_transcript(self) -> None:
+        """tool-call.sse: reasoning, then tool-call deltas, then the assembled call."""
+        h = Harness()
+        d = h.start(stream(transcript_events("tool-call.sse")))
+        completion = self.assert_answered(h, d, 0)
+        first = transcript_chunks("tool-call.sse")[9]["choices"][0]["delta"]["tool_calls"][0]
+        progress = [Progress(total=469, cache=1, processed=n) for n in (1, 469)]
+        self.assertEqual(h.of()[:8], progress + [Reasoning(text) for text in THOUGHT])
+        deltas = h.of()[8:]
+        self.assertEqual(deltas[0], ToolCallDelta(0, first["id"], "get_weather", "{"))
+        self.assertEqual((len(deltas), h.of(ToolCallDelta)), (12, deltas))
+        call = ToolCall(first["id"], "get_weather", '{"city":"test"}')
+        self.assertEqual(
+            (completion.tool_calls, completion.finish_reason, completion.content),
+            ((call,), FinishReason.TOOL_CALLS, None),
+        )
+
+    def test_progress_counts_as_life(self) -> None:
+        """progress.sse 60 ms apart: seven Progress events, well past the liveness limit."""
+        h = Harness()
+        events = transcript_events("progress.sse")
+        d = h.run(stream(events, 0.06))
+        self.assertEqual(self.assert_answered(h, d, 0.06 * len(events)).content, ANSWER)
+        progress = [Progress(3044, 0, n) for n in (0, 512, 1024, 1536, 2048, 2560, 3044)]
+        self.assertEqual(h.of(Progress), progress)
+        self.assertEqual(h.times(Progress), [at(0.06 * n) for n in range(1, 8)])
+
+    @given(st.lists(st.tuples(st.integers(1, 7720), st.integers(0, 79)), max_size=30))
+    def test_any_split_same_completion(self, cuts: list[tuple[int, int]]) -> None:
+        """Any split of thinking.sse into pieces under the liveness limit: the same result."""
+        raw = b"".join(transcript_events("thinking.sse"))
+        delays = dict(sorted(cuts))
+        bounds = sorted({0, len(raw), *(min(cut, len(raw)) for cut in delays)})
+        pieces = [
+            Piece(delays.get(start, 0) / 1000, raw[start:end])
+            for start, end in zip(bounds, bounds[1:], strict=False)
+        ]
+        h = Harness()
+        d = h.run(sse_reply(pieces, done=False))
+        completion = self.assert_answered(h, d, sum(piece.delay_s for piece in pieces))
+        self.assertEqual(
+            (completion.content, completion.reasoning_content, completion.reasoning_tokens),
+            (ANSWER, THINKING, 7),
+        )
+        self.assertEqual(completion.timings, last_timings("thinking.sse"))
+        self.assertEqual(h.of(), THINKING_EVENTS)
+
+
+class FirstByteTests(ChatTestCase):
+    """Before the first byte: a /slots poll and a Waiting event every poll_ms."""
+
+    def test_busy_then_wait_timeout(self) -> None:
+        """A busy slot waits busy_wait_ms from the first busy poll, then WaitTimeout."""
+        h = Harness()
+        d = h.run(UNANSWERED, slots_reply(True))
+        self.assert_failed(h, d, WaitTimeout, 0.25)
+        polls = [0.05, 0.1, 0.15, 0.2, 0.25]
+        self.assertEqual((h.slots_polls(), h.times(Waiting)), (polls, polls))
+        self.assertEqual(h.of(), [Waiting(slot_busy=True)] * 5)
+        self.assertEqual(len({r.connection.number for r in h.fake.requests}), 6)
+        self.assert_closed_by_client(h.chat_connection(), 0.25)
+
+    def test_busy_slot_of_the_request(self) -> None:
+        """The slot judged is the request's own: slot 1 busy, slot 0 idle, still busy."""
+        h = Harness(request=ChatRequest(slot=1, messages=(User("Hi"),)))
+        d = h.run(UNANSWERED, slots_reply([False, True]))
+        self.assert_failed(h, d, WaitTimeout, 0.25)
+        self.assertEqual(set(h.of()), {Waiting(slot_busy=True)})
+
+    def test_busy_clock_restarts(self) -> None:
+        """Busy, idle, then busy again: the busy wait counts from the second busy spell."""
+        h = Harness()
+        d = h.start(UNANSWERED, slots_reply(True))
+        h.fake.script("GET", SLOTS, slots_reply(True), slots_reply(False))
+        h.net.run_to(0.3)
+        self.assertNoResult(d)
+        busy, idle = Waiting(slot_busy=True), Waiting(slot_busy=False)
+        self.assertEqual(h.of(), [busy, idle, busy, busy, busy, busy])
+        d.cancel()
+        self.assert_failed(h, d, CancelledError, 0.3)
+
+    def test_loading_503_then_load_timeout(self) -> None:
+        """/slots answering 503 (loading) waits load_wait_ms, then LoadTimeout."""
+        h = Harness()
+        d = h.run(UNANSWERED, LOADING)
+        self.assert_failed(h, d, LoadTimeout, 0.2)
+        self.assertEqual(h.times(Waiting), [0.05, 0.1, 0.15, 0.2])
+        self.assertEqual(set(h.of()), {Waiting(slot_busy=False, loading=True)})
+        self.assert_closed_by_client(h.chat_connection(), 0.2)
+
+    def test_slots_refused_or_silent_is_loading(self) -> None:
+        """/slots refused, or closed without a byte of reply: loading, then LoadTimeout."""
+        for refused in [True, False]:
+            h = Harness()
+            d = h.start(UNANSWERED, Reply(head=b""))
+            if refused:
+                h.net.stop_listening(PATH, stale=True)
+            h.run_to_end()
+            self.assert_failed(h, d, LoadTimeout, 0.2)
+            self.assertEqual(h.times(Waiting), [0.05, 0.1, 0.15, 0.2])
+            self.assertEqual(set(h.of()), {Waiting(slot_busy=False, loading=True)})
+            self.assertEqual(h.slots_polls(), [] if refused else [0.05, 0.1, 0.15, 0.2])
+            self.assert_closed_by_client(h.chat_connection(), 0.2)
+
+    def test_hanging_slots_is_loading(self) -> None:
+        """A /slots poll with no answer within poll_ms counts as failing, and is closed."""
+        h = Harness()
+        d = h.run(UNANSWERED, dataclasses.replace(slots_reply(False), headers_delay=NEVER))
+        # Each poll waits poll_ms for its answer, so the judgements come 100 ms apart.
+        self.assert_failed(h, d, LoadTimeout, 0.3)
+        self.assertEqual(h.slots_polls(), [0.05, 0.15, 0.25])
+        self.assertEqual(h.times(Waiting), [0.1, 0.2, 0.3])
+        self.assertEqual(set(h.of()), {Waiting(slot_busy=False, loading=True)})
+        polls = [r.connection for r in h.fake.requests_to("GET", SLOTS)]
+        for record, closed in zip(polls, [0.1, 0.2, 0.3], strict=True):
+            self.assert_closed_by_client(record, closed)
+
+    def test_idle_then_stalled(self) -> None:
+        """An idle slot and still no byte for idle_grace_ms: Stalled."""
+        h = Harness()
+        d = h.run(UNANSWERED, slots_reply(False))
+        self.assert_failed(h, d, Stalled, 0.15)
+        self.assertEqual(h.times(Waiting), [0.05, 0.1, 0.15])
+        self.assertEqual(set(h.of()), {Waiting(slot_busy=False)})
+        self.assert_closed_by_client(h.chat_connection(), 0.15)
+
+    def test_idle_grace_counts_from_first_idle_poll(self) -> None:
+        """Busy, then idle: the idle grace counts from the first idle poll."""
+        h = Harness()
+        h.fake.script("GET", SLOTS, slots_reply(True))
+        d = h.run(UNANSWERED, slots_reply(False))
+        self.assert_failed(h, d, Stalled, 0.2)
+        self.assertEqual(h.of(), [Waiting(slot_busy=True)] + [Waiting(slot_busy=False)] * 3)
+
+    def test_busy_then_free_then_answer(self) -> None:
+        """A slot busy, then free, then the answer: a completion, no error, no more polls."""
+        h = Harness()
+        h.fake.script("GET", SLOTS, slots_reply(True), slots_reply(True))
+        d = h.run(stream(transcript_events("plain.sse"), headers_delay=0.17), slots_reply(False))
+        self.assertEqual(self.assert_answered(h, d, 0.17).content, ANSWER)
+        waits = [Waiting(slot_busy=True)] * 2 + [Waiting(slot_busy=False)]
+        self.assertEqual(h.of(Waiting), waits)
+        self.assertEqual(h.slots_polls(), [0.05, 0.1, 0.15])
+
+    def test_late_slots_answer_after_headers(self) -> None:
+        """A /slots answer that comes after the headers adds no Waiting and ends nothing."""
+        h = Harness()
+        late = dataclasses.replace(slots_reply(True), headers_delay=0.03)
+        events = transcript_events("plain.sse")
+        d = h.run(stream(events, 0.01, headers_delay=0.06), late)
+        self.assertEqual(self.assert_answered(h, d, 0.06 + 0.01 * len(events)).content, ANSWER)
+        self.assertEqual((h.slots_polls(), h.of(Waiting)), ([0.05], []))
+
+
+class LivenessTests(ChatTestCase):
+    """After the first byte: silence past liveness_ms is Stalled; anything sent is life."""
+
+    def test_silence_after_data(self) -> None:
+        """Two chunks, then silence: Stalled liveness_ms after the last byte, closed."""
+        h = Harness()
+        d = h.run(stream(transcript_events("thinking.sse")[:2], 0.03, end="silence"))
+        self.assert_failed(h, d, Stalled, 0.14)
+        self.assertEqual(h.times(Progress), [0.03, 0.06])
+        self.assert_closed_by_client(h.chat_connection(), 0.14)
+
+    def test_silence_after_headers(self) -> None:
+        """Headers and then nothing: Stalled liveness_ms after the headers."""
+        h = Harness()
+        d = h.run(stream([], end="silence", headers_delay=0.02))
+        self.assert_failed(h, d, Stalled, 0.1)
+        self.assertEqual(h.of(), [])
+        self.assert_closed_by_client(h.chat_connection(), 0.1)
+
+    def test_pieces_just_inside_liveness(self) -> None:
+        """Every piece 79 ms after the one before keeps the stream alive to the end."""
+        h = Harness()
+        events = transcript_events("plain.sse")
+        d = h.run(stream(events, 0.079))
+        self.assertEqual(self.assert_answered(h, d, 0.079 * len(events)).content, ANSWER)
+
+    def test_one_gap_past_liveness(self) -> None:
+        """One gap of 81 ms among 79 ms ones: Stalled 80 ms after the piece before it."""
+        h = Harness()
+        pieces = [Piece(0.079, event) for event in transcript_events("plain.sse")]
+        pieces[5] = dataclasses.replace(pieces[5], delay_s=0.081)
+        d = h.run(sse_reply(pieces, done=False))
+        self.assert_failed(h, d, Stalled, 0.079 * 5 + 0.08)
+        self.assert_closed_by_client(h.chat_connection(), 0.079 * 5 + 0.08)
+
+    def test_ping_counts_as_life(self) -> None:
+        """SSE ping comments 70 ms apart keep a quiet stream alive for half a second."""
+        h = Harness()
+        events = transcript_events("plain.sse")
+        pieces = [Piece(0, events[0]), *[Piece(0.07, b":\n\n")] * 7]
+        pieces += [Piece(0.07, event) for event in events[1:]]
+        d = h.run(sse_reply(pieces, done=False))
+        completion = self.assert_answered(h, d, 0.07 * (len(pieces) - 1))
+        self.assertEqual(completion.content, ANSWER)
+
+
+class EndingTests(ChatTestCase):
+    """The ways a stream ends badly, each a typed error."""
+
+    def test_no_finish_reason(self) -> None:
+        """A body without a finish_reason, with or without [DONE]: StreamClosedEarly."""
+        events = transcript_events("plain.sse")
+        for body in [events[:-2] + events[-1:], events[:-2]]:
+            h = Harness()
+            d = h.run(stream(body, 0.01))
+            self.assert_failed(h, d, StreamClosedEarly, 0.01 * len(body))
+            self.assertEqual(h.of(Content), [Content(text) for text in HELLO])
+
+    def test_body_cut(self) -> None:
+        """A body cut between events or mid-line: StreamClosedEarly at the cut."""
+        events = transcript_events("thinking.sse")
+        for body, thought in [(events[:8], 5), (events[:7] + [events[7][:40]], 4)]:
+            h = Harness()
+            d = h.run(stream(body, 0.01, end="cut"))
+            self.assert_failed(h, d, StreamClosedEarly, 0.08)
+            self.assertEqual(h.of(Reasoning), [Reasoning(text) for text in THOUGHT[:thought]])
+
+    def test_error_event(self) -> None:
+        """error.sse: the mid-stream error event is Http 500 with its body, no completion."""
+        h = Harness()
+        events = transcript_events("error.sse")
+        d = h.run(stream(events, 0.001))
+        error = self.assert_failed(h, d, Http, 0.001 * len(events))
+        self.assertEqual((error.status, error.context_exceeded), (500, False))
+        message = json.loads(error.body)["error"]["message"]
+        self.assertEqual(message, "Context size has been exceeded.")
+        self.assertEqual(len(h.of(Reasoning)), 107)
+
+    def test_context_exceeded(self) -> None:
+        """HTTP 400 exceed_context_size_error before the stream: Http with context_exceeded."""
+        h = Harness()
+        message = "request (9 tokens) exceeds the available context size (8 tokens)"
+        reply = error_reply(400, "exceed_context_size_error", message, n_prompt_tokens=9, n_ctx=8)
+        d = h.start(reply)
+        error = self.assert_failed(h, d, Http, 0)
+        self.assertEqual((error.status, error.context_exceeded), (400, True))
+        self.assertEqual(json.loads(error.body)["error"]["n_ctx"], 8)
+
+    def test_http_503(self) -> None:
+        """HTTP 503 on the chat itself: Http 503, not a context problem."""
+        h = Harness()
+        d = h.run(dataclasses.replace(LOADING, headers_delay=0.03))
+        error = self.assert_failed(h, d, Http, 0.03)
+        self.assertEqual((error.status, error.context_exceeded, h.of()), (503, False, []))
+
+    def test_sse_line_over_cap(self) -> None:
+        """An SSE line over Caps.sse_line_bytes: Protocol, and the connection closed."""
+        h = Harness(make_config(caps=Caps(sse_line_bytes=1024)))
+        chunk = transcript_chunks("plain.sse")[3]
+        chunk["choices"][0]["delta"]["content"] = "x" * 1024
+        events = transcript_events("plain.sse")
+        d = h.run(stream([*events[:3], event_bytes(chunk), *events[3:]], 0.01))
+        self.assert_failed(h, d, Protocol, 0.04)
+        self.assertEqual(len(h.of(Progress)), 2)
+        self.assert_closed_by_client(h.chat_connection(), 0.04)
+
+    def test_header_block_over_cap(self) -> None:
+        """A header block over Caps.header_bytes: Protocol, and the connection closed."""
+        h = Harness(make_config(caps=Caps(header_bytes=512)))
+        headers = (*SSE_HEADERS, ("X-Filler", "y" * 512))
+        d = h.run(stream([], end="silence", headers=headers, headers_delay=0.02))
+        self.assert_failed(h, d, Protocol, 0.02)
+        self.assert_closed_by_client(h.chat_connection(), 0.02)
