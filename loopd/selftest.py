@@ -1,0 +1,400 @@
+# -*- test-case-name: loopd.test.test_selftest -*-
+"""
+The startup self-test (seed §5): the server behind an endpoint is the one the config
+describes, its tool calls parse, and a second turn reuses the first turn's prompt cache.
+
+Pure orchestration over a L{Client}. The three checks run in order on the endpoint's main
+slot (slot 0) and cost about 1,000 tokens; a failing check is recorded and the next one still
+runs. Chats go through C{chat_with_retry}, so a model that the server has to load first is
+covered by the load wait. L{require_selftests} is the gate C{twist loopd} passes before it
+serves.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.interfaces import IReactorTime
+
+from loopd.config import Config, Expect
+from loopd.digest import sha256_hex
+from loopd.llama import (
+    ChatEvent,
+    ChatMessage,
+    ChatRequest,
+    Client,
+    Completion,
+    FinishReason,
+    InferError,
+    System,
+    ToolCall,
+    ToolSchema,
+    User,
+    cache_outcome,
+)
+from loopd.llama.retry import with_retry
+
+__all__ = [
+    "CheckResult",
+    "SelftestFailed",
+    "SelftestReport",
+    "WEATHER_TOOL",
+    "judge_cache",
+    "judge_props",
+    "judge_tool_call",
+    "require_selftests",
+    "run_selftest",
+]
+
+#: The slot every check runs on: the endpoint's main slot.
+MAIN_SLOT = 0
+#: Generation budgets; the tool check's call is short, the cache turns' answers shorter.
+TOOL_MAX_TOKENS = 256
+CACHE_MAX_TOKENS = 128
+#: How much of a tool call's arguments a report line shows.
+ARGUMENTS_SHOWN = 120
+
+#: The one tool of the tool check.
+WEATHER_TOOL = ToolSchema(
+    "get_weather",
+    "Get the current weather for a city.",
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string", "description": "The city's name."}},
+        "required": ["city"],
+    },
+)
+TOOL_PROMPT: tuple[ChatMessage, ...] = (User("What is the weather like in Paris right now?"),)
+
+# Long enough that turn 1's context is well above cache_loss_tokens on any tokenizer, so a
+# lost cache shows as a loss; short enough to keep the whole self-test near 1,000 tokens.
+CACHE_SYSTEM = (
+    "You are taking part in the start-up check of loopd, a gateway that gives coding agents "
+    "bounded access to a local language model server. This conversation checks that the "
+    "server keeps a session's prompt in its cache between turns: the second request repeats "
+    "this message, the first question and your first answer word for word, then adds one "
+    "more question. When the cache works the server reads only what is new. Answer each "
+    "question in one short sentence, without tools and without repeating the question."
+)
+CACHE_TURN_1 = "Name one colour of the rainbow."
+CACHE_TURN_2 = "Name another one."
+
+
+def _ignore(event: ChatEvent) -> None:
+    """The self-test's event sink: progress is not reported."""
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """
+    The outcome of one check.
+
+    @ivar name: C{props}, C{tools} or C{cache}.
+    @ivar expected: what the check required, with its values.
+    @ivar actual: what the server did, with its values; the error text when the check
+        could not reach the server.
+    @ivar detail: for a check that compares several values, each with its own
+        expectation, the comparison spelled out value by value; the line shows it in place
+        of the plain "expected ... got ...".
+    """
+
+    name: str
+    passed: bool
+    expected: str
+    actual: str
+    detail: str = ""
+
+    def line(self) -> str:
+        """
+        One human line: PASS or FAIL, the check's name, what was expected and what came.
+        """
+        verdict = "PASS" if self.passed else "FAIL"
+        comparison = self.detail or f"expected {self.expected} got {self.actual}"
+        return f"{verdict} {self.name}: {comparison}"
+
+
+@dataclass(frozen=True)
+class SelftestReport:
+    """
+    The self-test of one endpoint: its checks, in the order they ran.
+    """
+
+    endpoint: str
+    checks: tuple[CheckResult, ...]
+
+    @property
+    def passed(self) -> bool:
+        """
+        Whether every check passed.
+        """
+        return all(check.passed for check in self.checks)
+
+    @property
+    def failures(self) -> tuple[CheckResult, ...]:
+        """
+        The checks that failed, in order.
+        """
+        return tuple(check for check in self.checks if not check.passed)
+
+    def lines(self) -> list[str]:
+        """
+        One human line per check (L{CheckResult.line}).
+        """
+        return [check.line() for check in self.checks]
+
+
+class SelftestFailed(Exception):  # noqa: N818 - the name the design gives it
+    """
+    An endpoint failed its self-test, so loopd must not start.
+
+    @ivar report: the first failing endpoint's report.
+    @ivar reports: the reports of every endpoint that was tested.
+    """
+
+    def __init__(self, report: SelftestReport, reports: tuple[SelftestReport, ...] = ()) -> None:
+        """
+        @param report: the first failing report; the message names its failing checks.
+        @param reports: every report, the failing one included.
+        """
+        failing = "; ".join(check.line() for check in report.failures)
+        super().__init__(f"self-test of endpoint {report.endpoint} failed: {failing}")
+        self.report = report
+        self.reports = reports or (report,)
+
+
+def _error_text(error: BaseException) -> str:
+    """An error as a report shows it: its kind and message."""
+    message = str(error)
+    kind = type(error).__name__
+    return f"{kind}: {message}" if message else kind
+
+
+def _integer(value: object) -> int | None:
+    """C{value} if it is a JSON integer (not a boolean), else None."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return None
+
+
+def _props_values(props: Mapping[str, Any]) -> tuple[str | None, int | None, int | None]:
+    """The template's SHA-256, per-slot n_ctx and total_slots of C{/props}; None if absent."""
+    template = props.get("chat_template")
+    digest = sha256_hex(template.encode("utf-8")) if isinstance(template, str) else None
+    settings = props.get("default_generation_settings")
+    n_ctx = _integer(settings.get("n_ctx")) if isinstance(settings, dict) else None
+    return digest, n_ctx, _integer(props.get("total_slots"))
+
+
+_PROPS_LABELS = ("chat_template sha256", "n_ctx", "total_slots")
+
+
+def _expectations(expect: Expect) -> tuple[str | int | None, ...]:
+    """The three expectations of the props check, in L{_PROPS_LABELS} order."""
+    return (expect.chat_template_sha256, expect.n_ctx, expect.total_slots)
+
+
+def _shown(value: object) -> str:
+    return "missing" if value is None else str(value)
+
+
+def _props_expected_text(expect: Expect) -> str:
+    pairs = zip(_PROPS_LABELS, _expectations(expect), strict=True)
+    return ", ".join(f"{label} {'not set' if v is None else v}" for label, v in pairs)
+
+
+def judge_props(props: Mapping[str, Any], expect: Expect) -> CheckResult:
+    """
+    Check 1: C{/props} against C{[endpoint.expect]}. An expectation that is not set is
+    shown as "not set" and does not fail; a value missing from C{/props} fails a set one.
+    """
+    actual = _props_values(props)
+    parts = []
+    passed = True
+    for label, wanted, got in zip(_PROPS_LABELS, _expectations(expect), actual, strict=True):
+        if wanted is None:
+            parts.append(f"{label} expected not set got {_shown(got)} (not checked)")
+            continue
+        passed = passed and wanted == got
+        parts.append(f"{label} expected {wanted} got {_shown(got)}")
+    actual_text = ", ".join(
+        f"{label} {_shown(got)}" for label, got in zip(_PROPS_LABELS, actual, strict=True)
+    )
+    return CheckResult(
+        "props", passed, _props_expected_text(expect), actual_text, detail=", ".join(parts)
+    )
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+def _describe_call(call: ToolCall) -> str:
+    arguments = call.arguments
+    if len(arguments) > ARGUMENTS_SHOWN:
+        arguments = arguments[:ARGUMENTS_SHOWN] + "..."
+    note = "" if _is_json_object(call.arguments) else " (arguments not a JSON object)"
+    return f"{call.name} {arguments}{note}"
+
+
+TOOLS_EXPECTED = (
+    f"one {WEATHER_TOOL.name} call with JSON-object arguments, "
+    f"finish_reason {FinishReason.TOOL_CALLS.value}"
+)
+
+
+def judge_tool_call(completion: Completion) -> CheckResult:
+    """
+    Check 2: exactly one call of the weather tool, its arguments a JSON object, and
+    finish_reason C{tool_calls}.
+    """
+    calls = completion.tool_calls
+    described = "; ".join(_describe_call(call) for call in calls) or "no tool call"
+    passed = (
+        len(calls) == 1
+        and calls[0].name == WEATHER_TOOL.name
+        and _is_json_object(calls[0].arguments)
+        and completion.finish_reason is FinishReason.TOOL_CALLS
+    )
+    actual = f"{described}, finish_reason {completion.finish_reason.value}"
+    return CheckResult("tools", passed, TOOLS_EXPECTED, actual)
+
+
+def _cache_expected_text(threshold: int, context: int | None = None) -> str:
+    reused = "turn 1's context" if context is None else f"turn 1's {context} tokens"
+    return f"turn 2 to reuse {reused}, at most {threshold} short"
+
+
+def judge_cache(first: Completion, second: Completion, threshold: int) -> CheckResult:
+    """
+    Check 3: turn 2's cache_outcome is not a loss; the line shows turn 1's context and
+    what turn 2 reused.
+    """
+    outcome = cache_outcome(first.timings, second.timings, threshold)
+    actual = f"{outcome.cached} reused ({outcome.shortfall} short)"
+    expected = _cache_expected_text(threshold, outcome.expected)
+    return CheckResult("cache", not outcome.loss, expected, actual)
+
+
+def _props(client: Client, clock: IReactorTime | None) -> Deferred[dict[str, Any]]:
+    """C{/props}, retried like a chat while the server is away or loading, given a clock."""
+    if clock is None:
+        return client.props()
+    return with_retry(client.props, clock=clock, policy=client.config.retry, on_event=_ignore)
+
+
+@inlineCallbacks
+def _check_props(
+    client: Client, clock: IReactorTime | None
+) -> Generator[Deferred[Any], Any, CheckResult]:
+    expect = client.endpoint.expect
+    try:
+        props = yield _props(client, clock)
+    except InferError as error:
+        return CheckResult("props", False, _props_expected_text(expect), _error_text(error))
+    return judge_props(props, expect)
+
+
+@inlineCallbacks
+def _check_tools(client: Client) -> Generator[Deferred[Any], Any, CheckResult]:
+    request = ChatRequest(
+        slot=MAIN_SLOT,
+        messages=TOOL_PROMPT,
+        tools=(WEATHER_TOOL,),
+        thinking=False,
+        max_tokens=TOOL_MAX_TOKENS,
+        tool_choice="required",
+    )
+    try:
+        completion = yield client.chat_with_retry(request, _ignore)
+    except InferError as error:
+        return CheckResult("tools", False, TOOLS_EXPECTED, _error_text(error))
+    return judge_tool_call(completion)
+
+
+def _cache_request(messages: tuple[ChatMessage, ...]) -> ChatRequest:
+    return ChatRequest(
+        slot=MAIN_SLOT, messages=messages, thinking=False, max_tokens=CACHE_MAX_TOKENS
+    )
+
+
+@inlineCallbacks
+def _check_cache(client: Client) -> Generator[Deferred[Any], Any, CheckResult]:
+    threshold = client.config.cache_loss_tokens
+    opening = (System(CACHE_SYSTEM), User(CACHE_TURN_1))
+    try:
+        first = yield client.chat_with_retry(_cache_request(opening), _ignore)
+    except InferError as error:
+        actual = f"turn 1 failed: {_error_text(error)}"
+        return CheckResult("cache", False, _cache_expected_text(threshold), actual)
+    follow_up = (*opening, first.as_message(), User(CACHE_TURN_2))
+    try:
+        second = yield client.chat_with_retry(_cache_request(follow_up), _ignore)
+    except InferError as error:
+        expected = _cache_expected_text(threshold, first.timings.total)
+        return CheckResult("cache", False, expected, f"turn 2 failed: {_error_text(error)}")
+    return judge_cache(first, second, threshold)
+
+
+@inlineCallbacks
+def _run(
+    client: Client, clock: IReactorTime | None
+) -> Generator[Deferred[Any], Any, SelftestReport]:
+    props = yield _check_props(client, clock)
+    tools = yield _check_tools(client)
+    cache = yield _check_cache(client)
+    return SelftestReport(client.endpoint.name, (props, tools, cache))
+
+
+def run_selftest(client: Client, *, clock: IReactorTime | None = None) -> Deferred[SelftestReport]:
+    """
+    Run the three checks on C{client}'s endpoint, in order, on slot 0: (1) C{/props}
+    against C{[endpoint.expect]}, (2) a forced call of one tool, (3) a two-turn exchange
+    whose turn 2 must not be a cache loss. The Deferred fires with the report whatever the
+    checks find; a check that cannot reach the server records the error text as its
+    actual value.
+
+    @param clock: when given, C{/props} is retried as a chat is (config C{[retry]}) while
+        the server is away or loading; chats always are.
+    """
+    return _run(client, clock)
+
+
+@inlineCallbacks
+def _require(
+    reactor: Any, config: Config, clients: Mapping[str, Client]
+) -> Generator[Deferred[Any], Any, list[SelftestReport]]:
+    reports: list[SelftestReport] = []
+    for endpoint in config.endpoints:
+        if not endpoint.selftest or endpoint.kind != "llama-server":
+            continue
+        client = clients.get(endpoint.name) or Client(reactor, config, endpoint)
+        report = yield run_selftest(client, clock=reactor)
+        reports.append(report)
+    failed = [report for report in reports if not report.passed]
+    if failed:
+        raise SelftestFailed(failed[0], tuple(reports))
+    return reports
+
+
+def require_selftests(
+    reactor: Any, config: Config, clients: Mapping[str, Client]
+) -> Deferred[list[SelftestReport]]:
+    """
+    Run the self-test of every endpoint whose C{selftest} is true (kind C{llama-server}),
+    one after the other in config order, and fire with their reports if all pass.
+
+    @param reactor: provides IReactorTime and IReactorUNIX: the clock of the C{/props}
+        retries, and the reactor of a client built for an endpoint missing from C{clients}.
+    @param clients: the daemon's clients by endpoint name, so the self-test passes the
+        same slot gates as the sessions that follow.
+    @raise SelftestFailed: (as the Deferred's failure) naming the first failing endpoint,
+        its failing checks and their numbers.
+    """
+    return _require(reactor, config, clients)
