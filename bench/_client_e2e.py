@@ -1,7 +1,7 @@
 """Part 2 of bench/client.py: loopd's client through inferproxy against direct HTTP.
 
-The tiny model (`loopd.test.support.tiny_model`) is written to a temp dir and served by
-a real llama.cpp server: the child command of `loopd.test.support.real_server`, started
+The tiny model (`loopd.demo.tiny_model`) is written to a temp dir and served by
+a real llama.cpp server: the child command of `loopd.demo.real_server`, started
 here with `subprocess` so that its log goes to a file and never through this process.
 A ``python -m twisted inferproxy`` child forwards a Unix socket to it (started by
 bench/_servers.py's `start_forwarder`, with limits raised so that nothing is refused).
@@ -80,7 +80,7 @@ class Setup:
 
 def write_model(children: Children) -> str:
     """Write the tiny model into the run's temp dir; return its path."""
-    from loopd.test.support.tiny_model import write_tiny_model
+    from loopd.demo.tiny_model import write_tiny_model
 
     path = os.path.join(children.dir, "tiny.gguf")
     write_tiny_model(path)
@@ -89,7 +89,7 @@ def write_model(children: Children) -> str:
 
 def start_server(children: Children, model: str, threads: int) -> int:
     """Start a real llama.cpp server on the model; return its port once ready."""
-    from loopd.test.support.real_server import READY_PREFIX, ServerOptions
+    from loopd.demo.real_server import READY_PREFIX, ServerOptions
 
     argv = ServerOptions(model, threads=threads).command(READY_TIMEOUT, exit_on_eof=True)
     proc = children.spawn("llama-server", argv, log=True)

@@ -22,8 +22,8 @@ from loopd.selftest import SelftestFailed, require_selftests, run_selftest
 from loopd.test.support.peers import real_reactor
 
 try:
-    from loopd.test.support.real_server import RealServer
-    from loopd.test.support.tiny_model import write_tiny_model
+    from loopd.demo.real_server import RealServer
+    from loopd.demo.tiny_model import write_tiny_model
 except ImportError as e:  # pragma: no cover - the test extra is not installed
     raise SkipTest(f"the real llama.cpp server needs the test extra: {e}") from None
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 import loopd
+from loopd.demo.tiny_model import ANSWER, THOUGHT
 from loopd.sse import SSEDecoder, SSEEvent
 from loopd.test.support.record_fixtures import (
     RecordError,
@@ -25,7 +26,6 @@ from loopd.test.support.record_fixtures import (
     read_transcript,
     request_bytes,
 )
-from loopd.test.support.tiny_model import ANSWER, THOUGHT
 
 FIXTURES = Path(loopd.__file__).resolve().parent.parent / "fixtures"
 TRANSCRIPTS = FIXTURES / "transcripts"

@@ -30,8 +30,8 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from zope.interface import implementer
 
-from loopd.test.support import real_server
-from loopd.test.support.real_server import (
+from loopd.demo import real_server
+from loopd.demo.real_server import (
     QueryFailedError,
     QueryTimeoutError,
     RealServer,
@@ -156,7 +156,7 @@ class RealServerUnitTests(SynchronousTestCase):
         self.server.start()
         args = self.reactor.spawned[0].args
         self.assertEqual(args[1], real_server.SCRIPT)
-        self.assertTrue(args[1].endswith(os.path.join("support", "real_server.py")))
+        self.assertTrue(args[1].endswith(os.path.join("demo", "real_server.py")))
         for flag, value in [
             ("--model", "/m/tiny.gguf"),
             ("--port", "0"),
@@ -300,7 +300,7 @@ class TinyModelTests(SynchronousTestCase):
 
     def test_builds_are_byte_identical(self) -> None:
         """Two builds of each model give the same sha256; the variants differ."""
-        from loopd.test.support.tiny_model import write_tiny_model
+        from loopd.demo.tiny_model import write_tiny_model
 
         base = self.mktemp()
         os.makedirs(base)
@@ -321,7 +321,7 @@ class TinyModelTests(SynchronousTestCase):
         """Follow the argmax of the output head from "\\n" (no tools in context)."""
         import numpy as np
 
-        from loopd.test.support import tiny_model
+        from loopd.demo import tiny_model
 
         vocab = tiny_model.build_vocab()
         w = tiny_model.build_weights(vocab, think_forever=think_forever)
@@ -361,7 +361,7 @@ class RealServerTests(TestCase):
     def setUp(self) -> None:
         from twisted.internet import reactor
 
-        from loopd.test.support.tiny_model import write_tiny_model
+        from loopd.demo.tiny_model import write_tiny_model
 
         self.reactor = reactor
         self.dir = os.path.abspath(self.mktemp())

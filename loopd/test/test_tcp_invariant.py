@@ -20,7 +20,7 @@ ALLOWED = {
     "inferproxy.py": "the forwarder: the only component that speaks TCP upstream",
     # The harness that runs a real llama.cpp server for tests stands where the model host
     # stands; its readiness probe runs inside the server's own child process.
-    "test/support/real_server.py": "the real llama.cpp server's own test harness",
+    "demo/real_server.py": "the real llama.cpp server's own test harness",
 }
 
 #: Names whose use means a TCP (or TLS over TCP) client connection.

@@ -33,10 +33,10 @@ from typing import Any
 from twisted.internet.defer import Deferred, gatherResults
 from twisted.internet.threads import deferToThreadPool
 
+from loopd.demo.real_server import RealServer
+from loopd.demo.tiny_model import write_tiny_model
 from loopd.inferproxy import InferProxyFactory, InferProxyService, ProxyLimits, upstream_endpoint
 from loopd.sse import SSEDecoder, SSEEvent
-from loopd.test.support.real_server import RealServer
-from loopd.test.support.tiny_model import write_tiny_model
 
 CHAT = "/v1/chat/completions"
 CONTROL = "/v1/chat/completions/control"

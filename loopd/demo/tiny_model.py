@@ -25,7 +25,7 @@ The model is a script, not a trained network:
   ``Let``: the reasoning never ends by itself, only when the server forces
   ``</think>`` (reasoning budget or the ``reasoning_end`` control); then it answers.
 
-Run ``python -m loopd.test.support.tiny_model OUT.gguf [--think-forever]`` to write
+Run ``python -m loopd.demo.tiny_model OUT.gguf [--think-forever]`` to write
 one from a script; it prints the sha256.
 """
 

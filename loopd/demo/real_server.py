@@ -1,7 +1,8 @@
 """
-A real llama.cpp server for tests, run from the `xllamacpp` wheel in a child process.
+A real llama.cpp server, run from the `xllamacpp` wheel in a child process: what
+`loopd demo`, the end-to-end tests and the fixture recorder run against.
 
-`RealServer` spawns this file (CLI: ``python -m loopd.test.support.real_server --model
+`RealServer` spawns this file (CLI: ``python -m loopd.demo.real_server --model
 PATH [--port N]``); the child serves on 127.0.0.1, checks its own ``/health`` and prints
 a ready line, which is all the parent waits for (it opens no connection).  Tests can
 `kill` it and `start` it again on the same port.  ``--query URL [--data JSON|-]``
@@ -37,9 +38,9 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
 READY_PREFIX = "LOOPD-REAL-SERVER-READY "
-MODULE = "loopd.test.support.real_server"
-# Children run this file as a script, not with -m: importing the loopd.test package
-# would load hypothesis and cost a quarter of a second per child.
+MODULE = "loopd.demo.real_server"
+# Children run this file as a script, not with -m: importing the loopd package
+# first costs time in every child.
 SCRIPT = os.path.abspath(__file__)
 STDERR_TAIL_BYTES = 16384
 
