@@ -1,0 +1,174 @@
+# -*- test-case-name: loopd.test.test_gateway_errors -*-
+"""
+The gateway's errors: one exception that carries an HTTP status and the OpenAI error body,
+and the mapping from the llama client's failures to it (DESIGN §3 decision 18).
+
+Pure: no I/O, no twisted.web.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, TypeGuard
+
+from loopd.llama.types import (
+    Busy,
+    Connect,
+    Http,
+    InferError,
+    LoadTimeout,
+    Protocol,
+    Stalled,
+    StreamClosedEarly,
+    ThinkingOverrun,
+    WaitTimeout,
+)
+
+__all__ = ["GatewayError", "error_for"]
+
+
+class GatewayError(Exception):
+    """
+    A request the gateway answers with an error status and an OpenAI error body.
+
+    @ivar status: the HTTP status.
+    @ivar message: what went wrong, for a person.
+    @ivar type: the OpenAI error type (C{invalid_request_error}, C{rate_limit_error}, ...).
+    @ivar code: a stable code for programs (C{busy}, C{missing_messages}, ...).
+    """
+
+    def __init__(self, status: int, message: str, type: str, code: str) -> None:
+        """Record the status and the three fields of the error body."""
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+
+    def __repr__(self) -> str:
+        """Show every field."""
+        return f"GatewayError({self.status!r}, {self.message!r}, {self.type!r}, {self.code!r})"
+
+    def body(self) -> dict[str, Any]:
+        """The JSON error body: C{{"error": {"message", "type", "code"}}}."""
+        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+
+
+_FIXED: tuple[tuple[type[InferError], int, str, str, str], ...] = (
+    (Busy, 429, "rate_limit_error", "busy", "the endpoint's queue is full; try again later"),
+    (
+        LoadTimeout,
+        503,
+        "server_error",
+        "load_timeout",
+        "the model server stayed unavailable (loading or restarting) past the load wait",
+    ),
+    (
+        WaitTimeout,
+        504,
+        "timeout",
+        "wait_timeout",
+        "the model server's slot stayed busy past the wait limit",
+    ),
+    (
+        Stalled,
+        504,
+        "timeout",
+        "stalled",
+        "the model server went silent past the liveness limit",
+    ),
+)
+
+_UPSTREAM_MESSAGES: dict[type[InferError], str] = {
+    Connect: "could not connect to the model server",
+    StreamClosedEarly: "the model server's stream ended before the answer was finished",
+    ThinkingOverrun: "the model kept thinking past the cap and the request was cancelled",
+    Protocol: "the model server broke the protocol",
+}
+
+INTERNAL_MESSAGE = "loopd failed to handle the request; its log has the details"
+"""The message of a 500: it names no internals."""
+
+
+def error_for(error: BaseException) -> GatewayError:
+    """
+    The gateway error that answers a request which failed with C{error}.
+
+      - a L{GatewayError}: itself.
+      - L{Busy}: 429 C{rate_limit_error}/C{busy}; L{LoadTimeout}: 503
+        C{server_error}/C{load_timeout}; L{WaitTimeout} and L{Stalled}: 504
+        C{timeout}/C{wait_timeout} or C{stalled}.
+      - L{Http} with a 4xx status: the same status and the upstream's own message (its
+        C{error.message}, else the body's text), type the upstream's C{error.type} (else
+        C{invalid_request_error}), code C{http}; a prompt that does not fit the context
+        is 400 C{invalid_request_error}/C{context_exceeded}.
+      - any other L{InferError} (L{Http} with another status, C{Connect},
+        C{StreamClosedEarly}, C{ThinkingOverrun}, C{Protocol}): 502 C{upstream_error},
+        the code the kind's name in snake_case (C{stream_closed_early}).
+      - anything else: 500 C{server_error}/C{internal_error}, with a message that names no
+        internals (the caller logs C{error} itself).
+    """
+    if isinstance(error, GatewayError):
+        return error
+    for kind, status, type_, code, message in _FIXED:
+        if isinstance(error, kind):
+            return GatewayError(status, message, type_, code)
+    if isinstance(error, Http):
+        return _from_http(error)
+    if isinstance(error, InferError):
+        message = _UPSTREAM_MESSAGES.get(type(error), "the model server failed")
+        if str(error):
+            message = f"{message}: {error}"
+        return GatewayError(502, message, "upstream_error", _snake_case(type(error).__name__))
+    return GatewayError(500, INTERNAL_MESSAGE, "server_error", "internal_error")
+
+
+def _from_http(error: Http) -> GatewayError:
+    """Map an upstream error status: 4xx passes through, anything else is a 502."""
+    message, upstream_type = _upstream_error(error.body)
+    if 400 <= error.status < 500:
+        if error.context_exceeded:
+            return GatewayError(400, message, "invalid_request_error", "context_exceeded")
+        return GatewayError(error.status, message, upstream_type or "invalid_request_error", "http")
+    return GatewayError(
+        502,
+        f"the model server answered HTTP {error.status}: {message}",
+        "upstream_error",
+        "http",
+    )
+
+
+def _upstream_error(body: str) -> tuple[str, str | None]:
+    """
+    The message and type of an upstream error body.
+
+    llama-server sends C{{"error": {"code", "message", "type"}}}; other OpenAI-compatible
+    servers send C{{"error": "text"}} or a top-level C{message}. Anything else gives the
+    body's own text.
+    """
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        parsed = None
+    if isinstance(parsed, dict):
+        inner = parsed.get("error")
+        if isinstance(inner, dict) and _text(inner.get("message")):
+            upstream_type = inner.get("type")
+            return inner["message"], upstream_type if _text(upstream_type) else None
+        if _text(inner):
+            return inner, None
+        if _text(parsed.get("message")):
+            return parsed["message"], None
+    text = body.strip()
+    return (text or "(no message)"), None
+
+
+def _text(value: object) -> TypeGuard[str]:
+    """True for a non-empty string."""
+    return isinstance(value, str) and value != ""
+
+
+def _snake_case(name: str) -> str:
+    """C{StreamClosedEarly} → C{stream_closed_early}."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()

@@ -1,0 +1,493 @@
+# -*- test-case-name: loopd.test.test_gateway_translate,loopd.test.test_gateway_errors -*-
+"""
+Translation between the OpenAI chat-completions API and the llama client's values.
+
+Inward, L{parse_request}: a request body to a L{GatewayRequest}, or a 400 L{GatewayError}
+naming the field. Outward, L{completion_json}: a C{chat.completion} object;
+L{ChunkStream}: C{chat.completion.chunk}s; L{loopd_comment}: loopd's own events for the SSE
+comment lines that OpenAI clients ignore. Pure: no I/O, no reactor, no twisted.web.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, NoReturn
+
+from loopd.gateway.errors import GatewayError
+from loopd.llama.request import render_messages
+from loopd.llama.types import (
+    Assistant,
+    ChatEvent,
+    ChatMessage,
+    ChatRequest,
+    Completion,
+    Content,
+    Progress,
+    Queued,
+    Reasoning,
+    Retrying,
+    System,
+    ThinkingCapped,
+    Timings,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolSchema,
+    User,
+    Waiting,
+)
+
+__all__ = [
+    "ChunkStream",
+    "GatewayRequest",
+    "completion_json",
+    "loopd_comment",
+    "new_completion_id",
+    "parse_request",
+]
+
+MAX_STOP = 4
+"""The most stop strings a request may give, as in OpenAI's API."""
+
+TOOL_CHOICES = ("auto", "none", "required")
+"""The string forms of C{tool_choice}."""
+
+_TEXT_PARTS = "expected a string or an array of text parts"
+_CHOICES = 'expected "auto", "none", "required" or {"type": "function", "function": {"name": ...}}'
+_MSG = "invalid_message"
+_PARAM = "invalid_parameter"
+_TOOLS = "invalid_tools"
+
+
+@dataclass(frozen=True)
+class GatewayRequest:
+    """
+    An OpenAI chat request, checked and translated.
+
+    @ivar model: the request's C{model}, or None when it names none.
+    @ivar stream: answer with server-sent events.
+    @ivar include_usage: a streamed answer ends with a usage chunk
+        (C{stream_options.include_usage}).
+    @ivar chat: the llama client request, with C{slot} C{-1}: the gateway picks the slot.
+    """
+
+    model: str | None
+    stream: bool
+    include_usage: bool
+    chat: ChatRequest
+
+
+def parse_request(body: bytes) -> GatewayRequest:
+    """
+    Check and translate a C{POST /v1/chat/completions} body.
+
+    Unknown keys are ignored and C{null} reads as absent. C{developer} messages are system
+    messages; content may be a string or an array of text parts (joined); an assistant's
+    content may be C{null} when it has C{tool_calls} or C{reasoning_content}. The object
+    form of C{tool_choice} becomes C{"required"} with the tools narrowed to the one named.
+    Thinking is on unless C{reasoning_effort} is C{"none"} or
+    C{chat_template_kwargs.enable_thinking} is false. Of C{max_tokens} and
+    C{max_completion_tokens}, the lower counts; C{stop} is one string or up to four, none
+    empty. Booleans are not numbers; an integral number such as C{2.0} is an integer.
+
+    @raise GatewayError: 400 C{invalid_request_error}, the message naming the field; codes
+        C{invalid_json}, C{not_an_object}, C{missing_messages}, C{invalid_message},
+        C{unsupported_content}, C{invalid_tools}, C{invalid_parameter},
+        C{unsupported_parameter} (C{n} other than 1).
+    """
+    document = _decode(body)
+    if not isinstance(document, dict):
+        _fail("not_an_object", "body", "expected a JSON object")
+    n = document.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        _fail("unsupported_parameter", "n", "only 1 choice is supported")
+    messages = _messages(document.get("messages"))
+    tool_choice, tools = _tool_choice(document.get("tool_choice"), _tools(document.get("tools")))
+    chat = ChatRequest(
+        slot=-1,
+        messages=messages,
+        tools=tools,
+        thinking=_thinking(document),
+        max_tokens=_max_tokens(document),
+        temperature=_number(document.get("temperature"), "temperature", 2),
+        top_p=_number(document.get("top_p"), "top_p", 1),
+        stop=_stop(document.get("stop")),
+        tool_choice=tool_choice,
+    )
+    model = document.get("model")
+    if model is not None and not isinstance(model, str):
+        _fail(_PARAM, "model", "expected a string")
+    options = _object(document.get("stream_options"), "stream_options", _PARAM, optional=True)
+    return GatewayRequest(
+        model=model,
+        stream=_flag(document.get("stream"), "stream"),
+        include_usage=_flag(options.get("include_usage"), "stream_options.include_usage"),
+        chat=chat,
+    )
+
+
+def _fail(code: str, path: str, problem: str) -> NoReturn:
+    """Raise the 400 for the field at C{path}."""
+    raise GatewayError(400, f"{path}: {problem}", "invalid_request_error", code)
+
+
+def _show(value: str) -> str:
+    """A client's string quoted for a message, shortened when long."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 60 else text[:56] + '..."'
+
+
+def _decode(body: bytes) -> object:
+    """Parse the body as UTF-8 JSON with JavaScript's limits: no NaN, no infinities."""
+    try:
+        text = body.decode("utf-8")
+        document = json.loads(text, parse_constant=_finite, parse_float=_finite)
+        if "\\u" in text:
+            # An escape can spell a lone surrogate ("\\ud800"), which UTF-8 cannot carry.
+            json.dumps(document, ensure_ascii=False).encode("utf-8")
+    except (ValueError, RecursionError) as error:
+        _fail("invalid_json", "body", f"not valid UTF-8 JSON ({error})")
+    return document
+
+
+def _finite(text: str) -> float:
+    """A float, not too large; also refuses Python's C{NaN} and C{Infinity} (not JSON)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:20]} is not a finite number")
+    return value
+
+
+def _flag(value: object, path: str) -> bool:
+    """An optional boolean, false when absent."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        _fail(_PARAM, path, "expected true or false")
+    return value
+
+
+def _string(value: object, path: str, code: str = _MSG) -> str:
+    """A required string."""
+    if not isinstance(value, str):
+        _fail(code, path, "expected a string")
+    return value
+
+
+def _object(value: object, path: str, code: str = _MSG, optional: bool = False) -> dict[str, Any]:
+    """A JSON object; an C{optional} one is empty when absent."""
+    if optional and value is None:
+        return {}
+    if not isinstance(value, dict):
+        _fail(code, path, "expected an object")
+    return value
+
+
+def _messages(value: object) -> tuple[ChatMessage, ...]:
+    """The C{messages} array, in order."""
+    if value is None or value == []:
+        _fail("missing_messages", "messages", "required: a non-empty array of messages")
+    if not isinstance(value, list):
+        _fail(_MSG, "messages", "expected a non-empty array of messages")
+    return tuple(_message(message, f"messages[{i}]") for i, message in enumerate(value))
+
+
+def _message(value: object, path: str) -> ChatMessage:
+    """One message, by its role."""
+    message = _object(value, path)
+    role = message.get("role")
+    if role == "assistant":
+        return _assistant(message, path)
+    if role == "tool":
+        call_id = _string(message.get("tool_call_id"), f"{path}.tool_call_id")
+        return Tool(call_id, _content(message.get("content"), f"{path}.content"))
+    if role in ("system", "developer", "user"):
+        content = _content(message.get("content"), f"{path}.content")
+        return User(content) if role == "user" else System(content)
+    _fail(_MSG, f"{path}.role", 'expected "system", "developer", "user", "assistant" or "tool"')
+
+
+def _content(value: object, path: str) -> str:
+    """Content as a string, or an array of text parts joined together."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        _fail(_MSG, path, _TEXT_PARTS)
+    return "".join(_text_part(part, f"{path}[{j}]") for j, part in enumerate(value))
+
+
+def _text_part(part: object, path: str) -> str:
+    """The text of one content part; other part kinds (images, audio, files) are refused."""
+    if isinstance(part, dict):
+        kind = part.get("type")
+        if kind == "text":
+            return _string(part.get("text"), f"{path}.text")
+        if isinstance(kind, str):
+            unsupported = f"only text parts are supported, not {_show(kind)}"
+            _fail("unsupported_content", f"{path}.type", unsupported)
+    _fail(_MSG, path, 'expected a text part {"type": "text", "text": ...}')
+
+
+def _assistant(message: dict[str, Any], path: str) -> Assistant:
+    """An earlier assistant turn: content, reasoning and tool calls."""
+    calls = message.get("tool_calls")
+    if calls is not None and not isinstance(calls, list):
+        _fail(_MSG, f"{path}.tool_calls", "expected an array of tool calls")
+    tool_calls = tuple(
+        _tool_call(call, f"{path}.tool_calls[{k}]") for k, call in enumerate(calls or ())
+    )
+    reasoning = message.get("reasoning_content")
+    if reasoning is not None:
+        reasoning = _string(reasoning, f"{path}.reasoning_content")
+    content = message.get("content")
+    if content is None and not tool_calls and reasoning is None:
+        _fail(_MSG, f"{path}.content", _TEXT_PARTS + " (null only with tool_calls)")
+    if content is not None:
+        content = _content(content, f"{path}.content")
+    return Assistant(content, reasoning, tool_calls)
+
+
+def _tool_call(value: object, path: str) -> ToolCall:
+    """One tool call of an assistant: C{{id, type: "function", function: {name, arguments}}}."""
+    call = _object(value, path)
+    if call.get("type") not in (None, "function"):
+        _fail(_MSG, f"{path}.type", 'expected "function"')
+    function = _object(call.get("function"), f"{path}.function")
+    return ToolCall(
+        _string(call.get("id"), f"{path}.id"),
+        _string(function.get("name"), f"{path}.function.name"),
+        _string(function.get("arguments"), f"{path}.function.arguments"),
+    )
+
+
+def _tools(value: object) -> tuple[ToolSchema, ...]:
+    """The C{tools}: C{[{type: "function", function: {name, description?, parameters?}}]}."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        _fail(_TOOLS, "tools", "expected an array of tools")
+    tools: list[ToolSchema] = []
+    for i, item in enumerate(value):
+        path = f"tools[{i}]"
+        tool = _object(item, path, _TOOLS)
+        if tool.get("type") != "function":
+            _fail(_TOOLS, f"{path}.type", 'expected "function"')
+        function = _object(tool.get("function"), f"{path}.function", _TOOLS)
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            _fail(_TOOLS, f"{path}.function.name", "expected a non-empty string")
+        if any(offered.name == name for offered in tools):
+            _fail(_TOOLS, f"{path}.function.name", f"{_show(name)} is offered twice")
+        description = function.get("description")
+        if description is not None:
+            description = _string(description, f"{path}.function.description", _TOOLS)
+        parameters = function.get("parameters")
+        if parameters is None:
+            parameters = {"type": "object"}
+        elif not isinstance(parameters, dict):
+            _fail(_TOOLS, f"{path}.function.parameters", "expected a JSON schema object")
+        tools.append(ToolSchema(name, description or "", parameters))
+    return tuple(tools)
+
+
+def _tool_choice(
+    value: object, tools: tuple[ToolSchema, ...]
+) -> tuple[str | None, tuple[ToolSchema, ...]]:
+    """C{tool_choice} and the tools it leaves on offer."""
+    if value is None:
+        return None, tools
+    if isinstance(value, str) and value in TOOL_CHOICES:
+        return value, tools
+    if isinstance(value, dict) and value.get("type") == "function":
+        function = value.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        name = _string(name, "tool_choice.function.name", _PARAM)
+        chosen = tuple(tool for tool in tools if tool.name == name)
+        if not chosen:
+            _fail(_PARAM, "tool_choice.function.name", f"{_show(name)} is not in tools")
+        return "required", chosen
+    _fail(_PARAM, "tool_choice", _CHOICES)
+
+
+def _thinking(document: dict[str, Any]) -> bool:
+    """On, unless C{reasoning_effort} is C{"none"} or C{enable_thinking} is false."""
+    thinking = True
+    effort = document.get("reasoning_effort")
+    if effort is not None:
+        thinking = _string(effort, "reasoning_effort", _PARAM) != "none"
+    kwargs = _object(document.get("chat_template_kwargs"), "chat_template_kwargs", _PARAM, True)
+    if kwargs.get("enable_thinking") is not None:
+        enable = _flag(kwargs["enable_thinking"], "chat_template_kwargs.enable_thinking")
+        thinking = thinking and enable
+    return thinking
+
+
+def _max_tokens(document: dict[str, Any]) -> int | None:
+    """The lower of C{max_tokens} and C{max_completion_tokens}, each a positive integer."""
+    limits = []
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = document.get(key)
+        if value is None:
+            continue
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            _fail(_PARAM, key, "expected a positive integer")
+        limits.append(value)
+    return min(limits) if limits else None
+
+
+def _number(value: object, path: str, high: int) -> float | None:
+    """An optional number from 0 to C{high}."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= high:
+        _fail(_PARAM, path, f"expected a number from 0 to {high}")
+    return float(value)
+
+
+def _stop(value: object) -> tuple[str, ...]:
+    """C{stop}: a string or an array of up to L{MAX_STOP} strings, none empty."""
+    if value is None:
+        return ()
+    if isinstance(value, str) and value:
+        return (value,)
+    if not isinstance(value, list) or len(value) > MAX_STOP:
+        _fail(_PARAM, "stop", f"expected a non-empty string or an array of up to {MAX_STOP}")
+    for j, item in enumerate(value):
+        if not isinstance(item, str) or not item:
+            _fail(_PARAM, f"stop[{j}]", "expected a non-empty string")
+    return tuple(value)
+
+
+def new_completion_id() -> str:
+    """A fresh completion id: C{chatcmpl-} and 24 random hex digits."""
+    return "chatcmpl-" + os.urandom(12).hex()
+
+
+def _usage(timings: Timings) -> dict[str, Any]:
+    """OpenAI's C{usage}: the prompt counts both the reused and the evaluated tokens."""
+    prompt = timings.cache_n + timings.prompt_n
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": timings.predicted_n,
+        "total_tokens": prompt + timings.predicted_n,
+        "prompt_tokens_details": {"cached_tokens": timings.cache_n},
+    }
+
+
+def completion_json(
+    completion: Completion, *, completion_id: str, model: str, created: int
+) -> dict[str, Any]:
+    """
+    A finished completion as OpenAI's C{chat.completion} object: one choice whose message
+    has C{content}, C{reasoning_content} when set and C{tool_calls} when any, its
+    C{finish_reason}, C{usage} (with C{prompt_tokens_details.cached_tokens}) and the
+    upstream's C{timings} (C{cache_n}, C{prompt_n}, C{predicted_n} and, when known,
+    C{predicted_per_second}).
+    """
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": render_messages([completion.as_message()])[0],
+                "finish_reason": completion.finish_reason.value,
+            }
+        ],
+        "usage": _usage(completion.timings),
+        "timings": {k: v for k, v in asdict(completion.timings).items() if v is not None},
+    }
+
+
+@dataclass(frozen=True)
+class ChunkStream:
+    """
+    Renders one streamed answer as C{chat.completion.chunk} dicts, each with the same id,
+    created time and model, and a real C{choices[0]} (the usage chunk excepted, which has
+    C{choices: []} as in OpenAI's API).
+
+    @ivar include_usage: L{finish_chunks} ends with a usage chunk.
+    """
+
+    completion_id: str
+    model: str
+    created: int
+    include_usage: bool
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """The envelope every chunk shares."""
+        return {
+            "id": self.completion_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _delta(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        """A chunk whose C{choices[0]} carries C{delta}."""
+        return self._chunk([{"index": 0, "delta": delta, "finish_reason": finish_reason}])
+
+    def role_chunk(self) -> dict[str, Any]:
+        """The first chunk: the assistant role, with empty content."""
+        return self._delta({"role": "assistant", "content": ""})
+
+    def chunks_for(self, event: ChatEvent) -> list[dict[str, Any]]:
+        """
+        The chunks for one event: thinking text as a C{reasoning_content} delta, answer
+        text as a C{content} delta, a piece of a tool call as a C{tool_calls} delta (with
+        C{id} and C{type} when the id first shows, C{name} when the name does). Empty
+        pieces and every other event give none.
+        """
+        if isinstance(event, Reasoning) and event.text:
+            return [self._delta({"reasoning_content": event.text})]
+        if isinstance(event, Content) and event.text:
+            return [self._delta({"content": event.text})]
+        if isinstance(event, ToolCallDelta) and (event.id or event.name or event.arguments):
+            call: dict[str, Any] = {"index": event.index}
+            if event.id is not None:
+                call.update(id=event.id, type="function")
+            name = {} if event.name is None else {"name": event.name}
+            call["function"] = {**name, "arguments": event.arguments}
+            return [self._delta({"tool_calls": [call]})]
+        return []
+
+    def finish_chunks(self, completion: Completion) -> list[dict[str, Any]]:
+        """
+        The closing chunks: the finish chunk (an empty delta and the C{finish_reason}), then
+        the usage chunk when the client asked for it.
+        """
+        chunks = [self._delta({}, completion.finish_reason.value)]
+        if self.include_usage:
+            chunks.append({**self._chunk([]), "usage": _usage(completion.timings)})
+        return chunks
+
+
+def loopd_comment(event: ChatEvent) -> dict[str, Any] | None:
+    """
+    loopd's own events, for the C{: loopd {...}} comment lines of a stream: C{queued}
+    (C{ahead}), C{waiting} (C{slot_busy}, C{loading}), C{progress} (C{total}, C{cache},
+    C{processed}), C{thinking_capped} (C{tokens}), C{retrying} (C{attempt}, C{after_ms},
+    C{error}). None for the events that are chunks.
+    """
+    name = _COMMENTS.get(type(event))
+    if name is None:
+        return None
+    return {"event": name, **asdict(event)}
+
+
+# The comment's fields are exactly the event's, in the same order.
+_COMMENTS: dict[type[ChatEvent], str] = {
+    Queued: "queued",
+    Waiting: "waiting",
+    Progress: "progress",
+    ThinkingCapped: "thinking_capped",
+    Retrying: "retrying",
+}

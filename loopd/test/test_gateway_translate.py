@@ -1,0 +1,496 @@
+"""Tests for L{loopd.gateway.translate}: OpenAI requests in, completions and chunks out."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from twisted.trial.unittest import SynchronousTestCase
+
+from loopd.gateway.errors import GatewayError
+from loopd.gateway.translate import (
+    ChunkStream,
+    GatewayRequest,
+    completion_json,
+    loopd_comment,
+    new_completion_id,
+    parse_request,
+)
+from loopd.llama.types import (
+    Assistant,
+    ChatMessage,
+    ChatRequest,
+    Completion,
+    Content,
+    FinishReason,
+    Progress,
+    Queued,
+    Reasoning,
+    Retrying,
+    System,
+    ThinkingCapped,
+    Timings,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolSchema,
+    User,
+    Waiting,
+)
+from loopd.test.test_gateway_errors import paths
+
+USER = {"role": "user", "content": "Hi"}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
+TOOL_F = {"type": "function", "function": {"name": "f"}}
+TOOL_G = {"type": "function", "function": {"name": "g", "description": "G.", "parameters": {}}}
+
+
+def encode(document: object) -> bytes:
+    """A JSON request body."""
+    return json.dumps(document).encode("utf-8")
+
+
+def parse(**fields: Any) -> GatewayRequest:
+    """Parse a body of one user message plus C{fields}."""
+    return parse_request(encode({"messages": [USER], **fields}))
+
+
+def chat(**fields: Any) -> ChatRequest:
+    """The chat request of L{parse}."""
+    return parse(**fields).chat
+
+
+class ParseAcceptedTests(SynchronousTestCase):
+    """The forms of an OpenAI chat request that L{parse_request} accepts."""
+
+    def test_minimal(self) -> None:
+        """One user message gives the defaults: no model, no stream, slot -1, thinking on."""
+        self.assertEqual(
+            parse(), GatewayRequest(None, False, False, ChatRequest(-1, (User("Hi"),)))
+        )
+
+    def test_every_role(self) -> None:
+        """Each role becomes its message kind, in order; developer reads as system."""
+        messages = [
+            {"role": "system", "content": "S"},
+            {"role": "developer", "content": "D"},
+            USER,
+            {"role": "assistant", "content": "A", "reasoning_content": "R"},
+            {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        ]
+        self.assertEqual(
+            parse_request(encode({"messages": messages})).chat.messages,
+            (
+                System("S"),
+                System("D"),
+                User("Hi"),
+                Assistant("A", "R"),
+                Assistant(None, None, (ToolCall("c1", "f", '{"a":1}'),)),
+                Tool("c1", "42"),
+            ),
+        )
+
+    def test_content_parts(self) -> None:
+        """Arrays of text parts are joined with nothing between them, for every role."""
+        parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+        messages = [
+            {"role": role, "content": parts, "tool_call_id": "c"}
+            for role in ("system", "user", "assistant", "tool")
+        ]
+        self.assertEqual(
+            parse_request(encode({"messages": messages})).chat.messages,
+            (System("ab"), User("ab"), Assistant("ab"), Tool("c", "ab")),
+        )
+
+    def test_assistant_without_content(self) -> None:
+        """Content may be absent with tool calls (the call's type too) or null with reasoning."""
+        call = {"id": "c", "function": {"name": "f", "arguments": "{}"}}
+        thought = {"role": "assistant", "content": None, "reasoning_content": "r"}
+        messages = [{"role": "assistant", "tool_calls": [call]}, thought]
+        self.assertEqual(
+            parse_request(encode({"messages": messages})).chat.messages,
+            (Assistant(None, None, (ToolCall("c", "f", "{}"),)), Assistant(None, "r")),
+        )
+
+    def test_tools(self) -> None:
+        """Tools keep their order; description and parameters default when absent."""
+        self.assertEqual(
+            chat(tools=[TOOL_F, TOOL_G]).tools,
+            (ToolSchema("f", ""), ToolSchema("g", "G.", {})),
+        )
+
+    def test_tool_choice_strings(self) -> None:
+        """auto, none and required pass through with every tool still offered."""
+        for choice in ("auto", "none", "required"):
+            request = chat(tools=[TOOL_F, TOOL_G], tool_choice=choice)
+            self.assertEqual((request.tool_choice, len(request.tools)), (choice, 2))
+
+    def test_tool_choice_object(self) -> None:
+        """The object form is required with the tools narrowed to the one named."""
+        choice = {"type": "function", "function": {"name": "g"}}
+        request = chat(tools=[TOOL_F, TOOL_G], tool_choice=choice)
+        self.assertEqual(
+            (request.tool_choice, request.tools), ("required", (ToolSchema("g", "G.", {}),))
+        )
+
+    def test_options(self) -> None:
+        """model, stream, include_usage and the sampling overrides are all read."""
+        parsed = parse(
+            model="local",
+            stream=True,
+            stream_options={"include_usage": True},
+            max_tokens=64,
+            temperature=0.5,
+            top_p=1,
+            stop=["a", "b", "c", "d"],
+        )
+        self.assertEqual((parsed.model, parsed.stream, parsed.include_usage), ("local", True, True))
+        self.assertEqual(
+            parsed.chat,
+            ChatRequest(
+                -1, (User("Hi"),), max_tokens=64, temperature=0.5, top_p=1.0, stop=tuple("abcd")
+            ),
+        )
+
+    def test_max_completion_tokens(self) -> None:
+        """max_completion_tokens alone counts; with max_tokens, the lower counts."""
+        self.assertEqual(chat(max_completion_tokens=9).max_tokens, 9)
+        self.assertEqual(chat(max_tokens=5, max_completion_tokens=9).max_tokens, 5)
+        self.assertEqual(chat(max_tokens=9, max_completion_tokens=5).max_tokens, 5)
+
+    def test_integral_numbers(self) -> None:
+        """An integral number such as 7.0 is an integer (JSON has one number type)."""
+        self.assertEqual(chat(max_tokens=7.0, n=1.0).max_tokens, 7)
+
+    def test_bounds_inclusive(self) -> None:
+        """temperature 0 and 2 and top_p 0 and 1 are in range."""
+        self.assertEqual((chat(temperature=0).temperature, chat(temperature=2).temperature), (0, 2))
+        self.assertEqual((chat(top_p=0).top_p, chat(top_p=1).top_p), (0, 1))
+
+    def test_stop_string(self) -> None:
+        """A single stop string is one stop string."""
+        self.assertEqual(chat(stop="END").stop, ("END",))
+
+    def test_thinking(self) -> None:
+        """Thinking is on unless reasoning_effort is none or enable_thinking is false."""
+        cases: list[tuple[dict[str, Any], bool]] = [
+            ({}, True),
+            ({"reasoning_effort": "none"}, False),
+            ({"reasoning_effort": "high"}, True),
+            ({"chat_template_kwargs": {"enable_thinking": False}}, False),
+            ({"chat_template_kwargs": {"enable_thinking": True, "other": 1}}, True),
+            ({"chat_template_kwargs": {}}, True),
+            (
+                {"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}},
+                False,
+            ),
+        ]
+        self.assertEqual([(fields, chat(**fields).thinking) for fields, _ in cases], cases)
+
+    def test_nulls_are_absent(self) -> None:
+        """null for an optional field reads as absent."""
+        names = "model n tools tool_choice max_tokens max_completion_tokens temperature top_p"
+        names += " stop stream stream_options reasoning_effort chat_template_kwargs"
+        self.assertEqual(parse(**dict.fromkeys(names.split())), parse())
+        self.assertEqual(parse(stream_options={"include_usage": None}), parse())
+
+    def test_unknown_keys_ignored(self) -> None:
+        """Keys that loopd does not use are ignored, n=1 included."""
+        extras = {"n": 1, "user": "u", "metadata": {"a": "b"}, "seed": 3, "logprobs": False}
+        self.assertEqual(parse(**extras), parse())
+
+
+TIMINGS = Timings(cache_n=100, prompt_n=20, predicted_n=7, predicted_per_second=55.5)
+ANSWER = Completion("up-1", "Hello", "I think", (), FinishReason.STOP, TIMINGS)
+USAGE = {
+    "prompt_tokens": 120,
+    "completion_tokens": 7,
+    "total_tokens": 127,
+    "prompt_tokens_details": {"cached_tokens": 100},
+}
+ENVELOPE = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700, "model": "m"}
+
+
+def delta_chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    """The chunk a stream of L{ENVELOPE} sends for C{delta}."""
+    return {**ENVELOPE, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+
+
+class CompletionJsonTests(SynchronousTestCase):
+    """L{completion_json} renders a finished completion as a chat.completion object."""
+
+    def test_answer(self) -> None:
+        """A plain answer with reasoning: message, finish reason, usage and timings."""
+        message = {"role": "assistant", "content": "Hello", "reasoning_content": "I think"}
+        speed = {"predicted_per_second": 55.5}
+        self.assertEqual(
+            completion_json(ANSWER, completion_id="chatcmpl-1", model="m", created=1700),
+            {
+                "id": "chatcmpl-1",
+                "object": "chat.completion",
+                "created": 1700,
+                "model": "m",
+                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                "usage": USAGE,
+                "timings": {"cache_n": 100, "prompt_n": 20, "predicted_n": 7, **speed},
+            },
+        )
+
+    def test_tool_calls(self) -> None:
+        """Tool calls are listed, content stays null, no reasoning key, no unknown speed."""
+        calls = (ToolCall("c1", "f", '{"a":1}'), ToolCall("c2", "g", "{}"))
+        completion = Completion("up", None, None, calls, FinishReason.TOOL_CALLS, Timings(0, 5, 3))
+        rendered = completion_json(completion, completion_id="chatcmpl-2", model="m", created=1)
+        second = {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}}
+        message = {"role": "assistant", "content": None, "tool_calls": [CALL, second]}
+        self.assertEqual(
+            rendered["choices"][0], {"index": 0, "message": message, "finish_reason": "tool_calls"}
+        )
+        self.assertEqual(rendered["timings"], {"cache_n": 0, "prompt_n": 5, "predicted_n": 3})
+        self.assertEqual(rendered["usage"]["total_tokens"], 8)
+
+
+class ChunkStreamTests(SynchronousTestCase):
+    """L{ChunkStream} renders a streamed answer as chat.completion.chunk dicts."""
+
+    def setUp(self) -> None:
+        """A stream with the usage chunk asked for."""
+        self.stream = ChunkStream("chatcmpl-1", "m", 1700, True)
+
+    def test_role_chunk(self) -> None:
+        """The first chunk sets the role, with empty content."""
+        self.assertEqual(
+            self.stream.role_chunk(), delta_chunk({"role": "assistant", "content": ""})
+        )
+
+    def test_reasoning(self) -> None:
+        """Thinking text is a reasoning_content delta."""
+        self.assertEqual(
+            self.stream.chunks_for(Reasoning("hm")), [delta_chunk({"reasoning_content": "hm"})]
+        )
+
+    def test_content(self) -> None:
+        """Answer text is a content delta."""
+        self.assertEqual(self.stream.chunks_for(Content("Hi")), [delta_chunk({"content": "Hi"})])
+
+    def test_tool_call_first_sight(self) -> None:
+        """The first piece of a tool call carries its index, id, type and name."""
+        call = {
+            "index": 1,
+            "id": "c1",
+            "type": "function",
+            "function": {"name": "f", "arguments": ""},
+        }
+        self.assertEqual(
+            self.stream.chunks_for(ToolCallDelta(1, "c1", "f", "")),
+            [delta_chunk({"tool_calls": [call]})],
+        )
+
+    def test_tool_call_arguments(self) -> None:
+        """Later pieces carry the index and argument text only."""
+        self.assertEqual(
+            self.stream.chunks_for(ToolCallDelta(0, None, None, '{"a"')),
+            [delta_chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"a"'}}]})],
+        )
+
+    def test_empty_pieces(self) -> None:
+        """Empty text and an empty tool call piece give no chunk."""
+        for event in (Reasoning(""), Content(""), ToolCallDelta(0, None, None, "")):
+            self.assertEqual(self.stream.chunks_for(event), [])
+
+    def test_other_events(self) -> None:
+        """loopd's own events give no chunk."""
+        for event in (
+            Queued(1),
+            Waiting(True),
+            Progress(10, 2, 5),
+            ThinkingCapped(3),
+            Retrying(1, 5, "x"),
+        ):
+            self.assertEqual(self.stream.chunks_for(event), [])
+
+    def test_finish_with_usage(self) -> None:
+        """The finish chunk has an empty delta and the reason; the usage chunk has no choices."""
+        self.assertEqual(
+            self.stream.finish_chunks(ANSWER),
+            [delta_chunk({}, "stop"), {**ENVELOPE, "choices": [], "usage": USAGE}],
+        )
+
+    def test_finish_without_usage(self) -> None:
+        """Without include_usage only the finish chunk is sent."""
+        stream = ChunkStream("chatcmpl-1", "m", 1700, False)
+        length = Completion("u", "x", None, (), FinishReason.LENGTH, TIMINGS)
+        self.assertEqual(stream.finish_chunks(length), [delta_chunk({}, "length")])
+
+
+class LoopdCommentTests(SynchronousTestCase):
+    """L{loopd_comment} renders loopd's own events for the SSE comment lines."""
+
+    def test_each_kind(self) -> None:
+        """Each of loopd's events has its comment object."""
+        cases = [
+            (Queued(2), {"event": "queued", "ahead": 2}),
+            (Waiting(True, False), {"event": "waiting", "slot_busy": True, "loading": False}),
+            (
+                Progress(100, 40, 60),
+                {"event": "progress", "total": 100, "cache": 40, "processed": 60},
+            ),
+            (ThinkingCapped(512), {"event": "thinking_capped", "tokens": 512}),
+            (
+                Retrying(2, 250, "Connect: refused"),
+                {"event": "retrying", "attempt": 2, "after_ms": 250, "error": "Connect: refused"},
+            ),
+        ]
+        self.assertEqual([(event, loopd_comment(event)) for event, _ in cases], cases)
+
+    def test_chunk_events(self) -> None:
+        """The events that become chunks have no comment."""
+        for event in (Reasoning("r"), Content("c"), ToolCallDelta(0, "i", "n", "")):
+            self.assertIsNone(loopd_comment(event))
+
+
+class CompletionIdTests(SynchronousTestCase):
+    """L{new_completion_id} gives OpenAI-shaped, fresh ids."""
+
+    def test_shape(self) -> None:
+        """chatcmpl- and 24 hex digits, different each time."""
+        first, second = new_completion_id(), new_completion_id()
+        self.assertRegex(first, r"\Achatcmpl-[0-9a-f]{24}\Z")
+        self.assertNotEqual(first, second)
+
+
+_text = st.text(max_size=6)
+_name = st.text("abcxyz_-0123", min_size=1, max_size=5)
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOL_CHOICE_STRINGS = ("auto", "none", "required")
+# Keys and words of the request format, so that generated values come close to valid ones.
+_KEYS = st.sampled_from(
+    "model messages tools tool_choice max_tokens max_completion_tokens temperature top_p stop"
+    " stream stream_options include_usage n reasoning_effort chat_template_kwargs"
+    " enable_thinking role content tool_calls tool_call_id reasoning_content id type function"
+    " name arguments description parameters text".split()
+)
+_WORDS = st.sampled_from(["function", "text", "image_url", *TOOL_CHOICE_STRINGS, *_ROLES])
+_scalar = (
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+)
+_json = st.recursive(
+    _scalar | st.text(max_size=5) | _WORDS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_KEYS | _text, inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@st.composite
+def openai_message(draw: st.DrawFn) -> tuple[dict[str, Any], ChatMessage]:
+    """A valid OpenAI message and the message loopd should read from it."""
+    role = draw(st.sampled_from(_ROLES))
+    pieces = draw(st.lists(_text, min_size=1, max_size=3))
+    text = "".join(pieces)
+    content: object = [{"type": "text", "text": p} for p in pieces] if len(pieces) > 1 else text
+    if role == "tool":
+        call_id = draw(_name)
+        return {"role": role, "tool_call_id": call_id, "content": content}, Tool(call_id, text)
+    if role != "assistant":
+        return {"role": role, "content": content}, (User if role == "user" else System)(text)
+    calls = tuple(draw(st.lists(st.builds(ToolCall, _name, _name, _text), max_size=2)))
+    reasoning = draw(st.none() | _text)
+    null = bool(calls) and draw(st.booleans())
+    message: dict[str, Any] = {"role": role, "content": None if null else content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls
+        ]
+    return message, Assistant(None if null else text, reasoning, calls)
+
+
+@st.composite
+def openai_request(draw: st.DrawFn) -> tuple[dict[str, Any], GatewayRequest]:
+    """A valid OpenAI request and the gateway request loopd should read from it."""
+    pairs = draw(st.lists(openai_message(), min_size=1, max_size=5))
+    names = draw(st.lists(_name, unique=True, max_size=3))
+    tools = tuple(ToolSchema(name, f"{name}.", {"type": "object"}) for name in names)
+    document: dict[str, Any] = {"messages": [pair[0] for pair in pairs]}
+    if tools:
+        document["tools"] = [
+            {"type": "function", "function": {"name": t.name, "description": t.description}}
+            for t in tools
+        ]
+    choice = draw(st.sampled_from([None, *TOOL_CHOICE_STRINGS, *names]))
+    if choice in names:
+        tools = tuple(tool for tool in tools if tool.name == choice)
+        document["tool_choice"] = {"type": "function", "function": {"name": choice}}
+        choice = "required"
+    fields: dict[str, Any] = {
+        "model": draw(st.none() | _name),
+        "stream": draw(st.booleans()),
+        draw(st.sampled_from(["max_tokens", "max_completion_tokens"])): draw(
+            st.none() | st.integers(1, 10**6)
+        ),
+        "temperature": draw(st.none() | st.floats(0, 2)),
+        "top_p": draw(st.none() | st.floats(0, 1)),
+        "stop": draw(st.lists(_name, max_size=4)),
+        "tool_choice": document.get("tool_choice", choice),
+        "reasoning_effort": draw(st.sampled_from([None, "none", "low", "high"])),
+        "stream_options": draw(st.none() | st.builds(dict, include_usage=st.booleans())),
+        "chat_template_kwargs": draw(st.none() | st.builds(dict, enable_thinking=st.booleans())),
+    }
+    document.update({key: value for key, value in fields.items() if value is not None})
+    get = document.get
+    chat = ChatRequest(
+        -1,
+        tuple(pair[1] for pair in pairs),
+        tools,
+        get("reasoning_effort") != "none"
+        and get("chat_template_kwargs", {}).get("enable_thinking", True),
+        get("max_tokens", get("max_completion_tokens")),
+        fields["temperature"],
+        fields["top_p"],
+        tuple(fields["stop"]),
+        choice,
+    )
+    usage = get("stream_options", {}).get("include_usage", False)
+    return document, GatewayRequest(fields["model"], fields["stream"], usage, chat)
+
+
+@st.composite
+def near_valid(draw: st.DrawFn) -> object:
+    """A valid request with one value in it, at any depth, replaced by an arbitrary one."""
+    document: Any = draw(openai_request())[0]
+    every = paths(document)[1:]
+    depth = draw(st.integers(1, max(map(len, every))))
+    *parents, key = draw(st.sampled_from([path for path in every if len(path) == depth]))
+    node = document
+    for parent in parents:
+        node = node[parent]
+    if isinstance(node, dict) and draw(st.integers(0, 4)) == 0:
+        key = draw(_KEYS)
+    node[key] = draw(_json)
+    return document
+
+
+class PropertyTests(SynchronousTestCase):
+    """Properties of L{parse_request} over generated input."""
+
+    @given(openai_request())
+    def test_round_trip(self, case: tuple[dict[str, Any], GatewayRequest]) -> None:
+        """Any valid generated request reads back as the request it was made from."""
+        document, expected = case
+        self.assertEqual(parse_request(encode(document)), expected)
+
+    @settings(max_examples=300)
+    @given(st.binary(max_size=30) | _json.map(encode) | near_valid().map(encode))
+    def test_only_gateway_errors(self, body: bytes) -> None:
+        """On any bytes or JSON value, parse_request answers or raises a 400 GatewayError."""
+        try:
+            parsed = parse_request(body)
+        except GatewayError as error:
+            self.assertEqual((error.status, error.type), (400, "invalid_request_error"))
+        else:
+            self.assertIsInstance(parsed, GatewayRequest)
