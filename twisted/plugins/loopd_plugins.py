@@ -11,3 +11,10 @@ inferproxy = ServiceMaker(
     "Forward a Unix socket to a TCP server with hard limits.",
     "inferproxy",
 )
+
+loopd = ServiceMaker(
+    "loopd",
+    "loopd.tap.loopd",
+    "The OpenAI-compatible session gateway in front of local model servers.",
+    "loopd",
+)

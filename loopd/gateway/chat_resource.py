@@ -1,0 +1,267 @@
+# -*- test-case-name: loopd.test.test_gateway_chat -*-
+"""
+C{POST /v1/chat/completions}: an OpenAI request in, the llama client in the middle, an
+OpenAI answer out (DESIGN.md §3, decisions 15 to 18).
+
+A streaming answer starts lazily, at the first thing worth sending (a delta or one of
+loopd's own events), so that an error that comes before it (Busy, an upstream 400, ...)
+is still an HTTP status with a JSON body; after that, an error is one
+C{data: {"error": ...}} event and no C{[DONE]}. loopd's own events travel as SSE comment
+lines (C{: loopd {...}}), which OpenAI clients ignore. A client that goes away cancels
+the upstream request, and llama-server frees the slot.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request
+
+from loopd.gateway.errors import GatewayError, error_for
+from loopd.gateway.translate import (
+    ChunkStream,
+    GatewayRequest,
+    completion_json,
+    loopd_comment,
+    new_completion_id,
+    parse_request,
+)
+from loopd.llama.types import ChatEvent, Completion, Content, Reasoning, ToolCallDelta
+
+__all__ = ["ChatCompletions", "write_json"]
+
+_log = Logger(namespace="loopd.gateway")
+
+SESSION_HEADER = b"x-session-id"
+_FIRST_TOKEN = (Content, Reasoning, ToolCallDelta)
+
+
+def write_json(request: Request, status: int, body: object) -> bytes:
+    """
+    Set C{status} and a JSON content type on C{request}; return the encoded C{body}.
+    """
+    request.setResponseCode(status)
+    request.setHeader(b"content-type", b"application/json")
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+class ChatCompletions(Resource):
+    """
+    The chat completions route of one gateway.
+    """
+
+    isLeaf = True
+
+    def __init__(self, gateway: Any) -> None:
+        """
+        @param gateway: the L{loopd.gateway.site.Gateway} whose clients, sessions and
+            metrics this route uses.
+        """
+        super().__init__()
+        self._gateway = gateway
+
+    def render_POST(self, request: Request) -> bytes | int:
+        """
+        Answer one chat completion request.
+        """
+        content = request.content
+        body = content.read() if content is not None else b""
+        try:
+            parsed = parse_request(body)
+            endpoint = self._gateway.endpoint_for(parsed.model)
+        except GatewayError as e:
+            self._gateway.metrics.observe_request("-", e.code)
+            return write_json(request, e.status, e.body())
+        _Exchange(self._gateway, request, parsed, endpoint).start()
+        return NOT_DONE_YET
+
+
+class _Exchange:
+    """
+    One request's way through the gateway: slot choice, the upstream call, the answer.
+    """
+
+    def __init__(
+        self, gateway: Any, request: Request, parsed: GatewayRequest, endpoint: Any
+    ) -> None:
+        self._gateway = gateway
+        self._request = request
+        self._parsed = parsed
+        self._endpoint = endpoint
+        self._client = gateway.clients[endpoint.name]
+        self._reactor = gateway.reactor
+        self._started_at = self._reactor.seconds()
+        self._first_token_seen = False
+        self._completion_id = new_completion_id()
+        self._created = int(gateway.wall_clock())
+        self._chunks = ChunkStream(
+            self._completion_id, endpoint.name, self._created, parsed.include_usage
+        )
+        self._streaming = False
+        self._finished = False
+        self._call: Deferred[Completion] | None = None
+        header = request.getHeader(SESSION_HEADER)
+        self._session: str = (
+            header.decode("utf-8", "backslashreplace")
+            if header
+            else gateway.sessions.anonymous_id(request.channel)
+        )
+
+    def start(self) -> None:
+        """
+        Choose the slot, send the request upstream, and watch for the client leaving.
+        """
+        # Gates other than SlotGate may not say which slots are taken.
+        busy = getattr(self._client.gate, "in_flight", lambda slot: False)
+        slot = self._gateway.sessions.choose_slot(
+            self._session, self._gateway.slot_count(self._endpoint.name), busy
+        )
+        self._slot = slot
+        chat = replace(self._parsed.chat, slot=slot)
+        self._gateway.in_flight.add(self)
+        self._request.notifyFinish().addErrback(self._client_gone)
+        call = self._client.chat_with_retry(chat, self._event)
+        self._call = call
+        call.addCallbacks(self._completed, self._failed)
+
+    def shutdown(self) -> None:
+        """
+        The daemon is stopping: end this exchange with an error.
+        """
+        self._end_with_error(
+            GatewayError(503, "loopd is shutting down", "server_error", "shutting_down")
+        )
+
+    # -- events --------------------------------------------------------------------------
+
+    def _event(self, event: ChatEvent) -> None:
+        if self._finished:
+            return
+        if isinstance(event, _FIRST_TOKEN) and not self._first_token_seen:
+            self._first_token_seen = True
+            self._gateway.metrics.observe_first_token(
+                self._endpoint.name, self._reactor.seconds() - self._started_at
+            )
+        if not self._parsed.stream:
+            return
+        comment = loopd_comment(event)
+        chunks = self._chunks.chunks_for(event)
+        if comment is None and not chunks:
+            return
+        self._start_stream()
+        if comment is not None:
+            self._write(b": loopd " + _encode(comment) + b"\n\n")
+        for chunk in chunks:
+            self._write_data(chunk)
+
+    def _start_stream(self) -> None:
+        if self._streaming:
+            return
+        self._streaming = True
+        request = self._request
+        request.setResponseCode(200)
+        request.setHeader(b"content-type", b"text/event-stream")
+        request.setHeader(b"cache-control", b"no-cache")
+        request.setHeader(b"x-accel-buffering", b"no")
+        self._write_data(self._chunks.role_chunk())
+
+    def _write_data(self, payload: object) -> None:
+        self._write(b"data: " + _encode(payload) + b"\n\n")
+
+    def _write(self, data: bytes) -> None:
+        self._request.write(data)
+
+    # -- endings -------------------------------------------------------------------------
+
+    def _completed(self, completion: Completion) -> None:
+        self._call = None
+        if self._finished:
+            return
+        gateway = self._gateway
+        name = self._endpoint.name
+        gateway.metrics.observe_request(name, "ok")
+        gateway.metrics.observe_completion(name, completion.timings)
+        self._note_cache(completion)
+        if self._parsed.stream:
+            self._start_stream()
+            for chunk in self._chunks.finish_chunks(completion):
+                self._write_data(chunk)
+            self._write(b"data: [DONE]\n\n")
+            self._finish()
+        else:
+            body = completion_json(
+                completion, completion_id=self._completion_id, model=name, created=self._created
+            )
+            self._finish(write_json(self._request, 200, body))
+
+    def _note_cache(self, completion: Completion) -> None:
+        outcome = self._gateway.sessions.record(
+            self._session, self._slot, completion.timings, self._gateway.config.cache_loss_tokens
+        )
+        if outcome is None:
+            return
+        if outcome.loss:
+            self._gateway.metrics.observe_cache_loss(self._endpoint.name)
+            _log.warn(
+                "cache loss for session {session} on slot {slot}: reused {cached} of "
+                "{expected} tokens",
+                session=self._session,
+                slot=self._slot,
+                cached=outcome.cached,
+                expected=outcome.expected,
+            )
+        else:
+            _log.info(
+                "cache hit for session {session} on slot {slot}: reused {cached} of "
+                "{expected} tokens",
+                session=self._session,
+                slot=self._slot,
+                cached=outcome.cached,
+                expected=outcome.expected,
+            )
+
+    def _failed(self, reason: Failure) -> None:
+        self._call = None
+        if self._finished or reason.check(CancelledError):
+            return
+        self._end_with_error(error_for(reason.value or Exception(reason.getErrorMessage())))
+
+    def _end_with_error(self, error: GatewayError) -> None:
+        if self._finished:
+            return
+        self._gateway.metrics.observe_request(self._endpoint.name, error.code)
+        call, self._call = self._call, None
+        if self._streaming:
+            self._write_data(error.body())
+            self._finish()
+        else:
+            self._finish(write_json(self._request, error.status, error.body()))
+        if call is not None:
+            call.cancel()
+
+    def _client_gone(self, reason: Failure) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self._gateway.in_flight.discard(self)
+        self._gateway.metrics.observe_request(self._endpoint.name, "client_gone")
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
+
+    def _finish(self, body: bytes = b"") -> None:
+        self._finished = True
+        self._gateway.in_flight.discard(self)
+        if body:
+            self._request.write(body)
+        self._request.finish()
+
+
+def _encode(payload: object) -> bytes:
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
