@@ -1,0 +1,182 @@
+# -*- test-case-name: loopd.test.test_cli -*-
+"""
+Child processes of C{loopd demo}: C{python -m twisted ...} commands that say when they are
+ready with a line of their log, and are stopped with SIGTERM (SIGKILL after a grace).
+
+L{spawn_twist} starts one; its L{Child} fires C{ready} at the first output line containing
+the marker, or fails it with L{ChildFailed} when the child ends (or the start timeout
+passes) first; C{ended} fires with the exit status whatever happens. Every output line is
+kept, stdout and stderr alike, so a caller can show what a failing child said.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from contextlib import suppress
+from typing import Any
+
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.error import ProcessDone, ProcessExitedAlready
+from twisted.internet.interfaces import IDelayedCall, IReactorProcess, IReactorTime
+from twisted.internet.protocol import ProcessProtocol
+from twisted.python.failure import Failure
+
+__all__ = ["Child", "ChildFailed", "spawn_twist", "stop_child"]
+
+#: Output lines a child keeps; the oldest go first.
+MAX_LINES = 2000
+#: Lines of output a failure message shows.
+TAIL_LINES = 20
+
+
+class ChildFailed(Exception):  # noqa: N818 - reads better at the call site
+    """
+    A child ended, or stayed silent past its start timeout, before it was ready.
+
+    @ivar child: the child, with its output lines.
+    """
+
+    def __init__(self, child: Child, why: str) -> None:
+        """@param why: what happened, e.g. C{exited with status 1}."""
+        tail = "\n".join(child.lines[-TAIL_LINES:])
+        super().__init__(f"{child.name} {why}" + (f"; its last output:\n{tail}" if tail else ""))
+        self.child = child
+
+
+class Child(ProcessProtocol):
+    """
+    One child process: its output lines, a ready Deferred and an ended Deferred.
+
+    @ivar name: how messages name the child.
+    @ivar marker: the text of the output line that means the child is ready.
+    @ivar ready: fires once the marker line arrived; fails with L{ChildFailed}.
+    @ivar ended: fires with the exit status (a negative number for a signal).
+    @ivar lines: the output lines so far, stdout and stderr interleaved as they came.
+    @ivar status: the exit status once the child ended, else None.
+    """
+
+    def __init__(self, name: str, marker: str) -> None:
+        """Describe the child; L{spawn_twist} starts it."""
+        self.name = name
+        self.marker = marker
+        self.ready: Deferred[None] = Deferred()
+        self.ended: Deferred[int] = Deferred()
+        self.lines: list[str] = []
+        self.status: int | None = None
+        self._partial = {1: b"", 2: b""}
+        self._timer: IDelayedCall | None = None
+
+    def outReceived(self, data: bytes) -> None:
+        """Collect stdout lines."""
+        self._received(1, data)
+
+    def errReceived(self, data: bytes) -> None:
+        """Collect stderr lines."""
+        self._received(2, data)
+
+    def _received(self, fd: int, data: bytes) -> None:
+        *complete, self._partial[fd] = (self._partial[fd] + data).split(b"\n")
+        for raw in complete:
+            self._line(raw.decode("utf-8", "replace").rstrip("\r"))
+
+    def _line(self, line: str) -> None:
+        self.lines.append(line)
+        del self.lines[:-MAX_LINES]
+        if self.marker in line and not self.ready.called:
+            self._cancel_timer()
+            self.ready.callback(None)
+
+    def start_timeout(self, clock: IReactorTime, seconds: float) -> None:
+        """Fail C{ready} and kill the child if it is not ready within C{seconds}."""
+        self._timer = clock.callLater(seconds, self._timed_out, seconds)
+
+    def _timed_out(self, seconds: float) -> None:
+        self._timer = None
+        if not self.ready.called:
+            self.ready.errback(ChildFailed(self, f"was not ready within {seconds:g} s"))
+        self.signal("KILL")
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+
+    def signal(self, name: str) -> None:
+        """Send signal C{name} (C{"TERM"}, C{"KILL"}) unless the child is gone."""
+        transport: Any = self.transport
+        if transport is not None and self.status is None:
+            with suppress(ProcessExitedAlready, OSError):
+                transport.signalProcess(name)
+
+    def processEnded(self, reason: Failure) -> None:
+        """Flush partial lines, fail C{ready} if it never came, fire C{ended}."""
+        for fd, rest in self._partial.items():
+            if rest:
+                self._partial[fd] = b""
+                self._line(rest.decode("utf-8", "replace").rstrip("\r"))
+        self._cancel_timer()
+        status = self.status = _status(reason)
+        if not self.ready.called:
+            why = (
+                f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
+            )
+            self.ready.errback(ChildFailed(self, why))
+        self.ended.callback(status)
+
+
+def _status(reason: Failure) -> int:
+    """The exit status of an ended child; minus the signal number if a signal ended it."""
+    if reason.check(ProcessDone):
+        return 0
+    value: Any = reason.value
+    if getattr(value, "signal", None) is not None:
+        return -int(value.signal)
+    code = getattr(value, "exitCode", None)
+    return int(code) if code is not None else 1
+
+
+def spawn_twist(
+    reactor: Any,
+    name: str,
+    marker: str,
+    args: Sequence[str],
+    *,
+    start_timeout: float = 60.0,
+    cwd: str | None = None,
+) -> Child:
+    """
+    Start C{python -m twisted --log-format=text ARGS...} with this interpreter.
+
+    @param reactor: provides IReactorProcess and IReactorTime.
+    @param marker: the text of the log line that says the command is ready.
+    @param start_timeout: seconds before C{ready} fails and the child is killed.
+    """
+    child = Child(name, marker)
+    argv = [sys.executable, "-m", "twisted", "--log-format=text", *args]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    IReactorProcess(reactor).spawnProcess(child, sys.executable, argv, env=env, path=cwd)
+    child.start_timeout(IReactorTime(reactor), start_timeout)
+    return child
+
+
+def stop_child(clock: IReactorTime, child: Child, grace: float = 10.0) -> Deferred[int]:
+    """
+    SIGTERM C{child}, SIGKILL it if it still runs after C{grace} seconds; fire with its
+    exit status once it is gone.
+    """
+    if child.status is not None:
+        return succeed(child.status)
+    child.signal("TERM")
+    timer = clock.callLater(grace, child.signal, "KILL")
+    ended: Deferred[int] = Deferred()
+
+    def gone(status: int) -> int:
+        if timer.active():
+            timer.cancel()
+        ended.callback(status)
+        return status
+
+    child.ended.addCallback(gone)
+    return ended

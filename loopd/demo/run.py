@@ -1,0 +1,362 @@
+# -*- test-case-name: test.test_cli_e2e -*-
+"""
+C{loopd demo}: the whole main path on any machine, step by step.
+
+In a fresh temporary directory, L{DemoStack} builds the tiny deterministic model, starts a
+real llama.cpp server on a free loopback port, a C{twist inferproxy} in front of it, writes
+a loopd.toml whose C{[endpoint.expect]} holds what the server's C{/props} says, starts
+C{twist loopd} with it and shows the self-test lines loopd logged; L{run_demo} then streams
+one chat through loopd.sock and keeps everything running until Ctrl-C (or stops at once
+with C{--once}). Every child is stopped on exit or error, and the directory is removed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Generator, Mapping
+from typing import Any, TypeVar
+
+from twisted.internet.defer import Deferred, DeferredList, inlineCallbacks, maybeDeferred, succeed
+from twisted.python.failure import Failure
+
+from loopd import http
+from loopd.chatui import Conversation, TurnView
+from loopd.config import load_config
+from loopd.demo.children import Child, ChildFailed, spawn_twist, stop_child
+from loopd.demo.real_server import RealServer
+from loopd.digest import sha256_hex
+from loopd.selftest import require_selftests
+
+__all__ = ["DemoStack", "render_config", "run_demo", "selftest_lines_from_log"]
+
+T = TypeVar("T")
+Write = Callable[[str], None]
+
+STEPS = 6
+#: The endpoint's name in the generated config: the model sessions ask for.
+MODEL = "tiny"
+QUESTION = "Hello! Who are you?"
+INTERRUPTED = 130
+_SELFTEST_LINE = re.compile(r"selftest (\S+): ((?:PASS|FAIL) .*)$")
+
+
+def render_config(
+    *, endpoint_socket: str, listen_socket: str, props: Mapping[str, Any], name: str = MODEL
+) -> str:
+    """
+    The demo's loopd.toml: one endpoint behind C{endpoint_socket} that expects what
+    C{props} (the server's C{/props}) says, and the gateway on C{listen_socket}.
+    """
+    lines = [
+        "# Written by `loopd demo`: one tiny llama.cpp server behind an inferproxy.",
+        "[server]",
+        f"listen = {json.dumps('unix:' + listen_socket.replace(':', chr(92) + ':'))}",
+        "",
+        "[[endpoint]]",
+        f"name = {json.dumps(name)}",
+        f"socket = {json.dumps(endpoint_socket)}",
+        "",
+        "[endpoint.expect]",
+    ]
+    template = props.get("chat_template")
+    if isinstance(template, str):
+        lines.append(f'chat_template_sha256 = "{sha256_hex(template.encode("utf-8"))}"')
+    settings = props.get("default_generation_settings")
+    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+    if isinstance(n_ctx, int):
+        lines.append(f"n_ctx = {n_ctx}")
+    slots = props.get("total_slots")
+    if isinstance(slots, int):
+        lines.append(f"total_slots = {slots}")
+    return "\n".join(lines) + "\n"
+
+
+def selftest_lines_from_log(lines: list[str]) -> list[str]:
+    """The self-test result lines in C{twist loopd}'s log, as C{endpoint: PASS ...}."""
+    found = []
+    for line in lines:
+        match = _SELFTEST_LINE.search(line)
+        if match:
+            found.append(f"{match.group(1)}: {match.group(2)}")
+    return found
+
+
+def _short_tempdir() -> str:
+    """A new 0700 directory with a short path (a Unix socket path is at most ~100 bytes)."""
+    base = "/tmp" if os.path.isdir("/tmp") else None
+    return tempfile.mkdtemp(prefix="loopd-demo-", dir=base)
+
+
+class DemoStack:
+    """
+    The demo's processes and files: the model, the server, the inferproxy, loopd.
+
+    @ivar directory: the temporary directory holding the model, sockets and config.
+    @ivar loopd_socket: the socket loopd serves on, once started.
+    @ivar config_path: the generated loopd.toml.
+    @ivar selftest_lines: the self-test lines, once loopd is up.
+    """
+
+    def __init__(
+        self,
+        reactor: Any,
+        write: Write,
+        *,
+        port: int = 0,
+        start_timeout: float = 60.0,
+        stop_grace: float = 10.0,
+    ) -> None:
+        """
+        @param reactor: provides IReactorProcess, IReactorTime and IReactorUNIX.
+        @param write: where the steps are told.
+        @param port: the llama.cpp server's port (0: any free one).
+        """
+        self._reactor = reactor
+        self._write = write
+        self._port = port
+        self._start_timeout = start_timeout
+        self._stop_grace = stop_grace
+        self.directory = _short_tempdir()
+        self.model_path = os.path.join(self.directory, "tiny.gguf")
+        self.infer_socket = os.path.join(self.directory, "infer.sock")
+        self.loopd_socket = os.path.join(self.directory, "loopd.sock")
+        self.config_path = os.path.join(self.directory, "loopd.toml")
+        self.server: RealServer | None = None
+        self.proxy: Child | None = None
+        self.loopd: Child | None = None
+        self.selftest_lines: list[str] = []
+        self.stopping = False
+        self._stopped: Deferred[None] | None = None
+
+    def _step(self, number: int, title: str, action: Callable[[], Deferred[T]]) -> Deferred[T]:
+        """Tell step C{number}, run C{action}, then say done (with the time) or failed."""
+        self._write(f"{number}/{STEPS} {title} ... ")
+        started = self._reactor.seconds()
+
+        def done(result: T) -> T:
+            self._write(f"done ({self._reactor.seconds() - started:.1f} s)\n")
+            return result
+
+        def failed(reason: Failure) -> Failure:
+            if not self.stopping:  # else the stop is what is being told
+                self._write("failed\n")
+            return reason
+
+        return maybeDeferred(action).addCallbacks(done, failed)
+
+    @inlineCallbacks
+    def start(self) -> Generator[Deferred[Any], Any, None]:
+        """Steps 1 to 5: everything up to a gateway that passed its self-test."""
+        yield self._step(1, f"building the tiny model in {self.directory}", self._build_model)
+        port = yield self._step(2, "starting a llama.cpp server", self._start_server)
+        self._write(f"      listening on 127.0.0.1:{port}\n")
+        yield self._step(3, "starting twist inferproxy", self._start_proxy)
+        self._write(f"      {self.infer_socket} -> 127.0.0.1:{port}\n")
+        yield self._step(4, "starting twist loopd (self-test first)", self._start_loopd)
+        self._write(f"      serving {self.loopd_socket}, config {self.config_path}\n")
+        lines = yield self._step(5, "self-test results", self._selftest)
+        for line in lines:
+            self._write(f"      {line}\n")
+
+    def _build_model(self) -> Deferred[None]:
+        if importlib.util.find_spec("xllamacpp") is None:
+            raise RuntimeError("the xllamacpp wheel is missing: pip install 'loopd[demo]'")
+        try:
+            from loopd.demo.tiny_model import write_tiny_model
+        except ImportError as e:
+            raise RuntimeError(f"{e}: pip install 'loopd[demo]'") from None
+        write_tiny_model(self.model_path)
+        return succeed(None)
+
+    def _start_server(self) -> Deferred[int]:
+        self.server = RealServer(
+            self._reactor, self.model_path, port=self._port, start_timeout=self._start_timeout
+        )
+        return self.server.start()
+
+    def _start_proxy(self) -> Deferred[None]:
+        assert self.server is not None
+        upstream = f"127.0.0.1:{self.server.port}"
+        args = ["inferproxy", "--listen", self.infer_socket, "--upstream", upstream]
+        self.proxy = self._spawn("twist inferproxy", "inferproxy listening on", args)
+        return self.proxy.ready
+
+    @inlineCallbacks
+    def _start_loopd(self) -> Generator[Deferred[Any], Any, None]:
+        response = yield http.request(self._reactor, self.infer_socket, "GET", "/props")
+        raw = yield response.read_body()
+        if response.status != 200:
+            raise RuntimeError(f"/props answered HTTP {response.status}: {raw[:200]!r}")
+        config = render_config(
+            endpoint_socket=self.infer_socket,
+            listen_socket=self.loopd_socket,
+            props=json.loads(raw),
+        )
+        with open(self.config_path, "w", encoding="utf-8") as f:
+            f.write(config)
+        args = ["loopd", "--config", self.config_path]
+        self.loopd = self._spawn("twist loopd", "loopd serving", args)
+        yield self.loopd.ready
+
+    def _selftest(self) -> Deferred[list[str]]:
+        assert self.loopd is not None
+        logged = selftest_lines_from_log(self.loopd.lines)
+        if logged:
+            self.selftest_lines = logged
+            return succeed(logged)
+        # This loopd did not log its self-test: run it again from here.
+        config = load_config(self.config_path)
+
+        def lines(reports: list[Any]) -> list[str]:
+            self.selftest_lines = [f"{r.endpoint}: {line}" for r in reports for line in r.lines()]
+            return self.selftest_lines
+
+        return require_selftests(self._reactor, config, {}).addCallback(lines)
+
+    def _spawn(self, name: str, marker: str, args: list[str]) -> Child:
+        return spawn_twist(
+            self._reactor, name, marker, args, start_timeout=self._start_timeout, cwd=self.directory
+        )
+
+    def chat(self, question: str, *, tty: bool = False) -> Deferred[TurnView]:
+        """Step 6: ask C{question} through loopd.sock, the answer streamed as it comes."""
+        from loopd.cli import stream_turn
+
+        self._write(f"6/{STEPS} one streamed chat through loopd.sock\n")
+        self._write(f"you> {question}\n")
+        body = Conversation(model=MODEL).ask(question)
+        started = self._reactor.seconds()
+        turn = stream_turn(
+            self._reactor,
+            self.loopd_socket,
+            body,
+            TurnView(tty=tty),
+            self._write,
+            session_id="loopd-demo",
+        )
+
+        def told(view: TurnView) -> TurnView:
+            if view.succeeded:
+                elapsed = self._reactor.seconds() - started
+                self._write(f"6/{STEPS} done ({elapsed:.1f} s)\n")
+            return view
+
+        return turn.addCallback(told)
+
+    def child_ended(self) -> Deferred[str]:
+        """Fires with a message when inferproxy or loopd ends while not being stopped."""
+        children = [c for c in (self.proxy, self.loopd) if c is not None]
+        first = DeferredList([c.ended for c in children], fireOnOneCallback=True)
+
+        def told(result: tuple[int, int]) -> str:
+            index = result[1]
+            child = children[index]
+            return f"{child.name} ended unexpectedly (status {child.status})"
+
+        return first.addCallback(told)
+
+    def stop(self) -> Deferred[None]:
+        """
+        Stop loopd, the inferproxy and the server (SIGTERM, then SIGKILL after a grace) and
+        remove the directory. Calling it again waits for the same stop.
+        """
+        self.stopping = True
+        if self._stopped is None:
+            self._stopped = self._stop()
+        waiter: Deferred[None] = Deferred()
+
+        def release(result: object) -> object:
+            waiter.callback(None)
+            return result
+
+        self._stopped.addBoth(release)
+        return waiter
+
+    @inlineCallbacks
+    def _stop(self) -> Generator[Deferred[Any], Any, None]:
+        try:
+            for child in (self.loopd, self.proxy):
+                if child is not None:
+                    yield stop_child(self._reactor, child, self._stop_grace)
+            if self.server is not None:
+                yield self.server.stop()
+        finally:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _reason(failure: Failure) -> str:
+    """What went wrong, for one line (a child's output tail may follow)."""
+    if failure.check(ChildFailed):
+        return str(failure.value)
+    error: Any = failure.value
+    message = failure.getErrorMessage()
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+@inlineCallbacks
+def run_demo(
+    reactor: Any, write: Write, *, once: bool = False, port: int = 0, tty: bool = False
+) -> Generator[Deferred[Any], Any, int]:
+    """
+    Run the demo: start the stack, one streamed chat, then serve until Ctrl-C (or stop at
+    once with C{once}). Everything is stopped and removed whatever happens.
+
+    @return: fires with 0 on success (Ctrl-C included once serving), 1 when a step failed,
+        130 when Ctrl-C came before the stack was up.
+    """
+    stack = DemoStack(reactor, write, port=port)
+    serving: Deferred[int] = Deferred()
+    interrupted = []
+
+    def on_shutdown() -> Deferred[None]:
+        interrupted.append(True)
+        if not serving.called:
+            serving.callback(0)
+        write("\nstopping ... ")
+        return stack.stop().addCallback(lambda _: write("done\n"))
+
+    trigger = reactor.addSystemEventTrigger("before", "shutdown", on_shutdown)
+    status = 0
+    try:
+        yield stack.start()
+        view = yield stack.chat(QUESTION, tty=tty)
+        if not view.succeeded:
+            raise RuntimeError(f"the chat failed: {view.error}")
+        if not once:
+            write(_serving_text(stack.loopd_socket))
+            stack.child_ended().addCallback(lambda message: _give_up(serving, write, message))
+            status = yield serving
+    except Exception:
+        failure = Failure()
+        if interrupted:
+            status = INTERRUPTED
+        else:
+            write(f"loopd demo: {_reason(failure)}\n")
+            status = 1
+    if not interrupted:
+        reactor.removeSystemEventTrigger(trigger)
+        write("stopping ... ")
+        yield stack.stop()
+        write("done\n")
+    return status
+
+
+def _give_up(serving: Deferred[int], write: Write, message: str) -> None:
+    """A child died while serving: say so and end with status 1."""
+    if not serving.called:
+        write(f"loopd demo: {message}\n")
+        serving.callback(1)
+
+
+def _serving_text(socket: str) -> str:
+    return (
+        f"loopd is serving model {MODEL!r} on {socket}. From another terminal, try:\n"
+        f"  loopd chat --socket {socket}\n"
+        f"  curl --unix-socket {socket} http://loopd/v1/models\n"
+        "Press Ctrl-C to stop.\n"
+    )

@@ -1,0 +1,493 @@
+"""
+Tests for L{loopd.cli} and the demo's pure and process-handling parts, in memory: commands
+run on a C{MemoryReactorClock} whose Unix connections reach a scripted fake server
+(L{FakeLlama}, standing in for llama-server or for loopd's gateway) on a L{MemoryNet}.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any
+
+from twisted.internet.error import ProcessDone, ProcessTerminated
+from twisted.internet.interfaces import IReactorProcess
+from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+from zope.interface import implementer
+
+from loopd import cli
+from loopd.chatui import Conversation
+from loopd.config import parse_config
+from loopd.demo.children import Child, ChildFailed, spawn_twist, stop_child
+from loopd.demo.run import render_config, selftest_lines_from_log
+from loopd.digest import sha256_hex
+from loopd.service import default_socket_path
+from loopd.test.support.fake_llama import (
+    CHAT,
+    PROPS,
+    SLOTS,
+    FakeLlama,
+    Piece,
+    RecordedRequest,
+    Reply,
+    json_reply,
+    props_reply,
+    slots_reply,
+    sse_reply,
+)
+from loopd.test.support.memory_net import MemoryNet
+
+SERVER = "/tmp/ld-memory/cli-server.sock"
+GATEWAY = "/tmp/ld-memory/cli-loopd.sock"
+TEMPLATE = "{{ messages }}"
+TEMPLATE_SHA = sha256_hex(TEMPLATE.encode("utf-8"))
+TIMINGS_1 = {"cache_n": 0, "prompt_n": 150, "predicted_n": 20}
+TIMINGS_2 = {"cache_n": 168, "prompt_n": 12, "predicted_n": 20}
+
+
+def chunk(delta: dict[str, Any], finish: str | None = None, timings: Any = None) -> Any:
+    """One streamed chat-completion chunk."""
+    out: dict[str, Any] = {"choices": [{"finish_reason": finish, "index": 0, "delta": delta}]}
+    out.update(id="chatcmpl-1", object="chat.completion.chunk")
+    if timings is not None:
+        out["timings"] = timings
+    return out
+
+
+def comment(event: str, **fields: Any) -> Piece:
+    """A C{: loopd {...}} comment piece, as the gateway writes it."""
+    return Piece(0.0, b": loopd " + json.dumps({"event": event, **fields}).encode() + b"\n\n")
+
+
+def config_text(expect_sha: str = TEMPLATE_SHA, selftest: bool = True) -> str:
+    """A loopd.toml for one endpoint on L{SERVER}, with one quick retry."""
+    return (
+        "[retry]\nattempts = 1\n"
+        f'[[endpoint]]\nname = "tiny"\nsocket = "{SERVER}"\n'
+        f"selftest = {'true' if selftest else 'false'}\n"
+        f'[endpoint.expect]\nchat_template_sha256 = "{expect_sha}"\n'
+        "n_ctx = 4096\ntotal_slots = 2\n"
+    )
+
+
+class MemoryCase(SynchronousTestCase):
+    """A memory reactor and net, a temporary directory, captured stdout and stderr."""
+
+    def setUp(self) -> None:
+        self.reactor = MemoryReactorClock()
+        self.net = MemoryNet(self.reactor)
+        self.directory = tempfile.mkdtemp(prefix="ld", dir="/tmp")
+        self.addCleanup(shutil.rmtree, self.directory, True)
+        self.stdout = io.StringIO()
+        self.stderr = io.StringIO()
+        self.patch(sys, "stdout", self.stdout)
+        self.patch(sys, "stderr", self.stderr)
+
+    def write_file(self, name: str, text: str) -> str:
+        """Write C{text} to C{name} in the directory; return its path."""
+        path = os.path.join(self.directory, name)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return path
+
+    def run_command(self, command: cli.Command) -> int:
+        """A runner for L{cli.main}: the command on the memory reactor, to its end."""
+        d = command(self.reactor)
+        self.net.advance(10)
+        return self.successResultOf(d)
+
+
+class ParserTests(SynchronousTestCase):
+    """
+    L{cli.build_parser} knows the three commands and their options.
+    """
+
+    def test_selftest(self) -> None:
+        """selftest takes --config."""
+        args = cli.build_parser().parse_args(["selftest", "--config", "x.toml"])
+        self.assertEqual((args.command, args.config), ("selftest", "x.toml"))
+
+    def test_chat_defaults(self) -> None:
+        """chat has no socket, no model and thinking on by default."""
+        args = cli.build_parser().parse_args(["chat"])
+        self.assertEqual((args.socket, args.model, args.no_think), (None, None, False))
+
+    def test_chat_options(self) -> None:
+        """chat takes --socket, --model and --no-think."""
+        argv = ["chat", "--socket", "/s", "--model", "m", "--no-think"]
+        args = cli.build_parser().parse_args(argv)
+        self.assertEqual((args.socket, args.model, args.no_think), ("/s", "m", True))
+
+    def test_demo(self) -> None:
+        """demo takes --once and an integer --port (default 0)."""
+        self.assertEqual(cli.build_parser().parse_args(["demo"]).port, 0)
+        args = cli.build_parser().parse_args(["demo", "--once", "--port", "8081"])
+        self.assertEqual((args.once, args.port), (True, 8081))
+
+    def test_usage_errors(self) -> None:
+        """No command, an unknown one or a bad port is a usage error (status 2)."""
+        self.patch(sys, "stderr", io.StringIO())
+        for argv in ([], ["nope"], ["demo", "--port", "x"]):
+            with self.assertRaises(SystemExit) as caught:
+                cli.build_parser().parse_args(argv)
+            self.assertEqual(caught.exception.code, 2, argv)
+
+
+class SelftestCommandTests(MemoryCase):
+    """
+    C{loopd selftest} exits 0 only when every check passes, 1 when one fails, 2 for a bad
+    config, and prints one line per check.
+    """
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.fake = FakeLlama(self.reactor)
+        self.net.listen(SERVER, self.fake)
+        self.fake.set_default("GET", PROPS, props_reply(total_slots=2, chat_template=TEMPLATE))
+        self.fake.set_default("GET", SLOTS, slots_reply([False, False]))
+        self.fake.set_default("POST", CHAT, self.route)
+
+    def route(self, request: RecordedRequest, fake: FakeLlama) -> Reply:
+        """The tool check gets a tool call, the cache turns their answers."""
+        if "tools" in request.json:
+            call = {"index": 0, "id": "c1", "type": "function"}
+            call["function"] = {"name": "get_weather", "arguments": '{"city":"Paris"}'}
+            return sse_reply([chunk({"tool_calls": [call]}), chunk({}, "tool_calls", TIMINGS_1)])
+        first = len(request.json["messages"]) == 2
+        timings = TIMINGS_1 if first else TIMINGS_2
+        return sse_reply([chunk({"content": "Red."}), chunk({}, "stop", timings)])
+
+    def test_all_pass(self) -> None:
+        """With the server's values expected, the exit status is 0 and each check has a line."""
+        path = self.write_file("loopd.toml", config_text())
+        self.assertEqual(cli.main(["selftest", "--config", path], run=self.run_command), 0)
+        lines = self.stdout.getvalue().splitlines()
+        self.assertEqual(
+            [line.split(" ")[:3] for line in lines],
+            [["tiny:", "PASS", "props:"], ["tiny:", "PASS", "tools:"], ["tiny:", "PASS", "cache:"]],
+        )
+        self.assertIn(f"expected {TEMPLATE_SHA} got {TEMPLATE_SHA}", lines[0])
+
+    def test_wrong_hash(self) -> None:
+        """A wrong template hash exits 1, the props line naming both hashes."""
+        path = self.write_file("loopd.toml", config_text("f" * 64))
+        self.assertEqual(cli.main(["selftest", "--config", path], run=self.run_command), 1)
+        output = self.stdout.getvalue()
+        self.assertIn(f"tiny: FAIL props: chat_template sha256 expected {'f' * 64} got", output)
+        self.assertIn("tiny: PASS tools:", output)
+
+    def test_bad_config(self) -> None:
+        """A bad config prints every violation and exits 2 without running anything."""
+        path = self.write_file("loopd.toml", "max_tokens = 0\nbogus = 1\n")
+
+        def never(command: cli.Command) -> int:
+            raise AssertionError("nothing should run")
+
+        self.assertEqual(cli.main(["selftest", "--config", path], run=never), 2)
+        errors = self.stderr.getvalue()
+        self.assertIn("invalid configuration", errors)
+        self.assertIn(f"{path}: bogus", errors)
+        self.assertIn(f"{path}: max_tokens", errors)
+
+    def test_missing_config(self) -> None:
+        """A config file that does not exist is a config error too."""
+        missing = os.path.join(self.directory, "none.toml")
+        self.assertEqual(cli.main(["selftest", "--config", missing], run=self.run_command), 2)
+        self.assertIn("cannot read the file", self.stderr.getvalue())
+
+    def test_nothing_to_test(self) -> None:
+        """With no endpoint to self-test, it says so and exits 0."""
+        path = self.write_file("loopd.toml", config_text(selftest=False))
+        self.assertEqual(cli.main(["selftest", "--config", path], run=self.run_command), 0)
+        self.assertIn("nothing to check", self.stdout.getvalue())
+        self.assertEqual(self.fake.requests, [])
+
+    def test_server_down(self) -> None:
+        """An unreachable server fails every check with the error, exit status 1."""
+        self.net.stop_listening(SERVER)
+        path = self.write_file("loopd.toml", config_text())
+        self.assertEqual(cli.main(["selftest", "--config", path], run=self.run_command), 1)
+        lines = self.stdout.getvalue().splitlines()
+        self.assertEqual(len(lines), 3)
+        self.assertTrue(all(" FAIL " in line for line in lines), lines)
+
+
+class ChatSocketTests(MemoryCase):
+    """
+    L{cli.chat_socket_path} finds the socket C{loopd chat} talks to.
+    """
+
+    def test_explicit(self) -> None:
+        """--socket wins."""
+        self.assertEqual(cli.chat_socket_path("/x.sock", "/nonexistent.toml"), "/x.sock")
+
+    def test_from_config(self) -> None:
+        """The default config's [server] listen socket, when the file exists."""
+        text = f'[server]\nlisten = "unix:{self.directory}/l.sock"\n' + config_text()
+        path = self.write_file("loopd.toml", text)
+        self.assertEqual(cli.chat_socket_path(None, path), f"{self.directory}/l.sock")
+
+    def test_no_config(self) -> None:
+        """Without a config file, the default socket."""
+        missing = os.path.join(self.directory, "none.toml")
+        self.assertEqual(cli.chat_socket_path(None, missing), default_socket_path())
+
+    def test_tcp_listener(self) -> None:
+        """A config whose listener is not a Unix socket asks for --socket."""
+        text = '[server]\nlisten = "tcp:8080:interface=127.0.0.1"\n' + config_text()
+        path = self.write_file("loopd.toml", text)
+        self.assertRaises(ValueError, cli.chat_socket_path, None, path)
+
+
+class ChatSessionTests(MemoryCase):
+    """
+    L{cli.ChatSession} streams turns from a (fake) gateway and keeps the history.
+    """
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.gateway = FakeLlama(self.reactor)
+        self.net.listen(GATEWAY, self.gateway)
+        self.output: list[str] = []
+        conversation = Conversation(model="tiny")
+        self.session = cli.ChatSession(
+            self.reactor, GATEWAY, conversation, self.output.append, session_id="s1"
+        )
+        self.session.start()
+
+    def answer(self, text: str, *before: Piece) -> Reply:
+        """A streamed answer of C{text}, after C{before} (loopd comments)."""
+        return sse_reply([*before, chunk({"content": text}), chunk({}, "stop")])
+
+    def say(self, line: str) -> str:
+        """Type C{line}, run the turn; return what was written for it."""
+        start = len(self.output)
+        self.session.line(line)
+        self.net.advance(1)
+        return "".join(self.output[start:])
+
+    def test_two_turns(self) -> None:
+        """The second request repeats the first turn; both carry the same session id."""
+        progress = comment("progress", total=10, cache=0, processed=10)
+        self.gateway.script("POST", CHAT, self.answer("First.", progress), self.answer("Second."))
+        self.assertIn("First.\nyou> ", self.say("One"))
+        self.assertIn("Second.\nyou> ", self.say("Two"))
+        first, second = self.gateway.requests_to("POST", CHAT)
+        self.assertEqual(first.json["model"], "tiny")
+        self.assertTrue(second.json["stream"])
+        self.assertEqual(
+            [(m["role"], m["content"]) for m in second.json["messages"]],
+            [("user", "One"), ("assistant", "First."), ("user", "Two")],
+        )
+        self.assertEqual([r.header("X-Session-Id") for r in (first, second)], ["s1", "s1"])
+
+    def test_progress_shown(self) -> None:
+        """Progress and queue events are shown on the status line."""
+        events = (comment("queued", ahead=1), comment("progress", total=4, cache=0, processed=2))
+        self.gateway.script("POST", CHAT, self.answer("Hi", *events))
+        out = self.say("One")
+        self.assertIn("\rqueued: position 2 (1 ahead)", out)
+        self.assertIn("  50% 2/4 tokens", out)
+
+    def test_error_then_go_on(self) -> None:
+        """An error is one line, the question leaves the history, and the chat goes on."""
+        error = {"message": "no endpoint serves model 'tiny'", "code": "model_not_found"}
+        refused = json_reply(404, {"error": {**error, "type": "invalid_request_error"}})
+        self.gateway.script("POST", CHAT, refused, self.answer("Fine."))
+        out = self.say("One")
+        self.assertEqual(
+            out, "error: HTTP 404: no endpoint serves model 'tiny' (model_not_found)\nyou> "
+        )
+        self.say("Two")
+        last = self.gateway.requests_to("POST", CHAT)[-1]
+        self.assertEqual([m["content"] for m in last.json["messages"]], ["Two"])
+        self.assertFalse(self.session.finished.called)
+
+    def test_stream_error(self) -> None:
+        """An error event mid-stream is one line after the partial answer."""
+        error = {"error": {"message": "upstream failed", "type": "server_error"}}
+        reply = sse_reply([chunk({"content": "Hal"}), error], done=False)
+        self.gateway.script("POST", CHAT, reply)
+        self.assertEqual(self.say("One"), "Hal\nerror: upstream failed\nyou> ")
+        self.assertEqual(self.session.conversation.messages, [])
+
+    def test_no_gateway(self) -> None:
+        """No loopd on the socket is one error line naming the socket."""
+        self.net.stop_listening(GATEWAY)
+        out = self.say("One")
+        self.assertTrue(out.startswith("error: cannot connect to loopd: "), out)
+        self.assertIn(GATEWAY, out)
+        self.assertTrue(out.endswith("\nyou> "))
+
+    def test_quit(self) -> None:
+        """/quit ends the chat with status 0; blank lines just prompt again."""
+        self.assertEqual(self.say("   "), "you> ")
+        self.say("/quit")
+        self.assertEqual(self.successResultOf(self.session.finished), 0)
+        self.assertEqual(self.gateway.requests, [])
+
+    def test_end_of_input_waits_for_the_turn(self) -> None:
+        """Input that ends during a turn ends the chat after the answer is shown."""
+        self.gateway.script("POST", CHAT, self.answer("Last."))
+        self.session.line("One")
+        self.session.end_of_input()
+        self.assertNoResult(self.session.finished)
+        self.net.advance(1)
+        self.assertEqual(self.successResultOf(self.session.finished), 0)
+        self.assertTrue("".join(self.output).endswith("Last.\n\n"))
+
+    def test_lines_wait_their_turn(self) -> None:
+        """Lines typed during a turn are asked one after the other."""
+        self.gateway.script("POST", CHAT, self.answer("A."), self.answer("B."))
+        self.session.line("One")
+        self.session.line("Two")
+        self.net.advance(1)
+        self.net.advance(1)
+        self.assertEqual(len(self.gateway.requests_to("POST", CHAT)), 2)
+        self.assertIn("A.\nyou> B.\nyou> ", "".join(self.output))
+
+
+class FakeProcess:
+    """A process transport that records the signals sent to it."""
+
+    pid = 4242
+
+    def __init__(self) -> None:
+        self.signals: list[str] = []
+
+    def signalProcess(self, name: str) -> None:
+        self.signals.append(name)
+
+
+@implementer(IReactorProcess)
+class SpawningReactor(MemoryReactorClock):
+    """A memory reactor that records spawnProcess calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spawned: list[tuple[Any, ...]] = []
+
+    def spawnProcess(self, protocol, executable, args, **kwargs):  # type: ignore[override]
+        process = FakeProcess()
+        protocol.makeConnection(process)
+        self.spawned.append((protocol, executable, list(args), kwargs))
+        return process
+
+
+class ChildTests(SynchronousTestCase):
+    """
+    L{spawn_twist} and L{stop_child} handle the demo's twist children.
+    """
+
+    def setUp(self) -> None:
+        self.reactor = SpawningReactor()
+        self.child = spawn_twist(self.reactor, "twist loopd", "loopd serving", ["loopd"])
+
+    def test_command(self) -> None:
+        """The child is this Python running twist with text logs, output unbuffered."""
+        (_, executable, args, kwargs) = self.reactor.spawned[0]
+        self.assertEqual(executable, sys.executable)
+        self.assertEqual(args, [sys.executable, "-m", "twisted", "--log-format=text", "loopd"])
+        self.assertEqual(kwargs["env"]["PYTHONUNBUFFERED"], "1")
+
+    def test_ready_line(self) -> None:
+        """The marker line, even split across reads, makes the child ready."""
+        self.child.outReceived(b"2025 [x] starting\n2025 [loopd] loopd ser")
+        self.assertNoResult(self.child.ready)
+        self.child.outReceived(b"ving unix:/s for tiny\n")
+        self.successResultOf(self.child.ready)
+        self.assertEqual(self.child.lines[-1], "2025 [loopd] loopd serving unix:/s for tiny")
+
+    def test_exit_before_ready(self) -> None:
+        """A child that exits first fails ready with its status and last output."""
+        self.child.errReceived(b"loopd: self-test of endpoint tiny failed: FAIL props")
+        self.child.processEnded(Failure(ProcessTerminated(exitCode=1)))
+        error = self.failureResultOf(self.child.ready, ChildFailed).value
+        self.assertIn("twist loopd exited with status 1", str(error))
+        self.assertIn("FAIL props", str(error))
+        self.assertEqual(self.successResultOf(self.child.ended), 1)
+
+    def test_start_timeout(self) -> None:
+        """A child silent past its start timeout fails ready and is killed."""
+        self.reactor.advance(60)
+        self.failureResultOf(self.child.ready, ChildFailed)
+        process = self.reactor.spawned[0][0].transport
+        self.assertEqual(process.signals, ["KILL"])
+
+    def test_stop_grace(self) -> None:
+        """Stopping sends TERM, then KILL after the grace, and fires with the status."""
+        clock = Clock()
+        child = Child("c", "ready")
+        process = FakeProcess()
+        child.makeConnection(process)
+        stopped = stop_child(clock, child, grace=5)
+        self.assertEqual(process.signals, ["TERM"])
+        clock.advance(5)
+        self.assertEqual(process.signals, ["TERM", "KILL"])
+        child.processEnded(Failure(ProcessTerminated(signal=9)))
+        self.assertEqual(self.successResultOf(stopped), -9)
+        self.failureResultOf(child.ready, ChildFailed)
+
+    def test_stop_prompt(self) -> None:
+        """A child that ends on TERM is not killed; stopping an ended one does nothing."""
+        clock = Clock()
+        child = Child("c", "ready")
+        process = FakeProcess()
+        child.makeConnection(process)
+        stopped = stop_child(clock, child, grace=5)
+        child.processEnded(Failure(ProcessDone(0)))
+        self.assertEqual(self.successResultOf(stopped), 0)
+        self.failureResultOf(child.ready, ChildFailed)
+        self.assertEqual(clock.getDelayedCalls(), [])
+        self.assertEqual(self.successResultOf(stop_child(clock, child)), 0)
+        self.assertEqual(process.signals, ["TERM"])
+
+
+class DemoConfigTests(SynchronousTestCase):
+    """
+    The demo's generated config and the self-test lines it shows.
+    """
+
+    def test_config(self) -> None:
+        """The config is valid and expects exactly what /props said."""
+        props = {
+            "chat_template": TEMPLATE,
+            "default_generation_settings": {"n_ctx": 4096},
+            "total_slots": 2,
+        }
+        text = render_config(
+            endpoint_socket="/t/infer.sock", listen_socket="/t/l.sock", props=props
+        )
+        config = parse_config(text)
+        (endpoint,) = config.endpoints
+        self.assertEqual((endpoint.name, endpoint.socket), ("tiny", "/t/infer.sock"))
+        self.assertEqual(endpoint.expect.chat_template_sha256, TEMPLATE_SHA)
+        self.assertEqual((endpoint.expect.n_ctx, endpoint.expect.total_slots), (4096, 2))
+        self.assertEqual(config.server.listen, "unix:/t/l.sock")
+
+    def test_config_without_props(self) -> None:
+        """Values /props lacks are not expected."""
+        text = render_config(endpoint_socket="/t/i.sock", listen_socket="/t/l.sock", props={})
+        expect = parse_config(text).endpoints[0].expect
+        self.assertEqual(
+            (expect.chat_template_sha256, expect.n_ctx, expect.total_slots), (None,) * 3
+        )
+
+    def test_selftest_lines(self) -> None:
+        """The self-test lines are picked out of twist loopd's text log."""
+        log = [
+            "2025-01-01T00:00:00+0000 [loopd.service#info] selftest tiny: PASS props: ok",
+            "2025-01-01T00:00:00+0000 [loopd.service#info] loopd serving unix:/s for tiny",
+            "x selftest a:b: FAIL cache: expected 1 got 0",
+        ]
+        self.assertEqual(
+            selftest_lines_from_log(log),
+            ["tiny: PASS props: ok", "a:b: FAIL cache: expected 1 got 0"],
+        )
