@@ -45,27 +45,6 @@ WEATHER = ToolSchema(
 )
 
 
-class Models:
-    """
-    The two tiny models, built once for the module in a temporary directory.
-    """
-
-    directory: str | None = None
-
-    @classmethod
-    def path(cls, name: str) -> str:
-        if cls.directory is None:
-            cls.directory = tempfile.mkdtemp(prefix="ldm", dir="/tmp")
-            write_tiny_model(os.path.join(cls.directory, "tiny.gguf"))
-            write_tiny_model(os.path.join(cls.directory, "tiny-think.gguf"), think_forever=True)
-        return os.path.join(cls.directory, name)
-
-
-def tearDownModule() -> None:
-    if Models.directory is not None:
-        shutil.rmtree(Models.directory, True)
-
-
 class LlamaEndToEndTests(TestCase):
     """
     The client against the real thing.
@@ -82,7 +61,10 @@ class LlamaEndToEndTests(TestCase):
         self.directory = tempfile.mkdtemp(prefix="lde", dir="/tmp")
         self.addCleanup(shutil.rmtree, self.directory, True)
         self.socket = os.path.join(self.directory, "infer.sock")
-        self.server = RealServer(reactor, Models.path(model))
+        # The model is written per test (a few milliseconds): trial has no module teardown.
+        model_path = os.path.join(self.directory, model)
+        write_tiny_model(model_path, think_forever=model == "tiny-think.gguf")
+        self.server = RealServer(reactor, model_path)
         self.addCleanup(self.server.stop)
         yield self.server.start()
         yield self.start_proxy()

@@ -1,0 +1,326 @@
+"""
+The gateway end to end, every part a real process: a real llama.cpp server (xllamacpp) with
+the project's tiny models, `twist inferproxy` in front of it, and `twist loopd --config` with
+a generated loopd.toml serving on a Unix socket. The clients are the official `openai` SDK
+over that socket (an HTTP transport with `uds=`), `curl --unix-socket`, and raw HTTP.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import signal
+import stat
+import tempfile
+from typing import Any
+
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.endpoints import UNIXClientEndpoint
+from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.task import deferLater
+from twisted.internet.threads import deferToThread
+from twisted.internet.utils import getProcessOutputAndValue
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SkipTest, TestCase
+
+from loopd.digest import sha256_hex
+from loopd.test.support.peers import real_reactor
+from loopd.test.support.twist import TwistProcess, spawn_twist, stop_twist
+
+try:
+    import openai
+
+    from loopd.demo.real_server import RealServer
+    from loopd.demo.tiny_model import ANSWER, THOUGHT, write_tiny_model
+except ImportError as e:  # pragma: no cover - the test extra is not installed
+    raise SkipTest(f"the gateway end-to-end tests need the test extra: {e}") from None
+
+# The SDK may be built on httpx or on its successor httpx2: take the transport from the
+# module its own client class comes from.
+httpx: Any = importlib.import_module(openai.DefaultHttpxClient.__mro__[1].__module__)
+
+#: The server's whole context and its slots; each slot gets an equal share.
+N_CTX = 65536
+SLOTS = 2
+#: A long stream from the model that thinks until told to stop: neither loopd's thinking
+#: cap nor its max_tokens ends it while a test watches.
+LONG = 30000
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def loopd_toml(listen: str, socket: str, expect: dict[str, Any] | None, long: bool) -> str:
+    """
+    A loopd.toml: the gateway on C{listen}, one endpoint C{tiny} at C{socket}, self-tested
+    against C{expect} (no self-test when None); C{long} lifts max_tokens and the thinking
+    cap to L{LONG}.
+    """
+    lines = []
+    if long:
+        lines += [f"max_tokens = {LONG}", "[thinking]", f"cap = {LONG}"]
+    lines += ["[server]", f"listen = {json.dumps('unix:' + listen)}"]
+    lines += ["[[endpoint]]", 'name = "tiny"', f"socket = {json.dumps(socket)}"]
+    lines.append(f"selftest = {'true' if expect is not None else 'false'}")
+    if expect is not None:
+        lines.append("[endpoint.expect]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in expect.items()]
+    return "\n".join(lines) + "\n"
+
+
+class RawStream(Protocol):
+    """
+    A raw HTTP client: fires C{seen} once C{marker} has arrived C{count} times, and
+    C{closed} when the connection is gone.
+    """
+
+    def __init__(self, marker: bytes, count: int) -> None:
+        """Wait for C{count} times C{marker}."""
+        self.marker, self.count = marker, count
+        self.received = b""
+        self.seen: Deferred[None] = Deferred()
+        self.closed: Deferred[None] = Deferred()
+
+    def dataReceived(self, data: bytes) -> None:
+        """Keep C{data}; fire C{seen} once the marker has come often enough."""
+        self.received += data
+        if self.received.count(self.marker) >= self.count and not self.seen.called:
+            self.seen.callback(None)
+
+    def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
+        """Fire C{closed}."""
+        self.closed.callback(None)
+
+
+class GatewayEndToEndTests(TestCase):
+    """
+    The gateway as users run it.
+    """
+
+    timeout = 180
+
+    @inlineCallbacks
+    def start(self, model: str = "tiny.gguf", *, template_sha: str | None = None) -> Any:
+        """
+        Start the server with C{model}, an inferproxy and C{twist loopd}. With the tiny
+        model loopd self-tests the endpoint against the server's own /props (but
+        C{template_sha} when given); with the thinking one it does not, and streams long.
+        """
+        reactor = real_reactor()
+        self.directory = tempfile.mkdtemp(prefix="ld", dir="/tmp")
+        self.addCleanup(shutil.rmtree, self.directory, True)
+        self.socket = os.path.join(self.directory, "loopd.sock")
+        infer = os.path.join(self.directory, "infer.sock")
+        # Writing a tiny model takes milliseconds: each test has its own.
+        model_path = os.path.join(self.directory, model)
+        write_tiny_model(model_path, think_forever=model == "tiny-think.gguf")
+        self.server = RealServer(reactor, model_path, n_ctx=N_CTX, parallel=SLOTS)
+        self.addCleanup(self.server.stop)
+        port = yield self.server.start()
+        proxy = spawn_twist(
+            reactor,
+            b"inferproxy listening on",
+            *("inferproxy", "--listen", infer, "--upstream", f"127.0.0.1:{port}"),
+        )
+        self.addCleanup(stop_twist, proxy)
+        yield proxy.ready
+        expect = None
+        if model == "tiny.gguf":
+            props = (yield self.server.query("/props")).json()
+            self.template_sha = sha256_hex(props["chat_template"].encode("utf-8"))
+            expect = {
+                "chat_template_sha256": template_sha or self.template_sha,
+                "n_ctx": props["default_generation_settings"]["n_ctx"],
+                "total_slots": props["total_slots"],
+            }
+        config = os.path.join(self.directory, "loopd.toml")
+        with open(config, "w") as f:
+            f.write(loopd_toml(self.socket, infer, expect, long=expect is None))
+        self.loopd: TwistProcess = spawn_twist(
+            reactor, b"loopd serving", "loopd", "--config", config
+        )
+        self.addCleanup(stop_twist, self.loopd)
+
+    def sdk(self) -> Any:
+        """An OpenAI client that reaches loopd through its Unix socket."""
+        transport = httpx.HTTPTransport(uds=self.socket)
+        return openai.OpenAI(
+            base_url="http://loopd/v1",
+            api_key="x",
+            max_retries=0,
+            http_client=httpx.Client(transport=transport, timeout=60),
+        )
+
+    @inlineCallbacks
+    def open_stream(self, marker: bytes, count: int) -> Any:
+        """Start a streamed chat on a raw connection; fire with it once it has begun."""
+        stream = RawStream(marker, count)
+        endpoint = UNIXClientEndpoint(real_reactor(), self.socket)
+        yield endpoint.connect(Factory.forProtocol(lambda: stream))
+        body = json.dumps({"model": "tiny", "messages": HI, "stream": True}).encode()
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: loopd\r\nConnection: close\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        assert stream.transport is not None
+        stream.transport.write(head.encode() + body)
+        yield stream.seen
+        return stream
+
+    @inlineCallbacks
+    def busy_slots(self) -> Any:
+        """How many of the real server's slots are processing a task now."""
+        slots = (yield self.server.query("/slots")).json()
+        return sum(bool(slot["is_processing"]) for slot in slots)
+
+    @inlineCallbacks
+    def test_openai_stream(self) -> Any:
+        """The SDK streams role, reasoning and answer deltas, one finish_reason, and usage."""
+        yield self.start()
+        yield self.loopd.ready
+        self.assertEqual(stat.S_IMODE(os.stat(self.socket).st_mode), 0o600)
+
+        def ask() -> list[Any]:
+            with self.sdk() as client:
+                options = {"include_usage": True}
+                return list(
+                    client.chat.completions.create(
+                        model="tiny", messages=HI, stream=True, stream_options=options
+                    )
+                )
+
+        chunks = yield deferToThread(ask)
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        self.assertEqual(deltas[0].role, "assistant")
+        self.assertEqual("".join(d.content or "" for d in deltas), ANSWER)
+        thought = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+        self.assertEqual(thought, THOUGHT)
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        self.assertEqual([f for f in finishes if f], ["stop"])
+        usage = chunks[-1].usage
+        self.assertEqual(usage.total_tokens, usage.prompt_tokens + usage.completion_tokens)
+        self.assertGreater(usage.completion_tokens, 0)
+
+    @inlineCallbacks
+    def test_openai_non_stream(self) -> Any:
+        """With thinking off, the SDK gets the answer alone in one chat.completion."""
+        yield self.start()
+        yield self.loopd.ready
+
+        def ask() -> Any:
+            with self.sdk() as client:
+                return client.chat.completions.create(
+                    model="tiny", messages=HI, reasoning_effort="none"
+                )
+
+        completion = yield deferToThread(ask)
+        self.assertTrue(completion.id.startswith("chatcmpl-"))
+        self.assertEqual(completion.model, "tiny")
+        (choice,) = completion.choices
+        self.assertEqual((choice.message.content, choice.finish_reason), (ANSWER, "stop"))
+        self.assertIsNone((choice.message.model_extra or {}).get("reasoning_content"))
+        self.assertGreater(completion.usage.prompt_tokens, 0)
+
+    @inlineCallbacks
+    def test_openai_tool_round_trip(self) -> Any:
+        """A tool call, its result, then the answer, turn 2 reusing turn 1 from the cache."""
+        yield self.start()
+        yield self.loopd.ready
+        session = {"X-Session-Id": "e2e-tools"}
+
+        def ask(messages: list[Any]) -> Any:
+            with self.sdk() as client:
+                return client.chat.completions.create(
+                    model="tiny", messages=messages, tools=[WEATHER], extra_headers=session
+                )
+
+        messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+        first = yield deferToThread(ask, messages)
+        self.assertEqual(first.choices[0].finish_reason, "tool_calls")
+        (call,) = first.choices[0].message.tool_calls
+        self.assertEqual(call.function.name, "get_weather")
+        self.assertEqual(json.loads(call.function.arguments), {"city": "test"})
+        messages.append(first.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'})
+        second = yield deferToThread(ask, messages)
+        self.assertEqual(second.choices[0].finish_reason, "stop")
+        self.assertEqual(second.choices[0].message.content, ANSWER)
+        self.assertGreater(second.usage.prompt_tokens_details.cached_tokens, 0)
+
+    @inlineCallbacks
+    def test_curl_stream(self) -> Any:
+        """curl --unix-socket gets a stream of chunks that spell the answer, then [DONE]."""
+        curl = shutil.which("curl")
+        if curl is None:
+            raise SkipTest("curl is not installed (apt-get install curl)")
+        yield self.start()
+        yield self.loopd.ready
+        body = json.dumps({"model": "tiny", "messages": HI, "stream": True})
+        args = ["-sS", "-N", "--unix-socket", self.socket, "--data-binary", body]
+        args += ["-H", "Content-Type: application/json", "http://loopd/v1/chat/completions"]
+        out, err, code = yield getProcessOutputAndValue(curl, args, env=dict(os.environ))
+        self.assertEqual(code, 0, err)
+        data = [line[6:] for line in out.decode().splitlines() if line.startswith("data: ")]
+        self.assertEqual(data[-1], "[DONE]")
+        chunks = [json.loads(d) for d in data[:-1]]
+        content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        self.assertEqual(content, ANSWER)
+
+    @inlineCallbacks
+    def test_wrong_template_hash(self) -> Any:
+        """A wrong template hash: exit non-zero, the check and both hashes on stderr."""
+        wrong = "f" * 64
+        yield self.start(template_sha=wrong)
+        self.loopd.ready.addErrback(lambda _: None)
+        code = yield self.loopd.ended
+        self.assertNotEqual(code, 0)
+        check = f"FAIL props: chat_template sha256 expected {wrong} got {self.template_sha}"
+        self.assertIn(check.encode(), self.loopd.errors)
+        self.assertFalse(os.path.exists(self.socket))
+
+    @inlineCallbacks
+    def test_disconnect_frees_slot(self) -> Any:
+        """A client leaving mid-stream frees the busy server slot within about a second."""
+        yield self.start("tiny-think.gguf")
+        yield self.loopd.ready
+        stream = yield self.open_stream(b'"reasoning_content"', 20)
+        busy = yield self.busy_slots()
+        self.assertEqual(busy, 1)
+        stream.transport.loseConnection()
+        yield stream.closed
+        busy = yield self.busy_slots()
+        for _ in range(4):
+            if busy == 0:
+                break
+            yield deferLater(real_reactor(), 0.25, lambda: None)
+            busy = yield self.busy_slots()
+        self.assertEqual(busy, 0)
+
+    @inlineCallbacks
+    def test_sigterm(self) -> Any:
+        """SIGTERM: a shutting_down event ends the stream, then exit and no socket."""
+        yield self.start("tiny-think.gguf")
+        yield self.loopd.ready
+        stream = yield self.open_stream(b'"reasoning_content"', 20)
+        assert self.loopd.transport is not None
+        self.loopd.transport.signalProcess("TERM")
+        yield stream.closed
+        yield self.loopd.ended
+        self.assertEqual(self.loopd.signal, signal.SIGTERM)
+        self.assertFalse(os.path.exists(self.socket))
+        events = stream.received.split(b"\r\n")
+        errors = [json.loads(e[6:]) for e in events if e.startswith(b'data: {"error"')]
+        self.assertEqual([e["error"]["code"] for e in errors], ["shutting_down"])
+        self.assertNotIn(b"[DONE]", stream.received)

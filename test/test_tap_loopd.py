@@ -1,0 +1,127 @@
+"""
+C{twist loopd}: the plugin is found, C{--config} and its default path, a bad configuration
+as a usage error, the service it builds, and where the gateway listens by default.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+from twisted.application.service import IServiceMaker
+from twisted.internet.testing import MemoryReactorClock
+from twisted.plugin import getPlugins
+from twisted.python.usage import UsageError
+from twisted.trial.unittest import SynchronousTestCase
+
+from loopd.config import parse_config
+from loopd.service import LoopdService, default_socket_path, listen_path
+from loopd.tap.loopd import Options, default_config_path, makeService
+
+TOML = '[[endpoint]]\nname = "tiny"\nsocket = "/tmp/ld/infer.sock"\n'
+
+
+class PluginTests(SynchronousTestCase):
+    """
+    The C{loopd} command is a Twisted plugin.
+    """
+
+    def test_discovered(self) -> None:
+        """getPlugins(IServiceMaker) lists C{loopd}, pointing at L{loopd.tap.loopd}."""
+        makers = {maker.tapname: maker for maker in getPlugins(IServiceMaker)}
+        self.assertIn("loopd", makers)
+        self.assertEqual(getattr(makers["loopd"], "module", None), "loopd.tap.loopd")
+
+
+class OptionsTests(SynchronousTestCase):
+    """
+    L{Options} reads and checks the configuration while parsing.
+    """
+
+    def setUp(self) -> None:
+        self.directory = tempfile.mkdtemp(prefix="ld", dir="/tmp")
+        self.addCleanup(shutil.rmtree, self.directory, True)
+
+    def write(self, text: str, *parts: str) -> str:
+        """Write C{text} at C{parts} under the temp dir (making directories); its path."""
+        path = os.path.join(self.directory, *parts)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+
+    def test_config_loaded(self) -> None:
+        """--config PATH parses that file into the Config the service gets."""
+        options = Options()
+        options.parseOptions(["--config", self.write(TOML, "loopd.toml")])
+        self.assertEqual(options["loaded"], parse_config(TOML))
+        service = makeService(options, MemoryReactorClock())
+        self.assertIsInstance(service, LoopdService)
+        assert isinstance(service, LoopdService)
+        self.assertEqual(service.config, options["loaded"])
+        self.assertEqual(list(service.clients), ["tiny"])
+        self.assertFalse(service.running)
+
+    def test_default_path(self) -> None:
+        """Without --config, $XDG_CONFIG_HOME/loopd/loopd.toml is read."""
+        self.write(TOML, "config", "loopd", "loopd.toml")
+        self.patch(os, "environ", {**os.environ, "XDG_CONFIG_HOME": f"{self.directory}/config"})
+        options = Options()
+        options.parseOptions([])
+        self.assertEqual(options["loaded"].endpoints[0].name, "tiny")
+
+    def test_invalid_config(self) -> None:
+        """A config with a wrong key is a usage error naming the key's dotted path."""
+        path = self.write(TOML + "[limits]\npoll = 5\n", "loopd.toml")
+        error = self.assertRaises(UsageError, Options().parseOptions, ["--config", path])
+        self.assertIn("invalid configuration", str(error))
+        self.assertIn("limits.poll", str(error))
+
+    def test_missing_config(self) -> None:
+        """A config file that is not there is a usage error naming the file."""
+        path = os.path.join(self.directory, "absent.toml")
+        error = self.assertRaises(UsageError, Options().parseOptions, ["--config", path])
+        self.assertIn("absent.toml", str(error))
+        self.assertIn("cannot read the file", str(error))
+
+
+class DefaultPathTests(SynchronousTestCase):
+    """
+    Where the config is read from and the gateway listens when nothing says otherwise.
+    """
+
+    def test_config_xdg(self) -> None:
+        """$XDG_CONFIG_HOME/loopd/loopd.toml when XDG_CONFIG_HOME is set."""
+        path = default_config_path({"XDG_CONFIG_HOME": "/x/conf"})
+        self.assertEqual(path, "/x/conf/loopd/loopd.toml")
+
+    def test_config_home(self) -> None:
+        """~/.config/loopd/loopd.toml otherwise, also when XDG_CONFIG_HOME is empty."""
+        expected = os.path.join(os.path.expanduser("~"), ".config", "loopd", "loopd.toml")
+        self.assertEqual(default_config_path({}), expected)
+        self.assertEqual(default_config_path({"XDG_CONFIG_HOME": ""}), expected)
+
+    def test_socket_runtime_dir(self) -> None:
+        """loopd.sock in $XDG_RUNTIME_DIR/loopd/ when XDG_RUNTIME_DIR is set."""
+        path = default_socket_path({"XDG_RUNTIME_DIR": "/run/user/7"})
+        self.assertEqual(path, "/run/user/7/loopd/loopd.sock")
+
+    def test_socket_temp_dir(self) -> None:
+        """Otherwise loopd.sock in a per-user directory under the system temp dir."""
+        expected = os.path.join(tempfile.gettempdir(), f"loopd-{os.getuid()}", "loopd.sock")
+        self.assertEqual(default_socket_path({}), expected)
+
+    def test_listen_path(self) -> None:
+        """A unix: listener's path (escaped colons kept, options dropped); None for others."""
+        self.patch(os, "environ", {**os.environ, "XDG_RUNTIME_DIR": "/run/user/7"})
+        cases = {
+            "unix:/tmp/ld/loopd.sock": "/tmp/ld/loopd.sock",
+            "unix:/tmp/ld/a\\:b.sock:mode=600": "/tmp/ld/a:b.sock",
+            "tcp:8080:interface=127.0.0.1": None,
+        }
+        for listen, expected in cases.items():
+            config = parse_config(TOML + f"[server]\nlisten = {json.dumps(listen)}\n")
+            self.assertEqual(listen_path(config), expected, listen)
+        self.assertEqual(listen_path(parse_config(TOML)), "/run/user/7/loopd/loopd.sock")
