@@ -208,23 +208,15 @@ class _Exchange:
             return
         if outcome.loss:
             self._gateway.metrics.observe_cache_loss(self._endpoint.name)
-            _log.warn(
-                "cache loss for session {session} on slot {slot}: reused {cached} of "
-                "{expected} tokens",
-                session=self._session,
-                slot=self._slot,
-                cached=outcome.cached,
-                expected=outcome.expected,
-            )
-        else:
-            _log.info(
-                "cache hit for session {session} on slot {slot}: reused {cached} of "
-                "{expected} tokens",
-                session=self._session,
-                slot=self._slot,
-                cached=outcome.cached,
-                expected=outcome.expected,
-            )
+        emit, verdict = (_log.warn, "loss") if outcome.loss else (_log.info, "hit")
+        emit(
+            "cache " + verdict + " for session {session} on slot {slot}: reused {cached} of "
+            "{expected} tokens",
+            session=self._session,
+            slot=self._slot,
+            cached=outcome.cached,
+            expected=outcome.expected,
+        )
 
     def _failed(self, reason: Failure) -> None:
         self._call = None
