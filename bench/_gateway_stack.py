@@ -1,0 +1,201 @@
+"""The processes of bench/gateway.py and its blocking streaming client.
+
+`start` writes the tiny model in its "think forever" form (it reasons until
+``max_tokens`` when thinking is on, and answers a short fixed text when it is off),
+serves it from a real llama.cpp server with two slots, puts ``python -m twisted
+inferproxy`` in front of it and ``python -m twisted loopd`` with a generated loopd.toml
+in front of that (self-test off, the queue deep enough for 16 sessions).
+
+`stream_chat` is the one client both paths use: a blocking `http.client` request, over
+TCP to the server or over a Unix socket to loopd, that decodes every SSE event with
+``json.loads`` and notes the time of the first reasoning or content delta, the end
+(``[DONE]``), the generated tokens and the cached prompt tokens.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from _client_e2e import PROXY_CMD, start_server
+from _servers import READY_TIMEOUT, BenchError, Children, start_forwarder
+
+from loopd.llama.chat import CHAT_PATH
+
+MODEL = "tiny"
+"""The endpoint's name in loopd.toml: the ``model`` loopd's clients ask for."""
+QUEUE_DEPTH = 64
+"""loopd's ``[limits] queue_depth``: above the number of sessions, so none is refused."""
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Where the two paths lead: the server's TCP port and loopd's Unix socket."""
+
+    port: int
+    loopd_socket: str
+
+
+@dataclass(frozen=True)
+class Result:
+    """One streamed answer: times in ns from before the connection, and its counts."""
+
+    ttft: int
+    total: int
+    tokens: int
+    cached: int
+    text: str
+
+
+def loopd_config(listen: str, endpoint_socket: str) -> str:
+    """Return the loopd.toml text: one endpoint, no self-test, a deep queue."""
+    return "\n".join(
+        [
+            "[server]",
+            f"listen = {json.dumps('unix:' + listen.replace(':', chr(92) + ':'))}",
+            "",
+            "[limits]",
+            f"queue_depth = {QUEUE_DEPTH}",
+            "",
+            "[[endpoint]]",
+            f"name = {json.dumps(MODEL)}",
+            f"socket = {json.dumps(endpoint_socket)}",
+            "selftest = false",
+            "",
+        ]
+    )
+
+
+def _wait_socket(children: Children, proc: Any, name: str, path: str) -> None:
+    """Wait until a child accepts connections on the Unix socket at path."""
+    deadline = time.monotonic() + READY_TIMEOUT
+    while True:
+        if proc.poll() is not None:
+            tail = children.log_tail(proc)
+            raise BenchError(f"{name} exited with {proc.returncode}:\n{tail}")
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.connect(path)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise BenchError(f"{name} not accepting after {READY_TIMEOUT}s") from None
+            time.sleep(0.05)
+        else:
+            return
+
+
+def start(children: Children, threads: int) -> Stack:
+    """Start the server (2 slots), inferproxy and loopd; return where they listen."""
+    from loopd.demo.tiny_model import write_tiny_model
+
+    model = os.path.join(children.dir, "tiny-think.gguf")
+    write_tiny_model(model, think_forever=True)
+    port = start_server(children, model, threads)
+    infer = start_forwarder(children, "inferproxy", PROXY_CMD, port)
+    listen = os.path.join(children.dir, "loopd.sock")
+    config = os.path.join(children.dir, "loopd.toml")
+    with open(config, "w", encoding="utf-8") as f:
+        f.write(loopd_config(listen, infer))
+    argv = [sys.executable, "-m", "twisted", "--log-format=text", "loopd", "--config", config]
+    proc = children.spawn("loopd", argv, log=True)
+    _wait_socket(children, proc, "loopd", listen)
+    return Stack(port, listen)
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """http.client over a Unix socket: only connect() differs from TCP."""
+
+    def __init__(self, path: str) -> None:
+        """Connect to the socket at path when asked to."""
+        super().__init__("loopd")
+        self._path = path
+
+    def connect(self) -> None:
+        """Open the Unix socket."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self._path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def _counts(chunk: dict[str, Any]) -> tuple[int, int] | None:
+    """Return (generated, cached) tokens from a chunk's usage or timings, if it has any."""
+    usage = chunk.get("usage")
+    if isinstance(usage, dict):
+        details = usage.get("prompt_tokens_details") or {}
+        return int(usage.get("completion_tokens", 0)), int(details.get("cached_tokens", 0))
+    timings = chunk.get("timings")
+    if isinstance(timings, dict):
+        return int(timings.get("predicted_n", 0)), int(timings.get("cache_n", 0))
+    return None
+
+
+def stream_chat(
+    target: int | str, body: bytes, timeout: float, session: str | None = None
+) -> Result:
+    """One streamed chat; target is the server's TCP port or loopd's socket path.
+
+    session, when set, goes out as ``X-Session-Id``. The usage chunk (loopd) or the
+    last chunk's timings (the server) give the token counts.
+    """
+    clock = time.perf_counter_ns
+    start = clock()
+    if isinstance(target, str):
+        conn: http.client.HTTPConnection = UnixHTTPConnection(target)
+    else:
+        conn = http.client.HTTPConnection("127.0.0.1", target)
+    try:
+        conn.connect()
+        sock = conn.sock
+        assert sock is not None
+        if sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # A kernel timeout: settimeout() would add a poll() before every read.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(timeout), 0))
+        headers = {"Content-Type": "application/json", "Connection": "close"}
+        if session is not None:
+            headers["X-Session-Id"] = session
+        conn.request("POST", CHAT_PATH, body, headers)
+        response = conn.getresponse()
+        if response.status != 200:
+            raise BenchError(f"HTTP {response.status}: {response.read()[:300]!r}")
+        first = 0
+        counts = (0, 0)
+        text: list[str] = []
+        pending = b""
+        while True:
+            data = response.read1(65536)
+            if not data:
+                raise BenchError("the body ended before [DONE]")
+            *events, pending = (pending + data).split(b"\n\n")
+            for event in events:
+                if not event.startswith(b"data: "):
+                    continue  # loopd's ": loopd {...}" comments
+                if event == b"data: [DONE]":
+                    return Result(first - start, clock() - start, *counts, "".join(text))
+                chunk = json.loads(event[6:])
+                if "error" in chunk:
+                    raise BenchError(f"error event: {chunk['error']}")
+                found = _counts(chunk)
+                if found is not None:
+                    counts = found
+                choices = chunk.get("choices") or [{}]
+                delta = choices[0].get("delta") or {}
+                piece = delta.get("reasoning_content") or delta.get("content")
+                if piece:
+                    if not first:
+                        first = clock()
+                    if delta.get("content"):
+                        text.append(delta["content"])
+    finally:
+        conn.close()

@@ -1,0 +1,225 @@
+"""Benchmark of loopd's gateway: the latency it adds and how it serves many sessions.
+
+Run from the checkout root with ``python bench/gateway.py`` (``tox -e bench``);
+``--help`` lists the options. It needs the test extra (``xllamacpp``, ``gguf``,
+``numpy``) for the real llama.cpp server.
+
+One real llama.cpp server with 2 slots serves the project's tiny model in its
+"think forever" form; ``python -m twisted inferproxy`` forwards a Unix socket to it
+and ``python -m twisted loopd`` serves the gateway on loopd.sock in front of that
+(bench/_gateway_stack.py). Both paths use the same client, a blocking ``http.client``
+request that decodes every SSE event (over a Unix socket to loopd, over TCP straight
+to the server, the anchor measured in the same run). The first token is the first
+reasoning or content delta; the end is ``[DONE]``.
+
+Part 1, latency: ``--requests`` (200) streamed requests per path whose answer is
+``--tokens`` (200) tokens of reasoning, after ``--warmup`` (10) untimed ones, one at a
+time in rounds of both paths. It prints the median and p90 of the time to the first
+token and of the total time, and what loopd adds to the direct medians (goal: at most
+2 ms).
+
+Part 2, sessions: ``--sessions`` (16) threads, each a conversation of ``--turns`` (5)
+short turns, all at once on the 2 slots; through loopd each has its own
+``X-Session-Id``, direct each lets the server choose the slot. It prints the
+throughput (turns/s, generated tokens/s), the p95 time to first token, the cached
+prompt tokens, and loopd's ratio to direct (no goal).
+
+``--part`` runs only one part. The exit status is 0 when every measurement ran (goals
+met or not), else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import math
+import os
+import signal
+import sys
+import textwrap
+from collections.abc import Callable
+from importlib.metadata import version
+from types import FrameType
+
+from _gateway_runs import Samples, measure_long, measure_sessions
+from _gateway_stack import QUEUE_DEPTH, Stack, start
+from _servers import BenchError, Children
+
+PATHS = ("loopd", "direct")
+"""Both paths, in the order printed."""
+ADDED_GOAL_MS = 2.0
+"""loopd may add at most this many ms to the direct path's medians."""
+W = 40
+"""Width of the label column."""
+
+
+def positive(text: str) -> int:
+    """Parse a positive integer option."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return value
+
+
+def non_negative(text: str) -> int:
+    """Parse a non-negative integer option."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must not be negative")
+    return value
+
+
+def percentile(samples: list[int], q: float) -> float:
+    """Return the nearest-rank q-quantile (0 < q <= 1) of ns samples, in ms."""
+    ordered = sorted(samples)
+    return ordered[max(1, math.ceil(q * len(ordered))) - 1] / 1e6
+
+
+def _verdict(value: float, goal: float) -> str:
+    """Say whether value is at most goal."""
+    return f"goal <= {goal:g}  {'PASS' if value <= goal else 'MISS'}"
+
+
+LONG_ROWS: tuple[tuple[str, Callable[[Samples], float]], ...] = (
+    ("first token, median ms", lambda s: percentile([r.ttft for r in s.results], 0.5)),
+    ("first token, p90 ms", lambda s: percentile([r.ttft for r in s.results], 0.9)),
+    ("total, median ms", lambda s: percentile([r.total for r in s.results], 0.5)),
+    ("total, p90 ms", lambda s: percentile([r.total for r in s.results], 0.9)),
+)
+"""The part 1 table: a label and a figure per row."""
+
+
+def print_long(results: dict[str, Samples], args: argparse.Namespace) -> None:
+    """Print part 1's figures, what loopd adds, and the goal."""
+    header = (
+        f"Part 1, latency: the tiny think-forever model on a real llama.cpp server"
+        f" (xllamacpp {version('xllamacpp')}, 2 slots, --threads {args.threads}); one"
+        f" streamed chat at a time answering {args.tokens} tokens of reasoning"
+        f" (max_tokens), {args.requests} per path after {args.warmup} warm-up ones, in"
+        " rounds of both paths in turn. loopd: http.client -> loopd.sock -> loopd ->"
+        " inferproxy -> TCP; direct: http.client -> TCP with the body loopd sends"
+        f" upstream (the anchor, same run). {os.cpu_count()} CPUs, shared by the server,"
+        " inferproxy, loopd and this process."
+    )
+    print("\n" + textwrap.fill(header, 88))
+    print("\n" + " " * W + "".join(f"{p:>10}" for p in PATHS) + f"{'added':>10}")
+    for label, get in LONG_ROWS:
+        cells = {path: get(results[path]) for path in PATHS}
+        row = "".join(f"{cells[path]:>10.3f}" for path in PATHS)
+        print(f"{label:<{W}}{row}{cells['loopd'] - cells['direct']:>10.3f}")
+    print()
+    for label, index in (("added, first token median ms", 0), ("added, total median ms", 2)):
+        get = LONG_ROWS[index][1]
+        added = get(results["loopd"]) - get(results["direct"])
+        print(f"{label:<{W}}{added:>10.3f}   {_verdict(added, ADDED_GOAL_MS)}")
+
+
+SESSION_ROWS: tuple[tuple[str, str, Callable[[Samples], float]], ...] = (
+    ("turns/s", ".1f", lambda s: len(s.results) / (s.wall_ns / 1e9)),
+    ("generated tokens/s", ".0f", lambda s: sum(r.tokens for r in s.results) / (s.wall_ns / 1e9)),
+    ("first token, median ms", ".2f", lambda s: percentile([r.ttft for r in s.results], 0.5)),
+    ("first token, p95 ms", ".2f", lambda s: percentile([r.ttft for r in s.results], 0.95)),
+    ("turn total, p95 ms", ".2f", lambda s: percentile([r.total for r in s.results], 0.95)),
+    ("wall time, s", ".2f", lambda s: s.wall_ns / 1e9),
+    ("cached prompt tokens (sum)", ".0f", lambda s: float(sum(r.cached for r in s.results))),
+)
+"""The part 2 table: a label, a format and a figure per row."""
+
+
+def print_sessions(results: dict[str, Samples], args: argparse.Namespace) -> None:
+    """Print part 2's figures and loopd's ratio to direct."""
+    header = (
+        f"Part 2, sessions: {args.sessions} sessions at once, each {args.turns} turns of a"
+        " conversation it extends (thinking off, a 26-character answer), on the same"
+        " 2-slot server. loopd: each session its own X-Session-Id (slot affinity,"
+        f" queue_depth {QUEUE_DEPTH}); direct: id_slot -1, the server chooses. The paths"
+        " run one after the other; cached tokens from the usage (loopd) or timings.cache_n"
+        " (direct)."
+    )
+    print("\n" + textwrap.fill(header, 88))
+    print("\n" + " " * W + "".join(f"{p:>10}" for p in PATHS) + f"{'ratio':>10}")
+    for label, fmt, get in SESSION_ROWS:
+        cells = {path: get(results[path]) for path in PATHS}
+        row = "".join(f"{cells[path]:>10{fmt}}" for path in PATHS)
+        ratio = cells["loopd"] / cells["direct"] if cells["direct"] else math.nan
+        print(f"{label:<{W}}{row}{ratio:>10.2f}")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Start the stack, run the parts asked for, print their reports."""
+    children = Children()
+    try:
+        print("  starting the llama server, inferproxy and loopd ...", file=sys.stderr)
+        stack: Stack = start(children, args.threads)
+        long_results = session_results = None
+        if args.part in ("all", "latency"):
+            print(
+                f"  part 1: {args.warmup} + {args.requests} requests per path ...",
+                file=sys.stderr,
+                flush=True,
+            )
+            gap = args.gap_ms / 1000.0
+            long_results = measure_long(
+                stack, args.requests, args.warmup, args.tokens, gap, args.io_timeout
+            )
+        if args.part in ("all", "sessions"):
+            print(f"  part 2: {args.sessions} sessions per path ...", file=sys.stderr)
+            session_results = {}
+            for path in ("direct", "loopd"):
+                session_results[path] = measure_sessions(
+                    path, stack, args.sessions, args.turns, args.io_timeout
+                )
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        children.stop_all()
+    if long_results is not None:
+        print_long(long_results, args)
+    if session_results is not None:
+        print_sessions(session_results, args)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse the command line."""
+    parser = argparse.ArgumentParser(
+        description="Benchmark the latency loopd's gateway adds and its many-session service.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--part", choices=("all", "latency", "sessions"), default="all", help="what to run")
+    add("--requests", type=positive, default=200, help="part 1: timed requests per path")
+    add("--warmup", type=non_negative, default=10, help="part 1: untimed requests first")
+    add("--tokens", type=positive, default=200, help="part 1: tokens per answer")
+    add("--gap-ms", type=float, default=5.0, help="part 1: pause after every request, ms")
+    add("--sessions", type=positive, default=16, help="part 2: concurrent sessions")
+    add("--turns", type=positive, default=5, help="part 2: turns per session")
+    add(
+        "--threads", type=positive, default=1, help="llama server threads (1: leaves CPU for loopd)"
+    )
+    add("--io-timeout", type=float, default=120.0, help="longest wait on a socket, s")
+    return parser.parse_args(argv)
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    """Turn SIGTERM or SIGHUP into SystemExit, so the children get stopped."""
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; return the exit status."""
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGHUP, _terminate)
+    try:
+        run(args)
+    except (BenchError, OSError, http.client.HTTPException) as e:
+        print(f"ERROR: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
