@@ -101,6 +101,7 @@ class ChatCall:
         self._pending: list[Deferred[Any]] = []
         self._response: http.HttpResponse | None = None
         self._timer: IDelayedCall | None = None
+        self._timer_action: Callable[[], None] | None = None
         self._state_since: dict[str, float] = {}
         self._capped_at: int | None = None
         self._finished = False
@@ -175,8 +176,14 @@ class ChatCall:
         return ms / 1000.0
 
     def _arm(self, ms: int, action: Callable[[], None]) -> None:
+        timer = self._timer
+        if timer is not None and timer.active() and self._timer_action == action:
+            # Postponing a pending call is cheaper than a new one for every chunk.
+            timer.reset(self._seconds(ms))
+            return
         self._disarm()
         self._timer = self._reactor.callLater(self._seconds(ms), action)
+        self._timer_action = action
 
     def _disarm(self) -> None:
         timer, self._timer = self._timer, None
