@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import math
 import os
 import signal
 import statistics
@@ -46,6 +45,7 @@ from types import FrameType
 
 from _client_decode import DECODERS, build_stream, measure_mode, split_events, split_network
 from _client_e2e import PATHS, Samples, Setup, measure, run_reactor, start
+from _report import W, non_negative, percentile, positive, verdict
 from _servers import ROOT, BenchError, Children
 
 MODES = ("network", "event")
@@ -54,36 +54,6 @@ SDK_GOAL = 2.0
 """loopd's decoding must be at least this many times as fast as the SDK's."""
 ADDED_GOAL_MS = 1.0
 """loopd may add at most this many ms to the direct path's medians."""
-W = 40
-"""Width of the label column."""
-
-
-def positive(text: str) -> int:
-    """Parse a positive integer option."""
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError("must be positive")
-    return value
-
-
-def non_negative(text: str) -> int:
-    """Parse a non-negative integer option."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("must not be negative")
-    return value
-
-
-def percentile(samples: list[int], q: float) -> float:
-    """Return the nearest-rank q-quantile (0 < q <= 1) of ns samples, in ms."""
-    ordered = sorted(samples)
-    return ordered[max(1, math.ceil(q * len(ordered))) - 1] / 1e6
-
-
-def _verdict(value: float, op: str, goal: float) -> str:
-    """Say whether value meets its goal (op is ">=" or "<=")."""
-    met = value >= goal if op == ">=" else value <= goal
-    return f"goal {op} {goal:g}  {'PASS' if met else 'MISS'}"
 
 
 def run_decode(args: argparse.Namespace) -> None:
@@ -121,7 +91,7 @@ def run_decode(args: argparse.Namespace) -> None:
     for mode in MODES:
         loopd = medians[mode]["loopd"]
         sdk = loopd / medians[mode]["openai"]
-        print(f"{f'{mode}: loopd/openai':<{W}}{sdk:>12.2f}   {_verdict(sdk, '>=', SDK_GOAL)}")
+        print(f"{f'{mode}: loopd/openai':<{W}}{sdk:>12.2f}   {verdict(sdk, '>=', SDK_GOAL)}")
         other = loopd / medians[mode]["httpx-sse"]
         print(f"{f'{mode}: loopd/httpx-sse':<{W}}{other:>12.2f}   (no goal)")
 
@@ -183,7 +153,7 @@ def print_e2e(results: dict[str, Samples], args: argparse.Namespace) -> None:
         added = get(results["loopd"]) - get(results["direct"])
         share = get(results["proxied"]) - get(results["direct"])
         print(
-            f"{label:<{W}}{added:>10.3f}   {_verdict(added, '<=', ADDED_GOAL_MS)}"
+            f"{label:<{W}}{added:>10.3f}   {verdict(added, '<=', ADDED_GOAL_MS)}"
             f"   (inferproxy's share {share:.3f})"
         )
 

@@ -43,41 +43,13 @@ from types import FrameType
 
 from _gateway_runs import Samples, measure_long, measure_sessions
 from _gateway_stack import QUEUE_DEPTH, Stack, start
+from _report import W, non_negative, percentile, positive, verdict
 from _servers import BenchError, Children
 
 PATHS = ("loopd", "direct")
 """Both paths, in the order printed."""
 ADDED_GOAL_MS = 2.0
 """loopd may add at most this many ms to the direct path's medians."""
-W = 40
-"""Width of the label column."""
-
-
-def positive(text: str) -> int:
-    """Parse a positive integer option."""
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError("must be positive")
-    return value
-
-
-def non_negative(text: str) -> int:
-    """Parse a non-negative integer option."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("must not be negative")
-    return value
-
-
-def percentile(samples: list[int], q: float) -> float:
-    """Return the nearest-rank q-quantile (0 < q <= 1) of ns samples, in ms."""
-    ordered = sorted(samples)
-    return ordered[max(1, math.ceil(q * len(ordered))) - 1] / 1e6
-
-
-def _verdict(value: float, goal: float) -> str:
-    """Say whether value is at most goal."""
-    return f"goal <= {goal:g}  {'PASS' if value <= goal else 'MISS'}"
 
 
 LONG_ROWS: tuple[tuple[str, Callable[[Samples], float]], ...] = (
@@ -111,7 +83,7 @@ def print_long(results: dict[str, Samples], args: argparse.Namespace) -> None:
     for label, index in (("added, first token median ms", 0), ("added, total median ms", 2)):
         get = LONG_ROWS[index][1]
         added = get(results["loopd"]) - get(results["direct"])
-        print(f"{label:<{W}}{added:>10.3f}   {_verdict(added, ADDED_GOAL_MS)}")
+        print(f"{label:<{W}}{added:>10.3f}   {verdict(added, '<=', ADDED_GOAL_MS)}")
 
 
 SESSION_ROWS: tuple[tuple[str, str, Callable[[Samples], float]], ...] = (
