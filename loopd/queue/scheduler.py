@@ -1,0 +1,463 @@
+# -*- test-case-name: loopd.test.test_queue_scheduler -*-
+"""
+The lease scheduler: who holds each queue's slots, who waits, and who is next.
+
+Pure and clock-injected: time comes from C{clock.seconds()} (an C{IReactorTime}, a
+C{task.Clock} in tests), grants are delivered to the injected C{on_grant} callback and log
+events to C{on_event}. The protocol layer calls the public methods and runs L{Scheduler.sweep}
+on its own timer.
+
+Rules (the seed's, with DESIGN §3 decisions 10 and 20-23):
+ - a queue is created on first use; an unknown key gets the defaults;
+ - a grant is a lease whose terms (TTL, idle-yield window) are fixed at grant, except that
+   the TTL term only ever grows to the queue's current TTL;
+ - waiters are granted by tier (parent over child, FIFO inside a tier); the longest-waiting
+   child jumps ahead once it waited C{agingAfterMs}, or after C{agingAfterSlots} consecutive
+   parent grants made while it waited; C{policy: "fifo"} ignores tiers;
+ - every grant of a queued waiter is a switch; a direct grant into a free slot is not;
+ - a lapsed lease is evicted whenever the scheduler is asked anything, so no lapsed lease is
+   ever reported; the sweep's second pass yields idle activity-flagged holders to waiters;
+ - passthrough (C{enabled: false}) grants at once; a reload never preempts a holder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from loopd.queue.scheduler_queue import (
+    QueueState,
+    by_enqueue,
+    by_grant,
+    next_waiter,
+    status_entries,
+)
+from loopd.queue.scheduler_types import (
+    Grant,
+    Lease,
+    QueueEvent,
+    Route,
+    Router,
+    Tier,
+    Waiter,
+)
+
+__all__ = ["Clock", "Scheduler", "SchedulerCounters"]
+
+
+class Clock(Protocol):
+    """
+    The part of C{IReactorTime} the scheduler reads.
+    """
+
+    def seconds(self) -> float:
+        """
+        Return the current time in seconds.
+        """
+
+
+@dataclass(frozen=True)
+class SchedulerCounters:
+    """
+    Totals since the scheduler started: C{grants - releases - evictions} is the holder count.
+    """
+
+    grants: int
+    releases: int
+    evictions: int
+    switches: int
+
+
+def _ignore(event: QueueEvent) -> None:
+    """
+    Drop a log event (the default sink).
+    """
+
+
+class Scheduler:
+    """
+    Every queue's slots, leases and waiters. Not thread-safe; call it from the reactor thread.
+
+    Grants are collected while an operation runs and delivered to C{on_grant} when it ends,
+    so a callback that calls back into the scheduler sees a consistent state.
+    """
+
+    def __init__(
+        self,
+        clock: Clock,
+        router: Router,
+        on_grant: Callable[[Grant], None],
+        on_event: Callable[[QueueEvent], None] = _ignore,
+    ) -> None:
+        """
+        @param clock: the time source (C{seconds()}).
+        @param router: resolves a client's queue key to its queue and settings; L{reload}
+            replaces it.
+        @param on_grant: receives every grant, direct or queued, once per grant.
+        @param on_event: receives the seed's log events in order.
+        """
+        self._clock = clock
+        self._router = router
+        self._on_grant = on_grant
+        self._on_event = on_event
+        self._queues: dict[str, QueueState] = {}
+        self._pending: list[Grant] = []
+        self._seq = 0
+        self._grants = self._releases = self._evictions = self._switches = 0
+
+    # -- public operations -------------------------------------------------------------
+
+    def acquire(
+        self,
+        conn: Hashable,
+        queue_key: str,
+        session_key: str,
+        role: Tier = "parent",
+        group: str | None = None,
+        activity: bool = False,
+    ) -> Grant | None:
+        """
+        Ask for a slot of the queue C{queue_key} owns for C{session_key}.
+
+        Returns the grant when it was made at once (it is also delivered to C{on_grant}), or
+        C{None} when the request waits. A session that already holds the slot is granted
+        again with its lease refreshed; a session that already waits keeps its place, with
+        this request's connection, role, group and activity flag.
+        """
+        now = self._now()
+        self._evict_lapsed(now)
+        queue = self._queue(self._router(queue_key))
+        grant: Grant | None = None
+        lease = queue.holders.get(session_key)
+        waiter = queue.waiting.get(session_key)
+        if lease is not None:
+            self._refresh(queue, lease, now)
+            lease.active_at = now
+            grant = self._grant_of(lease, queue_key, conn)
+            self._pending.append(grant)
+        elif waiter is not None:
+            waiter.conn, waiter.queue_key, waiter.role = conn, queue_key, role
+            waiter.group, waiter.activity = group, activity
+        elif queue.has_room() and not queue.waiting:
+            grant = self._grant(queue, conn, queue_key, session_key, role, group, activity, now)
+        else:
+            self._seq += 1
+            waiter = Waiter(conn, queue_key, session_key, role, group, activity, self._seq, now)
+            queue.waiting[session_key] = waiter
+            self._emit(QueueEvent("queued", queue.key, session_key, role))
+        self._flush()
+        return grant
+
+    def release(self, queue_key: str, session_key: str) -> None:
+        """
+        Return C{session_key}'s slot; a lease that is not held changes nothing (§20).
+        """
+        now = self._now()
+        self._evict_lapsed(now)
+        queue = self._queues.get(self._router(queue_key).queue_key)
+        if queue is not None and session_key in queue.holders:
+            self._drop_lease(queue, session_key, None)
+            self._fill(queue, now)
+        self._flush()
+
+    def cancel(self, queue_key: str, session_key: str) -> None:
+        """
+        Drop C{session_key}'s queued request, and release the slot it holds, if any.
+        """
+        now = self._now()
+        self._evict_lapsed(now)
+        queue = self._queues.get(self._router(queue_key).queue_key)
+        if queue is not None:
+            queue.waiting.pop(session_key, None)
+            if session_key in queue.holders:
+                self._drop_lease(queue, session_key, "cancel")
+            self._fill(queue, now)
+        self._flush()
+
+    def role(self, session_key: str, role: Tier) -> None:
+        """
+        Re-tier C{session_key}'s live waiters in every queue in place (§21); holders keep the
+        tier they were granted with.
+        """
+        self._evict_lapsed(self._now())
+        for queue in self._queues.values():
+            waiter = queue.waiting.get(session_key)
+            if waiter is not None:
+                waiter.role = role
+        self._flush()
+
+    def renew(self, conn: Hashable) -> None:
+        """
+        Bare heartbeat: refresh the TTL of every lease C{conn} holds, never its activity (§22).
+        """
+        now = self._now()
+        self._evict_lapsed(now)
+        for queue in self._queues.values():
+            for lease in queue.holders.values():
+                if lease.conn == conn:
+                    self._refresh(queue, lease, now)
+        self._flush()
+
+    def beat(self, queue_key: str, session_key: str) -> bool:
+        """
+        Keyed activity beat: refresh the lease's TTL and idle clock.
+
+        Returns whether the session still holds the slot; C{False} means it must re-queue.
+        """
+        now = self._now()
+        self._evict_lapsed(now)
+        queue = self._queues.get(self._router(queue_key).queue_key)
+        lease = None if queue is None else queue.holders.get(session_key)
+        if queue is not None and lease is not None:
+            self._refresh(queue, lease, now)
+            lease.active_at = now
+        self._flush()
+        return lease is not None
+
+    def disconnect(self, conn: Hashable) -> None:
+        """
+        Forget C{conn}: drop its queued requests, then release every lease it held.
+        """
+        now = self._now()
+        self._evict_lapsed(now)
+        for queue in self._queues.values():
+            for waiter in [w for w in queue.waiting.values() if w.conn == conn]:
+                del queue.waiting[waiter.session_key]
+            for lease in [le for le in queue.holders.values() if le.conn == conn]:
+                self._drop_lease(queue, lease.session_key, "disconnect")
+            self._fill(queue, now)
+        self._flush()
+
+    def sweep(self) -> None:
+        """
+        Run both passes: evict every lapsed lease, then yield idle activity-flagged holders
+        of queues with a waiter (ADR 0003).
+        """
+        now = self._now()
+        self._evict_lapsed(now)
+        for queue in self._queues.values():
+            for lease in list(queue.holders.values()):
+                if not queue.waiting:
+                    break
+                window = lease.idle_yield_ms
+                if lease.activity and window > 0 and now - lease.active_at >= window:
+                    self._drop_lease(queue, lease.session_key, "idle")
+                    self._fill(queue, now)
+        self._flush()
+
+    def reload(self, router: Router) -> None:
+        """
+        Apply a new policy: every lease and waiter moves to the queue its key now leads to
+        (groups merge and split), keeping grant and enqueue order. Holders are never
+        preempted: a queue left over capacity logs a C{config} event and grants nothing until
+        it drains. A lengthened TTL applies to held leases at once, a shortened one at the
+        next grant. A session met twice in one merged queue keeps its earlier lease (the
+        other is released) or its earlier place; a waiter that meets its own lease is granted.
+        """
+        now = self._now()
+        self._evict_lapsed(now)
+        self._router = router
+        old, self._queues = self._queues, {}
+        leases = sorted((le for q in old.values() for le in q.holders.values()), key=by_grant)
+        waiters = sorted((w for q in old.values() for w in q.waiting.values()), key=by_enqueue)
+        for key, queue in old.items():
+            queue.holders, queue.waiting = {}, {}
+            route = router(key)
+            if route.queue_key == key:
+                queue.policy = route.settings
+                self._queues[key] = queue
+        for lease in leases:
+            queue = self._rehome(router(lease.asked_key), old)
+            if lease.session_key in queue.holders:
+                self._releases += 1
+                self._emit(
+                    QueueEvent("release", lease.queue_key, lease.session_key, lease.role, "merge")
+                )
+                continue
+            lease.queue_key = queue.key
+            lease.ttl_ms = max(lease.ttl_ms, queue.policy.lease_ttl_ms)
+            queue.holders[lease.session_key] = lease
+        for waiter in waiters:
+            queue = self._rehome(router(waiter.queue_key), old)
+            held = queue.holders.get(waiter.session_key)
+            if held is not None:
+                self._pending.append(self._grant_of(held, waiter.queue_key, waiter.conn))
+            elif waiter.session_key not in queue.waiting:
+                queue.waiting[waiter.session_key] = waiter
+        for queue in self._queues.values():
+            limit = queue.policy.max_streams
+            if queue.policy.enabled and len(queue.holders) > limit:
+                self._emit(
+                    QueueEvent(
+                        "config",
+                        queue.key,
+                        reason="over-capacity",
+                        holders=len(queue.holders),
+                        max_streams=limit,
+                    )
+                )
+            self._fill(queue, now)
+        self._flush()
+
+    def _rehome(self, route: Route, old: dict[str, QueueState]) -> QueueState:
+        """
+        Return the reloaded queue C{route} leads to, reusing the old one of that key.
+        """
+        queue = self._queues.get(route.queue_key)
+        if queue is None:
+            queue = old.get(route.queue_key) or QueueState(route.queue_key, route.settings)
+            queue.policy = route.settings
+            self._queues[route.queue_key] = queue
+        return queue
+
+    def status(self) -> list[dict[str, Any]]:
+        """
+        Return the C{queues} list of the C{status} reply: per queue C{queueKey},
+        C{maxStreams} (C{None} for passthrough), C{switches}, C{holders} and C{waiting} (each
+        C{[{sessionKey, role, group}]}, waiters in enqueue order).
+        """
+        self._evict_lapsed(self._now())
+        self._flush()
+        return [
+            {
+                "queueKey": queue.key,
+                "maxStreams": queue.policy.max_streams if queue.policy.enabled else None,
+                "switches": queue.switches,
+                "holders": status_entries(queue.holders.values()),
+                "waiting": status_entries(queue.waiting.values()),
+            }
+            for queue in self._queues.values()
+        ]
+
+    def counters(self) -> SchedulerCounters:
+        """
+        Return the grant, release, eviction and switch totals (for C{/metrics}).
+        """
+        return SchedulerCounters(self._grants, self._releases, self._evictions, self._switches)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _now(self) -> float:
+        """
+        Return the clock's time in milliseconds.
+        """
+        return self._clock.seconds() * 1000.0
+
+    def _queue(self, route: Route) -> QueueState:
+        """
+        Return the queue C{route} leads to, creating it on first use.
+        """
+        queue = self._queues.get(route.queue_key)
+        if queue is None:
+            queue = QueueState(route.queue_key, route.settings)
+            self._queues[route.queue_key] = queue
+        return queue
+
+    def _refresh(self, queue: QueueState, lease: Lease, now: float) -> None:
+        """
+        Restart the lease's TTL on the longer of its term and the queue's current TTL.
+        """
+        lease.ttl_ms = max(lease.ttl_ms, queue.policy.lease_ttl_ms)
+        lease.refreshed_at = now
+
+    def _grant(
+        self,
+        queue: QueueState,
+        conn: Hashable,
+        queue_key: str,
+        session_key: str,
+        role: Tier,
+        group: str | None,
+        activity: bool,
+        now: float,
+        switch: bool = False,
+    ) -> Grant:
+        """
+        Make a lease on the queue's current terms and queue its grant for delivery.
+        """
+        terms = queue.policy
+        lease = Lease(
+            conn,
+            queue.key,
+            queue_key,
+            session_key,
+            role,
+            group,
+            activity,
+            terms.lease_ttl_ms,
+            terms.idle_yield_ms,
+            now,
+            now,
+            now,
+        )
+        queue.holders[session_key] = lease
+        self._grants += 1
+        self._emit(QueueEvent("grant", queue.key, session_key, role))
+        if switch:
+            queue.switches += 1
+            self._switches += 1
+            self._emit(QueueEvent("switch", queue.key, session_key, role))
+        for waiter in queue.waiting.values():
+            waiter.parent_streak = waiter.parent_streak + 1 if role == "parent" else 0
+        grant = self._grant_of(lease, queue_key, conn)
+        self._pending.append(grant)
+        return grant
+
+    def _grant_of(self, lease: Lease, queue_key: str, conn: Hashable) -> Grant:
+        """
+        Return the grant of C{lease} and its terms for C{conn}, keyed by the key it used.
+        """
+        return Grant(
+            conn,
+            queue_key,
+            lease.queue_key,
+            lease.session_key,
+            lease.ttl_ms,
+            lease.idle_yield_ms,
+        )
+
+    def _fill(self, queue: QueueState, now: float) -> None:
+        """
+        Grant waiters while the queue has room; each such grant is a switch.
+        """
+        while queue.waiting and queue.has_room():
+            w = next_waiter(queue, now)
+            del queue.waiting[w.session_key]
+            self._grant(
+                queue, w.conn, w.queue_key, w.session_key, w.role, w.group, w.activity, now, True
+            )
+
+    def _drop_lease(self, queue: QueueState, session_key: str, reason: str | None) -> None:
+        """
+        Remove a held lease and log its release.
+        """
+        lease = queue.holders.pop(session_key)
+        self._releases += 1
+        self._emit(QueueEvent("release", queue.key, session_key, lease.role, reason))
+
+    def _evict_lapsed(self, now: float) -> None:
+        """
+        The sweep's first pass: evict every lapsed lease, waiter or not, then refill.
+        """
+        for queue in self._queues.values():
+            lapsed = [le for le in queue.holders.values() if le.expires_at() <= now]
+            for lease in lapsed:
+                del queue.holders[lease.session_key]
+                self._evictions += 1
+                self._emit(QueueEvent("evict", queue.key, lease.session_key, lease.role, "ttl"))
+            if lapsed:
+                self._fill(queue, now)
+
+    def _emit(self, event: QueueEvent) -> None:
+        """
+        Hand one log event to the sink.
+        """
+        self._on_event(event)
+
+    def _flush(self) -> None:
+        """
+        Deliver the grants made by the operation that is ending, in order.
+        """
+        while self._pending:
+            self._on_grant(self._pending.pop(0))

@@ -1,0 +1,215 @@
+# -*- test-case-name: loopd.test.test_queue_scheduler -*-
+"""
+The values the lease scheduler reads and hands out: queue policy, grants, log events, and the
+lease and waiter records it keeps.
+
+Times inside the scheduler are monotonic milliseconds taken from the injected clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+__all__ = [
+    "EventName",
+    "Grant",
+    "Lease",
+    "QueueEvent",
+    "QueuePolicy",
+    "Route",
+    "Router",
+    "Settings",
+    "StaticRoute",
+    "StaticRouter",
+    "Tier",
+    "Waiter",
+]
+
+Tier = Literal["parent", "child"]
+EventName = Literal["grant", "switch", "queued", "release", "evict", "config"]
+
+
+@dataclass(frozen=True)
+class QueuePolicy:
+    """
+    One queue's resolved policy, in the seed's units (milliseconds).
+
+    C{enabled=False} is passthrough: every acquire is granted at once. C{policy="fifo"}
+    ignores tiers; C{"priority-aging"} grants parents first with aging for children. An aging
+    threshold of 0 disables that kind of aging; C{idle_yield_ms=0} disables idle yield.
+    """
+
+    max_streams: int = 1
+    enabled: bool = True
+    policy: str = "priority-aging"
+    lease_ttl_ms: int = 30_000
+    aging_after_slots: int = 3
+    aging_after_ms: int = 60_000
+    idle_yield_ms: int = 30_000
+
+
+class Settings(Protocol):
+    """
+    One queue's settings as the scheduler reads them; C{loopd.queue.policy.QueueSettings}
+    and L{QueuePolicy} both fit.
+    """
+
+    @property
+    def max_streams(self) -> int:
+        """The slot count (ignored while not C{enabled})."""
+
+    @property
+    def enabled(self) -> bool:
+        """False is passthrough."""
+
+    @property
+    def policy(self) -> str:
+        """C{"priority-aging"} or C{"fifo"}."""
+
+    @property
+    def lease_ttl_ms(self) -> int:
+        """The TTL a new lease is granted with."""
+
+    @property
+    def aging_after_slots(self) -> int:
+        """Consecutive parent grants after which a waiting child goes next (0: never)."""
+
+    @property
+    def aging_after_ms(self) -> int:
+        """A child's wait after which it goes next (0: never)."""
+
+    @property
+    def idle_yield_ms(self) -> int:
+        """The idle-yield window a new lease is granted with (0: never yielded)."""
+
+
+class Route(Protocol):
+    """
+    Where a client's queue key leads: the queue owning its slots, and that queue's settings.
+    C{loopd.queue.policy.Route} fits.
+    """
+
+    @property
+    def queue_key(self) -> str:
+        """The owning queue's key (a group's name for a member key)."""
+
+    @property
+    def settings(self) -> Settings:
+        """The owning queue's settings."""
+
+
+Router = Callable[[str], Route]
+"""Resolves a client's queue key; C{loopd.queue.policy.address_endpoint} curried fits."""
+
+
+@dataclass(frozen=True)
+class StaticRoute:
+    """
+    A L{Route} value.
+    """
+
+    queue_key: str
+    settings: QueuePolicy
+
+
+@dataclass(frozen=True)
+class StaticRouter:
+    """
+    A small L{Router}: per-key policies over C{defaults}, and merge groups (C{groups} maps a
+    group name to the keys it owns; the first group naming a key owns it).
+
+    A key with no entry gets a queue with the defaults (DESIGN §10).
+    """
+
+    defaults: QueuePolicy = QueuePolicy()
+    queues: Mapping[str, QueuePolicy] = field(default_factory=dict)
+    groups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def __call__(self, queue_key: str) -> StaticRoute:
+        """
+        Return the route of C{queue_key}.
+        """
+        owner = next((g for g, keys in self.groups.items() if queue_key in keys), queue_key)
+        return StaticRoute(owner, self.queues.get(owner, self.defaults))
+
+
+@dataclass(frozen=True)
+class Grant:
+    """
+    A lease handed to a session: what the protocol layer turns into a C{granted} reply.
+
+    C{queue_key} is the key the client asked with (replies are keyed by it);
+    C{owner_key} is the queue that owns the slot. C{lease_ttl_ms} and C{idle_yield_ms} are the
+    lease's terms.
+    """
+
+    conn: Hashable
+    queue_key: str
+    owner_key: str
+    session_key: str
+    lease_ttl_ms: int
+    idle_yield_ms: int
+
+
+@dataclass(frozen=True)
+class QueueEvent:
+    """
+    One scheduler event in the seed's log vocabulary (C{grant}, C{switch}, C{queued},
+    C{release}, C{evict}, C{config}); the log writer adds C{ts}.
+    """
+
+    event: EventName
+    queue_key: str
+    session_key: str | None = None
+    role: Tier | None = None
+    reason: str | None = None
+    holders: int | None = None
+    max_streams: int | None = None
+
+
+@dataclass
+class Lease:
+    """
+    A held slot of the queue C{queue_key}, acquired with the key C{asked_key}. Its clocks
+    start at its grant; C{ttl_ms} is its term, which only grows.
+    """
+
+    conn: Hashable
+    queue_key: str
+    asked_key: str
+    session_key: str
+    role: Tier
+    group: str | None
+    activity: bool
+    ttl_ms: int
+    idle_yield_ms: int
+    granted_at: float
+    refreshed_at: float
+    active_at: float
+
+    def expires_at(self) -> float:
+        """
+        Return the monotonic millisecond at which this lease lapses.
+        """
+        return self.refreshed_at + self.ttl_ms
+
+
+@dataclass
+class Waiter:
+    """
+    A queued C{acquire}, with the key it asked with. C{seq} is its enqueue order;
+    C{parent_streak} counts the consecutive parent grants made while it waited (aging by
+    slots).
+    """
+
+    conn: Hashable
+    queue_key: str
+    session_key: str
+    role: Tier
+    group: str | None
+    activity: bool
+    seq: int
+    enqueued_at: float
+    parent_streak: int = 0
