@@ -123,12 +123,12 @@ def the_request() -> tuple[Config, Endpoint, ChatRequest]:
     )
 
 
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    """http.client over a Unix socket."""
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """http.client over a Unix socket: only connect() differs from TCP."""
 
     def __init__(self, path: str) -> None:
         """Connect to the socket at path when asked to."""
-        super().__init__("llama")
+        super().__init__("localhost")
         self._path = path
 
     def connect(self) -> None:
@@ -151,7 +151,7 @@ def http_once(target: int | str, body: bytes, timeout: float) -> tuple[int, int]
     clock = time.perf_counter_ns
     start = clock()
     if isinstance(target, str):
-        conn: http.client.HTTPConnection = _UnixHTTPConnection(target)
+        conn: http.client.HTTPConnection = UnixHTTPConnection(target)
     else:
         conn = http.client.HTTPConnection("127.0.0.1", target)
     try:

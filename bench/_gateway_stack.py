@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from _client_e2e import PROXY_CMD, start_server
-from _servers import READY_TIMEOUT, BenchError, Children, start_forwarder
+from _client_e2e import PROXY_CMD, UnixHTTPConnection, start_server
+from _servers import BenchError, Children, start_forwarder, wait_socket
 
 from loopd.llama.chat import CHAT_PATH
 
@@ -73,24 +73,6 @@ def loopd_config(listen: str, endpoint_socket: str) -> str:
     )
 
 
-def _wait_socket(children: Children, proc: Any, name: str, path: str) -> None:
-    """Wait until a child accepts connections on the Unix socket at path."""
-    deadline = time.monotonic() + READY_TIMEOUT
-    while True:
-        if proc.poll() is not None:
-            tail = children.log_tail(proc)
-            raise BenchError(f"{name} exited with {proc.returncode}:\n{tail}")
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-                probe.connect(path)
-        except OSError:
-            if time.monotonic() > deadline:
-                raise BenchError(f"{name} not accepting after {READY_TIMEOUT}s") from None
-            time.sleep(0.05)
-        else:
-            return
-
-
 def start(children: Children, threads: int) -> Stack:
     """Start the server (2 slots), inferproxy and loopd; return where they listen."""
     from loopd.demo.tiny_model import write_tiny_model
@@ -105,27 +87,8 @@ def start(children: Children, threads: int) -> Stack:
         f.write(loopd_config(listen, infer))
     argv = [sys.executable, "-m", "twisted", "--log-format=text", "loopd", "--config", config]
     proc = children.spawn("loopd", argv, log=True)
-    _wait_socket(children, proc, "loopd", listen)
+    wait_socket(children, proc, "loopd", listen)
     return Stack(port, listen)
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    """http.client over a Unix socket: only connect() differs from TCP."""
-
-    def __init__(self, path: str) -> None:
-        """Connect to the socket at path when asked to."""
-        super().__init__("loopd")
-        self._path = path
-
-    def connect(self) -> None:
-        """Open the Unix socket."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.connect(self._path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
 
 
 def _counts(chunk: dict[str, Any]) -> tuple[int, int] | None:

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 RECV_SIZE = 1 << 20
 """Bytes read per receive call: large, so the sink is never the bottleneck."""
@@ -242,6 +243,12 @@ def start_forwarder(children: Children, name: str, template: str, port: int) -> 
     }
     argv = [arg.format(**values) for arg in shlex.split(template)]
     proc = children.spawn(name, argv, log=True)
+    wait_socket(children, proc, name, listen)
+    return listen
+
+
+def wait_socket(children: Children, proc: Any, name: str, path: str) -> None:
+    """Wait until a child accepts connections on the Unix socket at path."""
     deadline = time.monotonic() + READY_TIMEOUT
     while True:
         if proc.poll() is not None:
@@ -249,13 +256,13 @@ def start_forwarder(children: Children, name: str, template: str, port: int) -> 
             raise BenchError(f"{name} exited with {proc.returncode}:\n{tail}")
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-                probe.connect(listen)
+                probe.connect(path)
         except OSError:
             if time.monotonic() > deadline:
                 raise BenchError(f"{name} not accepting after {READY_TIMEOUT}s") from None
             time.sleep(0.05)
         else:
-            return listen
+            return
 
 
 def main() -> int:
