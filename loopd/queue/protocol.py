@@ -67,8 +67,7 @@ def granted_message(grant: Grant) -> dict[str, object]:
         "op": "granted",
         "queueKey": grant.queue_key,
         "sessionKey": grant.session_key,
-        "leaseTtlMs": grant.lease_ttl_ms,
-        "idleYieldMs": grant.idle_yield_ms,
+        **grant.terms().to_wire(),
     }
 
 

@@ -276,7 +276,7 @@ class Scheduler:
                 )
                 continue
             lease.queue_key = queue.key
-            lease.ttl_ms = max(lease.ttl_ms, queue.policy.lease_ttl_ms)
+            lease.ttl_ms = lease.terms().grown(queue.policy.lease_ttl_ms).lease_ttl_ms
             queue.holders[lease.session_key] = lease
         for waiter in waiters:
             queue = self._rehome(router(waiter.queue_key), old)
@@ -358,7 +358,7 @@ class Scheduler:
         """
         Restart the lease's TTL on the longer of its term and the queue's current TTL.
         """
-        lease.ttl_ms = max(lease.ttl_ms, queue.policy.lease_ttl_ms)
+        lease.ttl_ms = lease.terms().grown(queue.policy.lease_ttl_ms).lease_ttl_ms
         lease.refreshed_at = now
 
     def _grant(

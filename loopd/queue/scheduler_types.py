@@ -12,6 +12,8 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from loopd.queue.terms import LeaseTerms
+
 __all__ = [
     "EventName",
     "Grant",
@@ -152,6 +154,12 @@ class Grant:
     lease_ttl_ms: int
     idle_yield_ms: int
 
+    def terms(self) -> LeaseTerms:
+        """
+        Return the lease's terms.
+        """
+        return LeaseTerms(self.lease_ttl_ms, self.idle_yield_ms)
+
 
 @dataclass(frozen=True)
 class QueueEvent:
@@ -194,6 +202,12 @@ class Lease:
         Return the monotonic millisecond at which this lease lapses.
         """
         return self.refreshed_at + self.ttl_ms
+
+    def terms(self) -> LeaseTerms:
+        """
+        Return the terms this lease is held under.
+        """
+        return LeaseTerms(self.ttl_ms, self.idle_yield_ms)
 
 
 @dataclass
