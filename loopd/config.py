@@ -52,6 +52,7 @@ from loopd.settings import (
     EndpointKind,
     Expect,
     Limits,
+    Queue,
     Retry,
     Sampling,
     Server,
@@ -71,6 +72,7 @@ __all__ = [
     "EndpointKind",
     "Expect",
     "Limits",
+    "Queue",
     "Retry",
     "Sampling",
     "Server",
@@ -190,6 +192,23 @@ _SERVER_RULES: Final[Mapping[str, Rule]] = {
 }
 
 
+def _file_path(value: object) -> str:
+    """A file path, C{~} expanded."""
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise RuleError("a non-empty path string")
+    return os.path.expanduser(value)
+
+
+_QUEUE_RULES: Final[Mapping[str, Rule]] = {
+    "serve": boolean,
+    "socket": _socket_path,
+    "config": _file_path,
+    "models_json": _file_path,
+    "sweep_ms": integer(1, INT32_MAX),
+    "grace_ms": integer(0, INT32_MAX),
+}
+
+
 def _parse_expect(value: object, path: str, problems: Problems) -> Expect:
     """[endpoint.expect]: optional, and so is each of its keys."""
     if value is ABSENT:
@@ -277,6 +296,7 @@ _SECTIONS: Final[Mapping[str, _Section]] = {
     "sampling": _Section("sampling", table_parser(Sampling, _SAMPLING_RULES)),
     "endpoint": _Section("endpoints", _parse_endpoints),
     "server": _Section("server", table_parser(Server, _SERVER_RULES)),
+    "queue": _Section("queue", table_parser(Queue, _QUEUE_RULES)),
 }
 
 

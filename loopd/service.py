@@ -15,19 +15,22 @@ from collections.abc import Callable
 from typing import Any
 
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, inlineCallbacks, succeed
+from twisted.internet.defer import Deferred, gatherResults, inlineCallbacks, succeed
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IListeningPort
 from twisted.logger import Logger, LoggingFile
 from twisted.python.failure import Failure
 
+from loopd.gateway.leases import GatewayLeases
 from loopd.gateway.site import Gateway
 from loopd.llama import Client
+from loopd.queue.host import QueueHost
+from loopd.queue.protocol import LeaseFactory
 from loopd.selftest import SelftestFailed, require_selftests
 from loopd.settings import Config
 from loopd.unixsocket import listen_unix
 
-__all__ = ["LoopdService", "default_socket_path", "listen_path"]
+__all__ = ["LoopdService", "default_socket_path", "listen_path", "queue_socket_path"]
 
 _log = Logger(namespace="loopd.service")
 
@@ -59,6 +62,17 @@ def listen_path(config: Config) -> str | None:
     return None
 
 
+def queue_socket_path(config: Config) -> str:
+    """
+    Where the lease protocol is served: C{[queue] socket}, else C{llm-queue.sock} beside the
+    gateway's socket (or in the default socket directory when the gateway is not on one).
+    """
+    if config.queue.socket is not None:
+        return config.queue.socket
+    beside = listen_path(config) or default_socket_path()
+    return os.path.join(os.path.dirname(beside), "llm-queue.sock")
+
+
 class LoopdService(Service):
     """
     Runs the self-tests, then serves the gateway; stopping ends the streams under way with
@@ -81,6 +95,8 @@ class LoopdService(Service):
         self.clients = {e.name: Client(reactor, config, e) for e in config.endpoints}
         self.gateway: Gateway | None = None
         self._port: IListeningPort | None = None
+        self._queue_port: IListeningPort | None = None
+        self.queue: QueueHost | None = None
         self._exit_process = exit_process
         self._ready_waiters: list[Deferred[None]] = []
         self._started: Failure | None | bool = False
@@ -133,7 +149,10 @@ class LoopdService(Service):
                         endpoint=name,
                         error=e,
                     )
-        self.gateway = Gateway(self._reactor, self.config, self.clients, slot_counts=slot_counts)
+        leases = self._start_queue(slot_counts)
+        self.gateway = Gateway(
+            self._reactor, self.config, self.clients, slot_counts=slot_counts, leases=leases
+        )
         self._port = yield self._listen(self.gateway)
         _log.info(
             "loopd serving {listener} for {endpoints}",
@@ -141,6 +160,34 @@ class LoopdService(Service):
             endpoints=", ".join(self.clients),
         )
         self._fire_ready(None)
+
+    def _start_queue(self, slot_counts: dict[str, int]) -> GatewayLeases:
+        """
+        Build the lease scheduler (each endpoint a queue with as many streams as slots),
+        start its sweep, and serve the lease protocol on its socket unless told not to.
+        """
+        settings = self.config.queue
+        counts = {
+            e.name: slot_counts.get(e.name) or e.expect.total_slots or 1
+            for e in self.config.endpoints
+        }
+        leases = GatewayLeases(self._reactor, settings.grace_ms)
+        self.queue = QueueHost(
+            self._reactor,
+            leases.on_grant,
+            config_path=settings.config,
+            models_json=settings.models_json,
+            slot_counts=counts,
+            sweep_ms=settings.sweep_ms,
+            stderr=_stderr(),
+        )
+        leases.bind(self.queue.scheduler)
+        self.queue.start()
+        if settings.serve:
+            path = queue_socket_path(self.config)
+            self._queue_port = listen_unix(self._reactor, path, LeaseFactory(self.queue.scheduler))
+            _log.info("lease protocol served on {path}", path=path)
+        return leases
 
     def _listen(self, gateway: Gateway) -> Deferred[IListeningPort]:
         path = listen_path(self.config)
@@ -158,10 +205,7 @@ class LoopdService(Service):
             message = f"loopd: {reason.value}"
         else:
             message = f"loopd: cannot start: {reason.getErrorMessage()}"
-        stderr = sys.stderr
-        if isinstance(stderr, LoggingFile) and sys.__stderr__ is not None:
-            # twist sends sys.stderr to the log (stdout); the reason belongs on stderr.
-            stderr = sys.__stderr__
+        stderr = _stderr()
         stderr.write(message + "\n")
         stderr.flush()
         _log.error("{message}", message=message)
@@ -179,8 +223,26 @@ class LoopdService(Service):
         super().stopService()
         if self.gateway is not None:
             self.gateway.stop()
-        port, self._port = self._port, None
-        if port is None:
+        if self.queue is not None:
+            self.queue.stop()
+        stopping = []
+        for port in (self._port, self._queue_port):
+            if port is not None:
+                stopped: Any = port.stopListening()
+                if isinstance(stopped, Deferred):
+                    stopping.append(stopped)
+        self._port = self._queue_port = None
+        if not stopping:
             return None
-        stopped: Any = port.stopListening()
-        return stopped if isinstance(stopped, Deferred) else None
+        return gatherResults(stopping).addCallback(lambda _: None)
+
+
+def _stderr() -> Any:
+    """
+    The process's real stderr: twist sends C{sys.stderr} to the log (stdout), and a
+    reason to stop belongs on stderr.
+    """
+    stderr = sys.stderr
+    if isinstance(stderr, LoggingFile) and sys.__stderr__ is not None:
+        return sys.__stderr__
+    return stderr

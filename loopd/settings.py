@@ -16,6 +16,7 @@ __all__ = [
     "EndpointKind",
     "Expect",
     "Limits",
+    "Queue",
     "Retry",
     "Sampling",
     "Server",
@@ -159,6 +160,24 @@ class Server:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Queue:
+    """The lease scheduler inside loopd ([queue])."""
+
+    serve: bool = True
+    """Serve the lease protocol on C{socket} for outside clients."""
+    socket: str | None = None
+    """The lease socket; None: C{llm-queue.sock} beside the gateway's socket."""
+    config: str | None = None
+    """An C{llm-queue.json} to apply and hot-reload; None: the defaults."""
+    models_json: str | None = None
+    """A C{models.json} that maps provider names to endpoints (as C{--models-json})."""
+    sweep_ms: int = 1000
+    """How often lapsed leases are evicted and idle holders yielded."""
+    grace_ms: int = 3000
+    """How long a session keeps its lease after its request ended (switch-free next turn)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """The whole of loopd.toml."""
 
@@ -180,6 +199,8 @@ class Config:
     """Sampling settings; only the ones set are sent upstream."""
     server: Server = field(default_factory=Server)
     """The gateway's listener."""
+    queue: Queue = field(default_factory=Queue)
+    """The lease scheduler."""
 
     def endpoint(self, name: str) -> Endpoint:
         """Return the endpoint called C{name}; raise KeyError if there is none."""

@@ -32,13 +32,23 @@ from loopd.gateway.translate import (
     new_completion_id,
     parse_request,
 )
-from loopd.llama.types import ChatEvent, Completion, Content, Reasoning, ToolCallDelta
+from loopd.llama.types import (
+    ChatEvent,
+    Completion,
+    Content,
+    Queued,
+    Reasoning,
+    ToolCallDelta,
+    WaitTimeout,
+)
 
 __all__ = ["ChatCompletions", "write_json"]
 
 _log = Logger(namespace="loopd.gateway")
 
 SESSION_HEADER = b"x-session-id"
+ROLE_HEADER = b"x-session-role"
+_ROLES = {b"parent": "parent", b"child": "child"}
 _FIRST_TOKEN = (Content, Reasoning, ToolCallDelta)
 
 
@@ -73,13 +83,35 @@ class ChatCompletions(Resource):
         content = request.content
         body = content.read() if content is not None else b""
         try:
+            role = session_role(request)
             parsed = parse_request(body)
             endpoint = self._gateway.endpoint_for(parsed.model)
         except GatewayError as e:
             self._gateway.metrics.observe_request("-", e.code)
             return write_json(request, e.status, e.body())
-        _Exchange(self._gateway, request, parsed, endpoint).start()
+        _Exchange(self._gateway, request, parsed, endpoint, role).start()
         return NOT_DONE_YET
+
+
+def session_role(request: Request) -> str:
+    """
+    The request's tier from C{X-Session-Role}: C{parent} (also when absent) or C{child}.
+
+    @raise GatewayError: 400 for any other value.
+    """
+    value = request.getHeader(ROLE_HEADER)
+    if value is None:
+        return "parent"
+    role = _ROLES.get(value.strip().lower())
+    if role is None:
+        shown = value.decode("utf-8", "backslashreplace")
+        raise GatewayError(
+            400,
+            f"X-Session-Role must be parent or child, got {shown!r}",
+            "invalid_request_error",
+            "invalid_session_role",
+        )
+    return role
 
 
 class _Exchange:
@@ -88,9 +120,17 @@ class _Exchange:
     """
 
     def __init__(
-        self, gateway: Any, request: Request, parsed: GatewayRequest, endpoint: Any
+        self,
+        gateway: Any,
+        request: Request,
+        parsed: GatewayRequest,
+        endpoint: Any,
+        role: str = "parent",
     ) -> None:
         self._gateway = gateway
+        self._role = role
+        self._hold: Any = None
+        self._leasing: Deferred[Any] | None = None
         self._request = request
         self._parsed = parsed
         self._endpoint = endpoint
@@ -115,17 +155,56 @@ class _Exchange:
 
     def start(self) -> None:
         """
-        Choose the slot, send the request upstream, and watch for the client leaving.
+        Take the session's lease, then choose the slot and send the request upstream;
+        watch for the client leaving all along.
+        """
+        self._gateway.in_flight.add(self)
+        self._request.notifyFinish().addErrback(self._client_gone)
+        leases = self._gateway.leases
+        if leases is None:
+            self._go()
+            return
+        leasing = leases.acquire(
+            self._endpoint.name,
+            self._session,
+            self._role,
+            on_queued=lambda ahead: self._event(Queued(ahead)),
+        )
+        wait_ms = self._gateway.config.limits.busy_wait_ms
+        leasing.addTimeout(wait_ms / 1000.0, self._reactor, _lease_timeout(wait_ms))
+        self._leasing = leasing
+        leasing.addCallbacks(self._leased, self._failed)
+
+    def _leased(self, hold: Any) -> None:
+        self._leasing = None
+        self._hold = hold
+        if self._finished:
+            self._give_back()
+            return
+        self._go()
+
+    def _go(self) -> None:
+        """
+        Choose the slot and send the request upstream.
+
+        A slot is busy while a request runs on it, and, under leases, while another session
+        holding a lease on this endpoint calls it home: that session's next turn finds its
+        KV cache where it left it.
         """
         # Gates other than SlotGate may not say which slots are taken.
-        busy = getattr(self._client.gate, "in_flight", lambda slot: False)
-        slot = self._gateway.sessions.choose_slot(
-            self._session, self._gateway.slot_count(self._endpoint.name), busy
+        in_flight = getattr(self._client.gate, "in_flight", lambda slot: False)
+        sessions = self._gateway.sessions
+        reserved: set[int | None] = set()
+        if self._gateway.leases is not None:
+            holders = self._gateway.leases.held_sessions(self._endpoint.name)
+            reserved = {sessions.last_slot(s) for s in holders if s != self._session}
+        slot = sessions.choose_slot(
+            self._session,
+            self._gateway.slot_count(self._endpoint.name),
+            lambda s: s in reserved or in_flight(s),
         )
         self._slot = slot
         chat = replace(self._parsed.chat, slot=slot)
-        self._gateway.in_flight.add(self)
-        self._request.notifyFinish().addErrback(self._client_gone)
         call = self._client.chat_with_retry(chat, self._event)
         self._call = call
         call.addCallbacks(self._completed, self._failed)
@@ -220,6 +299,7 @@ class _Exchange:
 
     def _failed(self, reason: Failure) -> None:
         self._call = None
+        self._leasing = None
         if self._finished or reason.check(CancelledError):
             return
         self._end_with_error(error_for(reason.value or Exception(reason.getErrorMessage())))
@@ -229,6 +309,7 @@ class _Exchange:
             return
         self._gateway.metrics.observe_request(self._endpoint.name, error.code)
         call, self._call = self._call, None
+        leasing, self._leasing = self._leasing, None
         if self._streaming:
             self._write_data(error.body())
             self._finish()
@@ -236,6 +317,8 @@ class _Exchange:
             self._finish(write_json(self._request, error.status, error.body()))
         if call is not None:
             call.cancel()
+        if leasing is not None:
+            leasing.cancel()
 
     def _client_gone(self, reason: Failure) -> None:
         if self._finished:
@@ -244,15 +327,37 @@ class _Exchange:
         self._gateway.in_flight.discard(self)
         self._gateway.metrics.observe_request(self._endpoint.name, "client_gone")
         call, self._call = self._call, None
+        leasing, self._leasing = self._leasing, None
         if call is not None:
             call.cancel()
+        if leasing is not None:
+            leasing.cancel()
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """The request is over: its session's lease may start its grace."""
+        hold, self._hold = self._hold, None
+        if hold is not None:
+            self._gateway.leases.done(hold)
 
     def _finish(self, body: bytes = b"") -> None:
         self._finished = True
+        self._give_back()
         self._gateway.in_flight.discard(self)
         if body:
             self._request.write(body)
         self._request.finish()
+
+
+def _lease_timeout(wait_ms: int) -> Any:
+    """The C{onTimeoutCancel} of a lease wait: it ends as L{WaitTimeout}."""
+
+    def timed_out(result: object, timeout: float) -> object:
+        if isinstance(result, Failure) and result.check(CancelledError):
+            return Failure(WaitTimeout(f"no lease on the endpoint's queue within {wait_ms} ms"))
+        return result
+
+    return timed_out
 
 
 def _encode(payload: object) -> bytes:

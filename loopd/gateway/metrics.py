@@ -22,7 +22,9 @@ from prometheus_client import (
 )
 from twisted.logger import Logger
 
+from loopd.gateway.queue_metrics import SchedulerCollector
 from loopd.llama.types import Timings
+from loopd.queue.scheduler import Scheduler
 
 __all__ = ["TTFT_BUCKETS", "GatewayMetrics"]
 
@@ -136,6 +138,12 @@ class GatewayMetrics:
             self._depth_sources.add(endpoint)
         else:
             child.set(n)
+
+    def watch_scheduler(self, scheduler: Scheduler) -> None:
+        """
+        Add the lease scheduler's metrics (C{loopd_lease_*}), read from it at every scrape.
+        """
+        self.registry.register(SchedulerCollector(scheduler))
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of every metric here, and its content type."""

@@ -18,6 +18,7 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 from loopd import http
 from loopd.gateway.chat_resource import ChatCompletions, write_json
 from loopd.gateway.errors import GatewayError
+from loopd.gateway.leases import GatewayLeases, queue_status
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.sessions import Sessions
 from loopd.llama import Client
@@ -202,11 +203,15 @@ class Gateway:
         metrics: GatewayMetrics | None = None,
         sessions: Sessions | None = None,
         wall_clock: Callable[[], float] = time.time,
+        leases: GatewayLeases | None = None,
     ) -> None:
         """
         @param slot_counts: each endpoint's number of slots (from its C{/props}); an
             endpoint not named uses its C{expect.total_slots}, else 1.
         @param wall_clock: the time stamp of answers (C{created}).
+        @param leases: the lease scheduler's gateway side (bound to its scheduler); each
+            request then takes a lease on its endpoint's queue, and C{GET /v1/queue} serves
+            the scheduler's status. C{None}: no leases, C{/v1/queue} answers 404.
         """
         self.reactor = reactor
         self.config = config
@@ -215,6 +220,9 @@ class Gateway:
         self.sessions = sessions if sessions is not None else Sessions()
         self.wall_clock = wall_clock
         self.in_flight: set[Any] = set()
+        self.leases = leases
+        if leases is not None and leases.scheduler is not None:
+            self.metrics.watch_scheduler(leases.scheduler)
         self._slot_counts = dict(slot_counts or {})
         for name, client in self.clients.items():
             waiting = getattr(client.gate, "waiting", None)
@@ -263,6 +271,9 @@ class Gateway:
             b"/health": _Json(self._health),
             b"/metrics": _Metrics(self),
         }
+        if self.leases is not None and self.leases.scheduler is not None:
+            scheduler = self.leases.scheduler
+            routes[b"/v1/queue"] = _Json(lambda: (200, queue_status(scheduler)))
         site = Site(_Root(routes), reactor=self.reactor)
         site.requestFactory = CappedRequest
         site.body_bytes = self.config.server.body_bytes  # type: ignore[attr-defined]
@@ -276,6 +287,8 @@ class Gateway:
         """
         for exchange in list(self.in_flight):
             exchange.shutdown()
+        if self.leases is not None:
+            self.leases.stop()
 
     def _models(self) -> tuple[int, object]:
         created = int(self.wall_clock())

@@ -18,6 +18,7 @@ from loopd.config import (
     Endpoint,
     Expect,
     Limits,
+    Queue,
     Retry,
     Sampling,
     Server,
@@ -35,6 +36,7 @@ SECTION_TYPES: dict[str, type] = {
     "caps": Caps,
     "sampling": Sampling,
     "server": Server,
+    "queue": Queue,
 }
 """Each top-level table of a document other than [[endpoint]], with its dataclass."""
 
@@ -202,6 +204,15 @@ configs = st.builds(
         presence_penalty=optional(reals(-2, 2)),
         frequency_penalty=optional(reals(-2, 2)),
         seed=optional(st.integers(0, 2**32 - 1)),
+    ),
+    queue=st.builds(
+        Queue,
+        serve=st.booleans(),
+        socket=optional(st.just("/tmp/ld/llm-queue.sock")),
+        config=optional(st.just("/tmp/ld/llm-queue.json")),
+        models_json=optional(st.just("/tmp/ld/models.json")),
+        sweep_ms=st.integers(1, 2**31 - 1),
+        grace_ms=st.integers(0, 2**31 - 1),
     ),
 )
 """Valid configurations, every key set to a value the loader accepts."""
