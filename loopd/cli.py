@@ -32,7 +32,7 @@ from loopd.chatui import QUIT, Conversation, TurnView, http_error_text
 from loopd.config import Config, ConfigError, load_config
 from loopd.llama.types import Connect
 from loopd.selftest import SelftestFailed, SelftestReport, require_selftests
-from loopd.service import default_socket_path, listen_path
+from loopd.service import default_socket_path, listen_path, queue_socket_path
 from loopd.sse import SSEDecoder
 from loopd.tap.loopd import default_config_path
 
@@ -83,6 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chat.add_argument("--model", metavar="NAME", help="the endpoint to talk to (default: first)")
     chat.add_argument("--no-think", action="store_true", help="ask the model not to think")
+    queue = commands.add_parser("queue", help="the lease scheduler")
+    queue_commands = queue.add_subparsers(dest="queue_command", metavar="COMMAND", required=True)
+    status = queue_commands.add_parser(
+        "status", help="print every queue's slots, holders, waiters and switches"
+    )
+    where = status.add_mutually_exclusive_group()
+    where.add_argument(
+        "--socket",
+        metavar="PATH",
+        help="the lease socket (default: loopd's, from the default config, if it exists; "
+        "else the llmqueue daemon's in the agent dir)",
+    )
+    where.add_argument("--agent-dir", metavar="DIR", help="ask the llmqueue daemon of DIR")
     demo = commands.add_parser(
         "demo", help="run a real llama.cpp server with a tiny model, an inferproxy and loopd"
     )
@@ -118,10 +131,35 @@ def main(argv: Sequence[str] | None = None, *, run: Runner | None = None) -> int
             return USAGE_ERROR
         conversation = Conversation(model=args.model, thinking=not args.no_think)
         return runner(lambda reactor: _terminal_chat(reactor, socket_path, conversation))
+    if args.command == "queue":
+        from loopd.queue.show import queue_status_command
+
+        path = queue_socket(args.socket, args.agent_dir)
+        return runner(lambda reactor: queue_status_command(reactor, path, out, err))
     from loopd.demo.run import run_demo
 
     tty = sys.stdout.isatty()
     return runner(lambda reactor: run_demo(reactor, out, once=args.once, port=args.port, tty=tty))
+
+
+def queue_socket(explicit: str | None, agent: str | None) -> str:
+    """
+    The lease socket C{loopd queue status} asks: C{--socket}; else the llmqueue daemon's
+    of C{--agent-dir}; else loopd's own (from the default config) when that socket exists;
+    else the llmqueue daemon's in the default agent dir.
+    """
+    from loopd.queue.paths import agent_dir, socket_path
+
+    if explicit:
+        return os.path.expanduser(explicit)
+    if agent is None:
+        try:
+            own = queue_socket_path(load_config(default_config_path()))
+        except (ConfigError, OSError):
+            own = queue_socket_path(None)
+        if os.path.exists(own):
+            return own
+    return socket_path(agent_dir(agent))
 
 
 def _writer(stream: Any) -> Write:

@@ -62,14 +62,15 @@ def listen_path(config: Config) -> str | None:
     return None
 
 
-def queue_socket_path(config: Config) -> str:
+def queue_socket_path(config: Config | None) -> str:
     """
     Where the lease protocol is served: C{[queue] socket}, else C{llm-queue.sock} beside the
-    gateway's socket (or in the default socket directory when the gateway is not on one).
+    gateway's socket (or in the default socket directory when the gateway is not on one,
+    or when there is no config).
     """
-    if config.queue.socket is not None:
+    if config is not None and config.queue.socket is not None:
         return config.queue.socket
-    beside = listen_path(config) or default_socket_path()
+    beside = (listen_path(config) if config is not None else None) or default_socket_path()
     return os.path.join(os.path.dirname(beside), "llm-queue.sock")
 
 

@@ -1,0 +1,172 @@
+# -*- test-case-name: loopd.test.test_queue_show -*-
+"""
+C{loopd queue status}: ask a lease socket for its C{status} and print it as the seed's
+C{/queue} does: per queue the slots in use out of the slot count (or C{passthrough}), with a
+transient over-capacity such as C{2/1} marked, the switch count, every holder and every
+waiter as C{sessionKey tier [group]}, and the waiting depth per tier.
+
+L{render_status} is pure; L{fetch_status} does the one round trip.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import UNIXClientEndpoint
+from twisted.internet.protocol import Factory
+from twisted.protocols.basic import LineOnlyReceiver
+from twisted.python.failure import Failure
+
+from loopd.queue.protocol import MAX_LINE_BYTES, encode_message
+
+__all__ = ["QueueStatusError", "fetch_status", "queue_status_command", "render_status"]
+
+
+class QueueStatusError(Exception):
+    """
+    The lease socket could not be asked: unreachable, silent, or it answered nonsense.
+    """
+
+
+def _entry(item: Mapping[str, Any]) -> str:
+    """One holder or waiter as C{sessionKey tier [group]}."""
+    text = f"{item.get('sessionKey') or '(anonymous)'} {item.get('role', 'parent')}"
+    group = item.get("group")
+    return f"{text} [{group}]" if group else text
+
+
+def render_status(queues: Sequence[Mapping[str, Any]]) -> str:
+    """
+    Return the text of a C{status} reply's C{queues}, one block per queue.
+    """
+    if not queues:
+        return "no queues yet (none has been used since the daemon started)\n"
+    lines: list[str] = []
+    for queue in queues:
+        holders = list(queue.get("holders") or ())
+        waiting = list(queue.get("waiting") or ())
+        limit = queue.get("maxStreams")
+        if limit is None:
+            slots = f"passthrough, {len(holders)} holding"
+        else:
+            slots = f"{len(holders)}/{limit} slots"
+            if len(holders) > limit:
+                slots += " (over capacity until holders release)"
+        lines.append(f"{queue.get('queueKey')}: {slots}, switches {queue.get('switches', 0)}")
+        for holder in holders:
+            lines.append(f"  holding  {_entry(holder)}")
+        if waiting:
+            parents = sum(1 for w in waiting if w.get("role", "parent") == "parent")
+            depth = f"parent {parents}, child {len(waiting) - parents}"
+            lines.append(f"  waiting  {len(waiting)} ({depth}), in enqueue order:")
+            for number, waiter in enumerate(waiting, 1):
+                lines.append(f"    {number}. {_entry(waiter)}")
+    return "\n".join(lines) + "\n"
+
+
+class _StatusAsker(LineOnlyReceiver):
+    """Sends one C{status} and fires with the first C{status} reply."""
+
+    delimiter = b"\n"
+    MAX_LENGTH = MAX_LINE_BYTES * 64
+
+    def __init__(self, answer: Deferred[list[dict[str, Any]]]) -> None:
+        """@param answer: fires with the queues, or fails with L{QueueStatusError}."""
+        self._answer = answer
+
+    def connectionMade(self) -> None:
+        """Ask."""
+        assert self.transport is not None
+        self.transport.write(encode_message({"op": "status"}))
+
+    def lineReceived(self, line: bytes) -> None:
+        """Take the first line as the reply."""
+        try:
+            message = json.loads(line)
+        except ValueError:
+            self._fail("the socket answered something that is not JSON")
+            return
+        if isinstance(message, dict) and message.get("op") == "status":
+            queues = message.get("queues")
+            if isinstance(queues, list):
+                self._done(queues)
+                return
+        self._fail(f"unexpected reply: {line[:200].decode('utf-8', 'replace')}")
+
+    def lineLengthExceeded(self, line: bytes) -> None:
+        """A reply beyond any sane size."""
+        self._fail("the status reply is too long")
+
+    def connectionLost(self, reason: Failure | None = None) -> None:
+        """Closed without a reply (a no-op after one)."""
+        self._fail("the socket closed before it answered")
+
+    def _done(self, queues: list[dict[str, Any]]) -> None:
+        if not self._answer.called:
+            self._answer.callback(queues)
+        if self.transport is not None:
+            self.transport.loseConnection()
+
+    def _fail(self, why: str) -> None:
+        if not self._answer.called:
+            self._answer.errback(QueueStatusError(why))
+        if self.transport is not None:
+            self.transport.loseConnection()
+
+
+def fetch_status(
+    reactor: Any, socket_path: str, timeout: float = 5.0
+) -> Deferred[list[dict[str, Any]]]:
+    """
+    Ask the lease socket at C{socket_path} for its C{status}; fire with its C{queues}.
+
+    A C{status}-only connection never counts as a client, so asking never keeps an idle
+    daemon alive.
+
+    @param reactor: provides C{IReactorUNIX} and C{IReactorTime}.
+    @raise QueueStatusError: (as the Deferred's failure) when the socket cannot be reached,
+        stays silent for C{timeout} seconds, or answers something else.
+    """
+    answer: Deferred[list[dict[str, Any]]] = Deferred()
+    endpoint = UNIXClientEndpoint(reactor, socket_path, timeout=timeout)
+    connecting = endpoint.connect(Factory.forProtocol(lambda: _StatusAsker(answer)))
+
+    def unreachable(reason: Failure) -> None:
+        if not answer.called:
+            answer.errback(
+                QueueStatusError(f"cannot reach {socket_path}: {reason.getErrorMessage()}")
+            )
+
+    connecting.addErrback(unreachable)
+    answer.addTimeout(timeout, reactor, lambda r, t: _silent(r, socket_path, t))
+    return answer
+
+
+def _silent(result: object, socket_path: str, timeout: float) -> object:
+    """Turn the timeout's cancellation into a L{QueueStatusError}."""
+    if isinstance(result, Failure) and not result.check(QueueStatusError):
+        return Failure(QueueStatusError(f"{socket_path} did not answer within {timeout:g} s"))
+    return result
+
+
+def queue_status_command(
+    reactor: Any, socket_path: str, write: Callable[[str], None], err: Callable[[str], None]
+) -> Deferred[int]:
+    """
+    C{loopd queue status}: print the status of the lease socket at C{socket_path}; fire
+    with 0, or with 1 after saying on C{err} why it could not be asked.
+    """
+
+    def show(queues: list[dict[str, Any]]) -> int:
+        write(render_status(queues))
+        return 0
+
+    def failed(reason: Failure) -> int:
+        reason.trap(QueueStatusError)
+        err(f"loopd queue status: {reason.getErrorMessage()}\n")
+        return 1
+
+    return fetch_status(reactor, socket_path).addCallbacks(show, failed)

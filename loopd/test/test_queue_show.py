@@ -1,0 +1,172 @@
+"""
+L{loopd.queue.show}: C{loopd queue status}'s rendering, its round trip over a real lease
+socket, and the command line that picks the socket.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from twisted.internet.defer import inlineCallbacks
+from twisted.internet.error import ConnectError
+from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactor
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+
+from loopd import cli
+from loopd.queue.protocol import LeaseFactory, LeaseProtocol, deliver_grant
+from loopd.queue.scheduler import Scheduler
+from loopd.queue.scheduler_types import QueuePolicy, StaticRouter
+from loopd.queue.show import QueueStatusError, fetch_status, render_status
+from loopd.test.support.peers import real_reactor
+from loopd.unixsocket import listen_unix
+
+
+def entry(session: str, role: str = "parent", group: str | None = None) -> dict[str, Any]:
+    """One holder or waiter of a status reply."""
+    return {"sessionKey": session, "role": role, "group": group}
+
+
+class RenderTests(SynchronousTestCase):
+    """
+    The text of a status reply.
+    """
+
+    def test_empty(self) -> None:
+        """No queue used yet says so."""
+        self.assertIn("no queues yet", render_status([]))
+
+    def test_holders_waiters_depth_switches(self) -> None:
+        """Slots in use, switches, each entry as C{sessionKey tier [group]}, depth per tier."""
+        queue = {
+            "queueKey": "gpu",
+            "maxStreams": 1,
+            "switches": 4,
+            "holders": [entry("s1", "child", "team")],
+            "waiting": [entry("s2"), entry("s3", "child"), entry("s4")],
+        }
+        self.assertEqual(
+            render_status([queue]),
+            "gpu: 1/1 slots, switches 4\n"
+            "  holding  s1 child [team]\n"
+            "  waiting  3 (parent 2, child 1), in enqueue order:\n"
+            "    1. s2 parent\n"
+            "    2. s3 child\n"
+            "    3. s4 parent\n",
+        )
+
+    def test_passthrough(self) -> None:
+        """A disabled queue prints as passthrough."""
+        queue = {
+            "queueKey": "free",
+            "maxStreams": None,
+            "switches": 0,
+            "holders": [entry("a"), entry("b")],
+            "waiting": [],
+        }
+        self.assertEqual(
+            render_status([queue]),
+            "free: passthrough, 2 holding, switches 0\n  holding  a parent\n  holding  b parent\n",
+        )
+
+    def test_over_capacity(self) -> None:
+        """More holders than streams after a reload reads C{2/1}."""
+        queue = {
+            "queueKey": "g",
+            "maxStreams": 1,
+            "switches": 0,
+            "holders": [entry("a"), entry("b")],
+            "waiting": [],
+        }
+        self.assertIn("g: 2/1 slots (over capacity", render_status([queue]))
+
+
+class FetchTests(TestCase):
+    """
+    The round trip against a real lease socket.
+    """
+
+    def setUp(self) -> None:
+        """A short temp dir for the socket."""
+        self.directory = tempfile.mkdtemp(prefix="ld", dir="/tmp")
+        self.addCleanup(shutil.rmtree, self.directory, True)
+        self.path = os.path.join(self.directory, "llm-queue.sock")
+
+    @inlineCallbacks
+    def test_status_of_a_live_socket(self) -> Any:
+        """The queues with their holders come back, and asking counts no client."""
+        reactor = real_reactor()
+        scheduler = Scheduler(reactor, StaticRouter(defaults=QueuePolicy()), deliver_grant)
+        holder = LeaseProtocol()
+        scheduler.acquire(holder, "gpu", "s1", "child")
+        factory = LeaseFactory(scheduler)
+        port = listen_unix(reactor, self.path, factory)
+        self.addCleanup(port.stopListening)
+        queues = yield fetch_status(reactor, self.path)
+        self.assertEqual([q["queueKey"] for q in queues], ["gpu"])
+        self.assertEqual(queues[0]["holders"], [entry("s1", "child")])
+        self.assertEqual(factory.clients, 0)
+
+    @inlineCallbacks
+    def test_no_socket(self) -> Any:
+        """A socket nobody listens on is a QueueStatusError naming the path."""
+        error = yield self.assertFailure(fetch_status(real_reactor(), self.path), QueueStatusError)
+        self.assertIn(self.path, str(error))
+
+
+class CommandLineTests(SynchronousTestCase):
+    """
+    C{loopd queue status} picks its socket and reports failure with status 1.
+    """
+
+    def test_explicit_socket(self) -> None:
+        """C{--socket} is used as given, C{~} expanded."""
+        self.assertEqual(cli.queue_socket("~/q.sock", None), os.path.expanduser("~/q.sock"))
+
+    def test_agent_dir(self) -> None:
+        """C{--agent-dir} asks that dir's daemon."""
+        self.assertEqual(cli.queue_socket(None, "/a"), "/a/llm-queue.sock")
+
+    def test_unreachable_exits_one(self) -> None:
+        """An unreachable socket prints why on stderr and exits 1."""
+        directory = tempfile.mkdtemp(prefix="ld", dir="/tmp")
+        self.addCleanup(shutil.rmtree, directory, True)
+        path = os.path.join(directory, "none.sock")
+        clock = Clock()
+        errors: list[str] = []
+        self.patch(cli, "_writer", lambda stream: errors.append)
+
+        def run(command: Any) -> int:
+            fake = _NoUnix(clock)
+            results: list[int] = []
+            command(fake).addCallback(results.append)
+            return results[0]
+
+        self.assertEqual(cli.main(["queue", "status", "--socket", path], run=run), 1)
+        self.assertIn("cannot reach " + path, "".join(errors))
+
+
+class _NoUnix:
+    """A reactor whose Unix connections all fail at once, on a C{Clock}."""
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+
+    def callLater(self, *args: Any, **kwargs: Any) -> Any:
+        """Schedule on the clock."""
+        return self._clock.callLater(*args, **kwargs)
+
+    def seconds(self) -> float:
+        """The clock's time."""
+        return self._clock.seconds()
+
+    def connectUNIX(self, address: str, factory: Any, timeout: float = 30, **_: Any) -> Any:
+        """Fail the connection attempt at once."""
+        memory = MemoryReactor()
+        connector = memory.connectUNIX(address, factory, timeout)
+        factory.clientConnectionFailed(connector, Failure(ConnectError("no such file")))
+        return connector
