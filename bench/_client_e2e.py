@@ -87,11 +87,21 @@ def write_model(children: Children) -> str:
     return path
 
 
-def start_server(children: Children, model: str, threads: int) -> int:
-    """Start a real llama.cpp server on the model; return its port once ready."""
+def start_server(
+    children: Children,
+    model: str,
+    threads: int,
+    parallel: int = 2,
+    cache_ram_mib: int | None = None,
+) -> int:
+    """Start a real llama.cpp server on the model with parallel slots; return its port.
+
+    cache_ram_mib sizes the server's RAM prompt cache (None: llama.cpp's default).
+    """
     from loopd.demo.real_server import READY_PREFIX, ServerOptions
 
-    argv = ServerOptions(model, threads=threads).command(READY_TIMEOUT, exit_on_eof=True)
+    options = ServerOptions(model, threads=threads, parallel=parallel, cache_ram_mib=cache_ram_mib)
+    argv = options.command(READY_TIMEOUT, exit_on_eof=True)
     proc = children.spawn("llama-server", argv, log=True)
     logpath = os.path.join(children.dir, "llama-server.log")
     deadline = time.monotonic() + READY_TIMEOUT + 5

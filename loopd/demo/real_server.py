@@ -94,6 +94,7 @@ class ServerOptions:
     threads: int = 2
     batch: int = 0  # n_batch and n_ubatch; 0: llama.cpp's default
     kv_unified: bool = False  # one KV pool of n_ctx cells shared by all slots
+    cache_ram_mib: int | None = None  # the RAM prompt cache; None: llama.cpp's default
 
     def command(self, ready_timeout: float = 60.0, exit_on_eof: bool = False) -> list[str]:
         """Return the argv (Python first) of a child that serves with these options."""
@@ -103,6 +104,7 @@ class ServerOptions:
         argv += ["--threads", str(self.threads), "--ready-timeout", str(ready_timeout)]
         argv += ["--batch", str(self.batch)] if self.batch else []
         argv += ["--kv-unified"] if self.kv_unified else []
+        argv += [] if self.cache_ram_mib is None else ["--cache-ram", str(self.cache_ram_mib)]
         return argv + (["--exit-on-eof"] if exit_on_eof else [])
 
 
@@ -334,16 +336,13 @@ class _QueryProtocol(ProcessProtocol):
         """Fire with the parsed envelope, or fail typed."""
         _cancel(self._timer)
         if self._timed_out:
-            error = QueryTimeoutError(f"query child killed after {self._timeout} s")
-            self.finished.errback(error)
+            self.finished.errback(QueryTimeoutError(f"query child killed after {self._timeout} s"))
             return
-        try:
+        envelope: Any = {}
+        with suppress(ValueError):
             envelope = json.loads(self._out)
-        except ValueError:
-            envelope = {}
         if "status" in envelope:
-            result = QueryResult(int(envelope["status"]), envelope["body"].encode())
-            self.finished.callback(result)
+            self.finished.callback(QueryResult(int(envelope["status"]), envelope["body"].encode()))
             return
         message = envelope.get("error") or self._err.decode("utf-8", "replace")
         self.finished.errback(QueryFailedError(f"{message} ({_describe_end(reason)})"))
@@ -380,8 +379,7 @@ def http_request(
     connection = http.client.HTTPConnection(parts.netloc, timeout=timeout)
     try:
         headers = {"Content-Type": "application/json"} if body is not None else {}
-        method = "GET" if body is None else "POST"
-        connection.request(method, target, body=body, headers=headers)
+        connection.request("GET" if body is None else "POST", target, body=body, headers=headers)
         response = connection.getresponse()
         return response.status, response.read()
     finally:
@@ -434,6 +432,8 @@ def serve(args: argparse.Namespace) -> int:
     if args.batch:
         params.n_batch = params.n_ubatch = args.batch
     params.kv_unified = args.kv_unified
+    if args.cache_ram is not None:  # 0 also stops saving idle slots, which needs the cache
+        params.cache_ram_mib, params.cache_idle_slots = args.cache_ram, args.cache_ram != 0
     try:
         server = xllamacpp.Server(params)
     except RuntimeError as e:
@@ -485,11 +485,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--threads", type=int, default=2)
     add("--batch", type=int, default=0, help="n_batch and n_ubatch (0: default)")
     add("--kv-unified", action="store_true", help="one KV pool shared by the slots")
+    add("--cache-ram", type=int, help="RAM prompt cache in MiB (0: none; default: llama.cpp's)")
     add("--ready-timeout", type=float, default=60.0)
     add("--exit-on-eof", action="store_true", help="stop when stdin closes")
     add("--data", help="JSON body to POST ('-': read stdin)")
     add("--envelope", action="store_true", help='print {"status", "body"}')
-    add("--timeout", type=float, default=30.0)
+    add("--timeout", type=float, default=30.0, help="seconds a query may take")
     args = parser.parse_args(argv)
     return serve(args) if args.model is not None else query(args)
 

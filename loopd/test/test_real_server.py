@@ -166,6 +166,13 @@ class RealServerUnitTests(SynchronousTestCase):
         ]:
             self.assertEqual(args[args.index(flag) + 1], value)
         self.assertIn("--exit-on-eof", args)
+        self.assertNotIn("--cache-ram", args)
+
+    def test_command_cache_ram(self) -> None:
+        """A RAM prompt cache size, 0 included, is passed on; None leaves llama.cpp's."""
+        for size in (0, 512):
+            argv = real_server.ServerOptions("/m", cache_ram_mib=size).command()
+            self.assertEqual(argv[argv.index("--cache-ram") + 1], str(size))
 
     @given(st.lists(st.integers(min_value=0, max_value=120), max_size=8))
     def test_ready_line_in_any_chunks(self, cuts: list[int]) -> None:
