@@ -10,7 +10,7 @@ its own way of learning that the config file changed.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TextIO
+from typing import Literal
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
@@ -28,11 +28,15 @@ from loopd.queue.routing import PolicyRouter
 from loopd.queue.scheduler import Scheduler
 from loopd.queue.scheduler_types import Grant, QueueEvent
 
-__all__ = ["QueueHost"]
+__all__ = ["QueueHost", "ReloadOutcome"]
 
 
 def _ignore(event: QueueEvent) -> None:
     """Drop a log event."""
+
+
+ReloadOutcome = Literal["applied", "unchanged", "rejected"]
+"""What a reload did: a new policy in force, the same one, or a bad file ignored."""
 
 
 class QueueHost:
@@ -40,7 +44,11 @@ class QueueHost:
     A scheduler bound to a policy file.
 
     @ivar policy: the policy in force (the last good one).
+    @ivar catalog: the models catalog, read once.
     @ivar scheduler: the scheduler, routed through L{policy}.
+    @ivar problems: what was wrong with the config file and the catalog at load, one line
+        each, for the owner to print (the defaults, or an empty catalog, apply).
+    @ivar config_invalid: whether the config file was unusable at load.
     """
 
     def __init__(
@@ -53,27 +61,27 @@ class QueueHost:
         slot_counts: Mapping[str, int] | None = None,
         sweep_ms: int = 1000,
         on_event: Callable[[QueueEvent], None] = _ignore,
-        stderr: TextIO | None = None,
     ) -> None:
         """
-        Load the policy and the catalog; problems go to C{stderr} and the defaults apply.
+        Load the policy and the catalog, and build the scheduler.
 
         @param config_path: the C{llm-queue.json}; C{None}: the defaults, never reloaded.
         @param models_json: the provider catalog; C{None}: an empty one.
         @param slot_counts: queue key → its default C{maxStreams} (loopd's endpoints).
+        @param sweep_ms: the sweep period, once L{start}ed.
         """
-        self._reactor = reactor
-        self._config_path = config_path
+        self.config_path = config_path
         self._slot_counts = dict(slot_counts or {})
-        self._stderr = stderr
         self.catalog: ModelsCatalog = EMPTY_CATALOG
+        catalog_problems: tuple[str, ...] = ()
         if models_json is not None:
-            self.catalog, problems = load_models_catalog(models_json)
-            self._report(problems)
+            self.catalog, catalog_problems = load_models_catalog(models_json)
         self.policy: Policy = DEFAULT_POLICY
+        config_problems: tuple[str, ...] = ()
         if config_path is not None:
-            self.policy, problems = load_policy(config_path)
-            self._report(problems)
+            self.policy, config_problems = load_policy(config_path)
+        self.config_invalid = bool(config_problems)
+        self.problems = config_problems + catalog_problems
         self.scheduler = Scheduler(reactor, self._router(), on_grant, on_event)
         self._sweep = LoopingCall(self.scheduler.sweep)
         self._sweep.clock = reactor
@@ -82,30 +90,25 @@ class QueueHost:
     def _router(self) -> PolicyRouter:
         return PolicyRouter(self.policy, self.catalog, self._slot_counts)
 
-    def _report(self, problems: tuple[str, ...]) -> None:
-        """Print each problem line to stderr, when there is one to print to."""
-        if self._stderr is None or not problems:
-            return
-        for line in problems:
-            self._stderr.write(line + "\n")
-        self._stderr.flush()
-
-    def reload(self) -> bool:
+    def reload(self) -> tuple[ReloadOutcome, tuple[str, ...]]:
         """
-        Re-read the config file and apply it to the live queues; an invalid or half-written
-        file keeps the last good policy (an invalid one prints why).
+        Re-read the config file and apply it to the live queues (holders and waiters move
+        with their queue); an invalid or half-written file keeps the last good policy, a
+        deleted one is the defaults.
 
-        @return: whether a different policy is now in force.
+        @return: what happened, and the problems of an invalid file (a half-written one
+            has none: it is ignored silently).
         """
-        if self._config_path is None:
-            return False
-        policy, problems = reload_policy(self._config_path, self.policy)
-        self._report(problems)
+        if self.config_path is None:
+            return "unchanged", ()
+        policy, problems = reload_policy(self.config_path, self.policy)
+        if problems:
+            return "rejected", problems
         if policy == self.policy:
-            return False
+            return "unchanged", ()
         self.policy = policy
         self.scheduler.reload(self._router())
-        return True
+        return "applied", ()
 
     def start(self) -> None:
         """Start the sweep."""

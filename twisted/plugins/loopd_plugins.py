@@ -18,3 +18,10 @@ loopd = ServiceMaker(
     "The OpenAI-compatible session gateway in front of local model servers.",
     "loopd",
 )
+
+llmqueue = ServiceMaker(
+    "loopd llmqueue",
+    "loopd.tap.llmqueue",
+    "The LLM lease queue daemon: fair turns on shared model endpoints.",
+    "llmqueue",
+)
