@@ -150,8 +150,8 @@ class GatewayLeases:
         hold.waiters.append(waiter)
         if len(hold.waiters) == 1 and hold.users == 1:
             scheduler.acquire(hold, queue_key, session_key, role, None, True)
-            if not hold.granted and on_queued is not None:
-                on_queued(self._ahead(hold))
+        if not hold.granted and on_queued is not None:
+            on_queued(self._ahead(hold))
         return waiter
 
     def done(self, hold: LeaseHold) -> None:
@@ -179,7 +179,11 @@ class GatewayLeases:
         """
         Give every lease back and stop every timer (the daemon is stopping).
         """
-        for hold in list(self._holds.values()):
+        holds = list(self._holds.values())
+        for hold in holds:
+            for waiter in list(hold.waiters):
+                waiter.cancel()
+        for hold in holds:
             self._drop(hold)
             if self.scheduler is not None:
                 self.scheduler.disconnect(hold)
