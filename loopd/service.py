@@ -11,6 +11,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,8 +25,10 @@ from twisted.python.failure import Failure
 from loopd.gateway.leases import GatewayLeases
 from loopd.gateway.site import Gateway
 from loopd.llama import Client
+from loopd.queue.eventlog import EventLog
 from loopd.queue.host import QueueHost
 from loopd.queue.protocol import LeaseFactory
+from loopd.queue.watch import ConfigWatcher
 from loopd.selftest import SelftestFailed, require_selftests
 from loopd.settings import Config
 from loopd.unixsocket import listen_unix
@@ -98,6 +101,7 @@ class LoopdService(Service):
         self._port: IListeningPort | None = None
         self._queue_port: IListeningPort | None = None
         self.queue: QueueHost | None = None
+        self._watcher: ConfigWatcher | None = None
         self._exit_process = exit_process
         self._ready_waiters: list[Deferred[None]] = []
         self._started: Failure | None | bool = False
@@ -173,22 +177,35 @@ class LoopdService(Service):
             for e in self.config.endpoints
         }
         leases = GatewayLeases(self._reactor, settings.grace_ms)
-        self.queue = QueueHost(
+        self.queue = host = QueueHost(
             self._reactor,
             leases.on_grant,
             config_path=settings.config,
             models_json=settings.models_json,
             slot_counts=counts,
             sweep_ms=settings.sweep_ms,
-            stderr=_stderr(),
+            on_event=EventLog(lambda: host.log_path(), time.time).write,
         )
-        leases.bind(self.queue.scheduler)
-        self.queue.start()
+        _say_problems(host.problems)
+        leases.bind(host.scheduler)
+        host.start()
+        if settings.config is not None:
+            self._watcher = ConfigWatcher(self._reactor, settings.config, self._reload_queue)
+            self._watcher.start()
         if settings.serve:
             path = queue_socket_path(self.config)
             self._queue_port = listen_unix(self._reactor, path, LeaseFactory(self.queue.scheduler))
             _log.info("lease protocol served on {path}", path=path)
         return leases
+
+    def _reload_queue(self) -> None:
+        """
+        The queue config changed: apply it, or keep the last good one and say why.
+        """
+        assert self.queue is not None
+        outcome, problems = self.queue.reload()
+        _say_problems(problems)
+        _log.info("queue config {path}: {outcome}", path=self.queue.config_path, outcome=outcome)
 
     def _listen(self, gateway: Gateway) -> Deferred[IListeningPort]:
         path = listen_path(self.config)
@@ -226,6 +243,8 @@ class LoopdService(Service):
             self.gateway.stop()
         if self.queue is not None:
             self.queue.stop()
+        if self._watcher is not None:
+            self._watcher.stop()
         stopping = []
         for port in (self._port, self._queue_port):
             if port is not None:
@@ -236,6 +255,14 @@ class LoopdService(Service):
         if not stopping:
             return None
         return gatherResults(stopping).addCallback(lambda _: None)
+
+
+def _say_problems(problems: tuple[str, ...]) -> None:
+    """Print each problem of the queue config on stderr."""
+    if problems:
+        stderr = _stderr()
+        stderr.write("".join(line + "\n" for line in problems))
+        stderr.flush()
 
 
 def _stderr() -> Any:

@@ -18,6 +18,7 @@ from typing import Any
 from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.internet.endpoints import UNIXClientEndpoint
 from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.task import deferLater
 from twisted.trial.unittest import SkipTest, TestCase
 
 from loopd.test.support.peers import real_reactor
@@ -80,8 +81,11 @@ class LoopdQueueEndToEndTests(TestCase):
     timeout = 180
 
     @inlineCallbacks
-    def start(self, model: str) -> Any:
-        """Start the server with C{model}, an inferproxy and C{twist loopd}; fire when ready."""
+    def start(self, model: str, *extra: str) -> Any:
+        """
+        Start the server with C{model}, an inferproxy and C{twist loopd} (C{extra} lines
+        added to its C{[queue]} table); fire when ready.
+        """
         reactor = real_reactor()
         self.directory = tempfile.mkdtemp(prefix="ld", dir="/tmp")
         self.addCleanup(shutil.rmtree, self.directory, True)
@@ -103,7 +107,7 @@ class LoopdQueueEndToEndTests(TestCase):
         self.slots = (yield self.server.query("/props")).json()["total_slots"]
         config = os.path.join(self.directory, "loopd.toml")
         queue = ["[queue]", f"socket = {json.dumps(self.lease_socket)}"]
-        queue += ["grace_ms = 200", "sweep_ms = 50"]
+        queue += ["grace_ms = 200", "sweep_ms = 50", *extra]
         with open(config, "w") as f:
             f.write(loopd_toml(self.socket, infer, None, long=model != "tiny.gguf"))
             f.write("\n".join(queue) + "\n")
@@ -226,3 +230,41 @@ class LoopdQueueEndToEndTests(TestCase):
         (queue,) = (yield self.queue_status())["queues"]
         after = {h["sessionKey"] for h in queue["holders"]}
         self.assertEqual(after, {"outside-0", "outside-1"})
+
+    @inlineCallbacks
+    def test_queue_config_reload_and_log(self) -> Any:
+        """[queue] config: applied at start, hot-reloaded on an atomic save, logFile written."""
+        policy = os.path.join(self.directory_for_config(), "llm-queue.json")
+        log = os.path.join(os.path.dirname(policy), "events.log")
+        document = {"defaults": {"logFile": log}, "queues": {"tiny": {"maxStreams": 1}}}
+        with open(policy, "w") as f:
+            json.dump(document, f)
+        yield self.start("tiny.gguf", f"config = {json.dumps(policy)}")
+        stream = yield self.chat(b"[DONE]")
+        yield stream.closed
+        (queue,) = (yield self.queue_status())["queues"]
+        self.assertEqual(queue["maxStreams"], 1)
+        document["queues"]["tiny"]["maxStreams"] = 3
+        with open(policy + ".tmp", "w") as f:
+            json.dump(document, f)
+        os.rename(policy + ".tmp", policy)
+        for _ in range(100):
+            (queue,) = (yield self.queue_status())["queues"]
+            if queue["maxStreams"] == 3:
+                break
+            yield deferLater(real_reactor(), 0.05, lambda: None)
+        self.assertEqual(queue["maxStreams"], 3)
+        with open(log) as f:
+            events = [json.loads(line) for line in f]
+        first = events[0]
+        self.assertEqual(
+            (first["event"], first["queueKey"], first["sessionKey"], first["role"]),
+            ("grant", "tiny", "gateway-session", "parent"),
+        )
+        self.assertIn("ts", first)
+
+    def directory_for_config(self) -> str:
+        """A short temp dir for the queue config, removed after the test."""
+        directory = tempfile.mkdtemp(prefix="ld", dir="/tmp")
+        self.addCleanup(shutil.rmtree, directory, True)
+        return directory

@@ -20,7 +20,6 @@ It ties the pieces together (seed, "Hot-reload", "logFile", "Idle-exit"; DESIGN 
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import time
@@ -134,7 +133,7 @@ class LlmQueueService(Service):
         self.socket_path = socket_path(agent_dir)
         self.config_path = config_path(agent_dir)
         self._had_client = False
-        self.event_log = EventLog(self._log_path, wall_time)
+        self.event_log = EventLog(lambda: self.host.log_path(), wall_time)
         self.host = QueueHost(
             reactor,
             deliver_grant,
@@ -216,13 +215,6 @@ class LlmQueueService(Service):
         for problem in problems:
             _say(self._stderr, problem)
         _log.info(_RELOADED[outcome], path=self.config_path)
-
-    def _log_path(self) -> str | None:
-        """
-        Return the event log's path under the current policy (C{~} expanded), or C{None}.
-        """
-        path = self.policy.defaults.log_file
-        return None if path is None else os.path.expanduser(path)
 
     # -- idle exit ---------------------------------------------------------------------
 

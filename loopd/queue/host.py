@@ -9,6 +9,7 @@ its own way of learning that the config file changed.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Literal
 
@@ -86,6 +87,14 @@ class QueueHost:
         self._sweep = LoopingCall(self.scheduler.sweep)
         self._sweep.clock = reactor
         self._sweep_seconds = sweep_ms / 1000.0
+
+    def log_path(self) -> str | None:
+        """
+        Return the event log's path under the policy in force (C{logFile}, C{~} expanded),
+        or C{None}; read per event, so a reload can turn the log on, off or move it.
+        """
+        path = self.policy.defaults.log_file
+        return None if path is None else os.path.expanduser(path)
 
     def _router(self) -> PolicyRouter:
         return PolicyRouter(self.policy, self.catalog, self._slot_counts)
