@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,20 +122,22 @@ def _session(
         wire.append({"role": "assistant", "content": result.text})
 
 
-def measure_sessions(path: str, stack: Stack, sessions: int, turns: int, timeout: float) -> Samples:
-    """Run sessions threads of turns each on one path; return every result and the wall."""
-    results: list[list[Result]] = [[] for _ in range(sessions)]
+def run_concurrently(count: int, work: Callable[[int], None], label: str) -> int:
+    """Run work(0..count-1) in threads released at once; return the wall time in ns.
+
+    The first failure of any thread is raised as a BenchError naming label.
+    """
     errors: list[BaseException] = []
-    gate = threading.Barrier(sessions + 1)
+    gate = threading.Barrier(count + 1)
 
     def run(index: int) -> None:
         gate.wait()
         try:
-            _session(path, stack, index, turns, timeout, results[index])
+            work(index)
         except BaseException as e:  # reported by the main thread
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(sessions)]
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
     for thread in threads:
         thread.start()
     gate.wait()
@@ -143,5 +146,14 @@ def measure_sessions(path: str, stack: Stack, sessions: int, turns: int, timeout
         thread.join()
     wall = time.perf_counter_ns() - start
     if errors:
-        raise BenchError(f"{path}: {len(errors)} session(s) failed, first: {errors[0]}")
+        raise BenchError(f"{label}: {len(errors)} session(s) failed, first: {errors[0]!r}")
+    return wall
+
+
+def measure_sessions(path: str, stack: Stack, sessions: int, turns: int, timeout: float) -> Samples:
+    """Run sessions threads of turns each on one path; return every result and the wall."""
+    results: list[list[Result]] = [[] for _ in range(sessions)]
+    wall = run_concurrently(
+        sessions, lambda i: _session(path, stack, i, turns, timeout, results[i]), path
+    )
     return Samples([r for rs in results for r in rs], wall)

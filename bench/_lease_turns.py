@@ -23,13 +23,12 @@ import http.client
 import json
 import os
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from _client_e2e import PROXY_CMD, UnixHTTPConnection, start_server
-from _gateway_runs import SHORT_MAX_TOKENS, _upstream
+from _gateway_runs import SHORT_MAX_TOKENS, _upstream, run_concurrently
 from _gateway_stack import MODEL, loopd_config
 from _servers import BenchError, Children, start_forwarder, wait_socket
 
@@ -119,29 +118,12 @@ def _session(
 def run_path(path: str, target: int | str, sessions: int, turns: int, think: float) -> TurnsResult:
     """All sessions at once on one path; the summed timings."""
     timings: list[Any] = []
-    errors: list[BaseException] = []
-    gate = threading.Barrier(sessions + 1)
-
-    def run(index: int) -> None:
-        gate.wait()
-        try:
-            _session(path, target, index, turns, think, timings)
-        except BaseException as e:  # reported by the main thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(sessions)]
-    for thread in threads:
-        thread.start()
-    gate.wait()
-    start = time.perf_counter()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - start
-    if errors:
-        raise BenchError(f"{path}: {len(errors)} session(s) failed, first: {errors[0]!r}")
+    wall = run_concurrently(
+        sessions, lambda i: _session(path, target, i, turns, think, timings), path
+    )
     prompt = sum(int(t.get("prompt_n", 0)) for t in timings)
     cached = sum(int(t.get("cache_n", 0)) for t in timings)
-    return TurnsResult(prompt, cached, len(timings), wall)
+    return TurnsResult(prompt, cached, len(timings), wall / 1e9)
 
 
 def start_one_slot(children: Children, threads: int, cache_ram_mib: int | None) -> tuple[int, str]:

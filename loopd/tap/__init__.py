@@ -8,7 +8,7 @@ from twisted.application.service import MultiService
 
 from loopd.unixsocket import UnixSocketError
 
-__all__ = ["ExitOnListenError"]
+__all__ = ["ExitOnListenError", "positive_float", "positive_int"]
 
 
 class ExitOnListenError(MultiService):
@@ -34,3 +34,29 @@ class ExitOnListenError(MultiService):
             super().startService()
         except UnixSocketError as e:
             raise SystemExit(f"{self.command}: {e}") from None
+
+
+def positive_int(value: str) -> int:
+    """
+    Parse an option value that must be a positive integer.
+    """
+    number = int(value)
+    if number < 1:
+        raise ValueError(f"must be a positive integer, got {value}")
+    return number
+
+
+positive_int.coerceDoc = "A positive integer."  # type: ignore[attr-defined]
+
+
+def positive_float(value: str) -> float:
+    """
+    Parse an option value that must be a positive, finite number.
+    """
+    number = float(value)
+    if not number > 0 or number == float("inf"):
+        raise ValueError(f"must be a positive number, got {value}")
+    return number
+
+
+positive_float.coerceDoc = "A positive number."  # type: ignore[attr-defined]

@@ -17,31 +17,11 @@ from loopd.inferproxy import (
     parse_upstream,
     upstream_endpoint,
 )
-from loopd.tap import ExitOnListenError
+from loopd.tap import ExitOnListenError, positive_float, positive_int
 
 __all__ = ["Options", "makeService"]
 
 _DEFAULTS = ProxyLimits()
-
-
-def _positive_int(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise ValueError(f"must be a positive integer, got {value}")
-    return number
-
-
-_positive_int.coerceDoc = "A positive integer."  # type: ignore[attr-defined]
-
-
-def _positive_float(value: str) -> float:
-    number = float(value)
-    if not number > 0 or number == float("inf"):
-        raise ValueError(f"must be a positive number, got {value}")
-    return number
-
-
-_positive_float.coerceDoc = "A positive number."  # type: ignore[attr-defined]
 
 
 class Options(usage.Options):
@@ -63,28 +43,28 @@ class Options(usage.Options):
             None,
             _DEFAULTS.max_connections,
             "Connections open at the same time; more are refused.",
-            _positive_int,
+            positive_int,
         ],
         [
             "burst",
             None,
             _DEFAULTS.burst,
             "Accepts allowed back to back (token bucket size).",
-            _positive_int,
+            positive_int,
         ],
         [
             "refill",
             None,
             _DEFAULTS.refill_per_second,
             "Token bucket refill, per second.",
-            _positive_float,
+            positive_float,
         ],
         [
             "connect-timeout",
             None,
             _DEFAULTS.connect_timeout,
             "Seconds to wait for the upstream connection.",
-            _positive_float,
+            positive_float,
         ],
     ]
 

@@ -13,23 +13,11 @@ from twisted.python import usage
 
 from loopd.queue.daemon import LlmQueueService
 from loopd.queue.paths import agent_dir
+from loopd.tap import positive_int
 
 __all__ = ["Options", "makeService"]
 
 _DEFAULT_SWEEP_MS = 1000
-
-
-def _positive_int(value: str) -> int:
-    """
-    Parse a positive integer option value.
-    """
-    number = int(value)
-    if number < 1:
-        raise ValueError(f"must be a positive integer, got {value}")
-    return number
-
-
-_positive_int.coerceDoc = "A positive integer."  # type: ignore[attr-defined]
 
 
 class Options(usage.Options):
@@ -51,7 +39,7 @@ class Options(usage.Options):
             None,
             _DEFAULT_SWEEP_MS,
             "Milliseconds between sweeps for lapsed and idle leases.",
-            _positive_int,
+            positive_int,
         ],
         [
             "models-json",
