@@ -50,12 +50,15 @@ _KEYED_OPS = frozenset({"acquire", "release", "cancel"})
 _TIERS: Mapping[object, Tier] = {"parent": "parent", "child": "child"}
 
 
+# One encoder for every reply: json.dumps with options builds a new one per call.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
 def encode_message(message: Mapping[str, object]) -> bytes:
     """
     Return one wire line: compact JSON in UTF-8 and its newline.
     """
-    text = json.dumps(message, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    return text.encode("utf-8") + b"\n"
+    return _ENCODER.encode(message).encode("utf-8") + b"\n"
 
 
 def granted_message(grant: Grant) -> dict[str, object]:

@@ -24,6 +24,9 @@ from loopd.queue.policy import (
 
 __all__ = ["PolicyRouter"]
 
+#: How many keys' routes a router remembers before it starts afresh.
+_MAX_REMEMBERED = 4096
+
 
 class PolicyRouter:
     """
@@ -43,11 +46,24 @@ class PolicyRouter:
         self.policy = policy
         self.catalog = catalog
         self._slot_counts = dict(slot_counts or {})
+        self._routes: dict[str, Route] = {}
 
     def __call__(self, queue_key: str) -> Route:
         """
         Return the queue C{queue_key} leads to and its settings (DESIGN §24).
+
+        Routes are remembered (the router is immutable and every op asks); the memory is
+        bounded, since clients choose the keys.
         """
+        route = self._routes.get(queue_key)
+        if route is None:
+            if len(self._routes) >= _MAX_REMEMBERED:
+                self._routes.clear()
+            route = self._routes[queue_key] = self._resolve(queue_key)
+        return route
+
+    def _resolve(self, queue_key: str) -> Route:
+        """Work out the route of C{queue_key}."""
         route = address_endpoint(self.policy, queue_key, self.catalog)
         slots = self._slot_counts.get(route.queue_key)
         if slots is None or self.policy.entry(route.queue_key) is not None:

@@ -50,3 +50,12 @@ class PolicyRouterTests(SynchronousTestCase):
         catalog = ModelsCatalog((("zen", "http://h:1/v1"),))
         route = PolicyRouter(parse_policy({}), catalog)("zen")
         self.assertEqual(route.queue_key, "http://h:1/v1")
+
+    def test_routes_remembered_and_bounded(self) -> None:
+        """A key's route is computed once; thousands of client keys never grow it unbounded."""
+        router = PolicyRouter(parse_policy({}), slot_counts={"q": 2})
+        self.assertIs(router("q"), router("q"))
+        for number in range(10_000):
+            router(f"http://h:{number}/v1")
+        self.assertLessEqual(len(router._routes), 4096)
+        self.assertEqual(router("q").settings.max_streams, 2)
