@@ -163,3 +163,51 @@ def measure_turns(
         "direct": run_path("direct", port, sessions, turns, think),
         "loopd": run_path("loopd", listen, sessions, turns, think),
     }
+
+
+FEWER_GOAL = 0.5
+"""Through loopd the server should evaluate at least this share fewer prompt tokens."""
+
+CACHE_SETTINGS: tuple[tuple[str, int | None], ...] = (
+    ("none (--cache-ram 0)", 0),
+    ("llama.cpp's default (8 GiB)", None),
+)
+"""The server's RAM prompt cache in each run: off, then as llama.cpp ships it."""
+
+
+def measure_all(
+    threads: int, sessions: int, turns: int, think: float
+) -> list[tuple[str, dict[str, TurnsResult]]]:
+    """Both RAM-cache settings, each on a fresh stack that is stopped afterwards."""
+    results = []
+    for label, cache_ram_mib in CACHE_SETTINGS:
+        children = Children()
+        try:
+            results.append(
+                (label, measure_turns(children, threads, sessions, turns, think, cache_ram_mib))
+            )
+        finally:
+            children.stop_all()
+    return results
+
+
+def print_turns(
+    results: list[tuple[str, dict[str, TurnsResult]]], sessions: int, turns: int, think: float
+) -> None:
+    """Print part 4: prompt tokens evaluated per path and setting, the saving, the goal."""
+    print(
+        f"\nPart 4, {sessions} agent sessions x {turns} turns, all at once, on a ONE-slot"
+        f" llama.cpp server ({SYSTEM_WORDS}-word system prompts, {think:g} s between a"
+        " session's turns): prompt tokens the server evaluated (its timings.prompt_n),"
+        " straight to it (the anchor) and through twist loopd (grace 3 s)"
+    )
+    head = ("server's RAM prompt cache", "direct", "loopd", "fewer", "wall direct", "wall loopd")
+    print(f"{head[0]:<30}{head[1]:>9}{head[2]:>9}{head[3]:>8}{head[4]:>13}{head[5]:>12}")
+    for label, run in results:
+        direct, loopd = run["direct"], run["loopd"]
+        fewer = 1 - loopd.prompt_n / direct.prompt_n if direct.prompt_n else 0.0
+        print(
+            f"{label:<30}{direct.prompt_n:>9}{loopd.prompt_n:>9}{fewer:>8.0%}"
+            f"{direct.wall:>12.1f}s{loopd.wall:>11.1f}s"
+            f"   goal >= {FEWER_GOAL:.0%} fewer: {'met' if fewer >= FEWER_GOAL else 'MISSED'}"
+        )
