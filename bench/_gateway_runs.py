@@ -107,9 +107,10 @@ def _session(
         text = _turn_text(index, turn)
         history.append(User(text))
         wire.append({"role": "user", "content": text})
-        if path == "loopd":
+        if path.startswith("loopd"):
             body = _openai(wire, SHORT_MAX_TOKENS, False)
-            result = stream_chat(stack.loopd_socket, body, timeout, f"bench-{index}")
+            end = path == "loopd+end" and turn == turns - 1
+            result = stream_chat(stack.loopd_socket, body, timeout, f"{path}-{index}", end)
         else:
             request = ChatRequest(
                 slot=-1, messages=tuple(history), thinking=False, max_tokens=SHORT_MAX_TOKENS

@@ -104,12 +104,17 @@ def _counts(chunk: dict[str, Any]) -> tuple[int, int] | None:
 
 
 def stream_chat(
-    target: int | str, body: bytes, timeout: float, session: str | None = None
+    target: int | str,
+    body: bytes,
+    timeout: float,
+    session: str | None = None,
+    end: bool = False,
 ) -> Result:
     """One streamed chat; target is the server's TCP port or loopd's socket path.
 
-    session, when set, goes out as ``X-Session-Id``. The usage chunk (loopd) or the
-    last chunk's timings (the server) give the token counts.
+    session, when set, goes out as ``X-Session-Id``; end sends ``X-Session-End: true``.
+    The usage chunk (loopd) or the last chunk's timings (the server) give the token
+    counts.
     """
     clock = time.perf_counter_ns
     start = clock()
@@ -128,6 +133,8 @@ def stream_chat(
         headers = {"Content-Type": "application/json", "Connection": "close"}
         if session is not None:
             headers["X-Session-Id"] = session
+        if end:
+            headers["X-Session-End"] = "true"
         conn.request("POST", CHAT_PATH, body, headers)
         response = conn.getresponse()
         if response.status != 200:

@@ -20,9 +20,11 @@ token and of the total time, and what loopd adds to the direct medians (goal: at
 
 Part 2, sessions: ``--sessions`` (16) threads, each a conversation of ``--turns`` (5)
 short turns, all at once on the 2 slots; through loopd each has its own
-``X-Session-Id``, direct each lets the server choose the slot. It prints the
+``X-Session-Id`` and each request takes a lease kept 3 s after it (the grace), once
+as a plain OpenAI client does and once with ``X-Session-End: true`` on each session's
+last turn (``loopd+end``); direct each lets the server choose the slot. It prints the
 throughput (turns/s, generated tokens/s), the p95 time to first token, the cached
-prompt tokens, and loopd's ratio to direct (no goal).
+prompt tokens, and each loopd path's ratio to direct (no goal).
 
 ``--part`` runs only one part. The exit status is 0 when every measurement ran (goals
 met or not), else 1.
@@ -98,23 +100,32 @@ SESSION_ROWS: tuple[tuple[str, str, Callable[[Samples], float]], ...] = (
 """The part 2 table: a label, a format and a figure per row."""
 
 
+SESSION_PATHS = ("loopd", "loopd+end", "direct")
+"""Part 2's paths: loopd as any OpenAI client meets it, and told when a session ends."""
+
+
 def print_sessions(results: dict[str, Samples], args: argparse.Namespace) -> None:
-    """Print part 2's figures and loopd's ratio to direct."""
+    """Print part 2's figures and each loopd path's ratio to direct."""
     header = (
         f"Part 2, sessions: {args.sessions} sessions at once, each {args.turns} turns of a"
         " conversation it extends (thinking off, a 26-character answer), on the same"
         " 2-slot server. loopd: each session its own X-Session-Id (slot affinity,"
-        f" queue_depth {QUEUE_DEPTH}); direct: id_slot -1, the server chooses. The paths"
-        " run one after the other; cached tokens from the usage (loopd) or timings.cache_n"
-        " (direct)."
+        f" queue_depth {QUEUE_DEPTH}), each request a lease with the 3 s grace;"
+        " loopd+end: the same, with X-Session-End: true on a session's last turn (no grace"
+        " after it); direct: id_slot -1, the server chooses. The paths run one after the"
+        " other; cached tokens from the usage (loopd) or timings.cache_n (direct)."
     )
     print("\n" + textwrap.fill(header, 88))
-    print("\n" + " " * W + "".join(f"{p:>10}" for p in PATHS) + f"{'ratio':>10}")
+    ratios = f"{'loopd/dir':>11}{'+end/dir':>10}"
+    print("\n" + " " * W + "".join(f"{p:>10}" for p in SESSION_PATHS) + ratios)
     for label, fmt, get in SESSION_ROWS:
-        cells = {path: get(results[path]) for path in PATHS}
-        row = "".join(f"{cells[path]:>10{fmt}}" for path in PATHS)
-        ratio = cells["loopd"] / cells["direct"] if cells["direct"] else math.nan
-        print(f"{label:<{W}}{row}{ratio:>10.2f}")
+        cells = {path: get(results[path]) for path in SESSION_PATHS}
+        row = "".join(f"{cells[path]:>10{fmt}}" for path in SESSION_PATHS)
+        direct = cells["direct"]
+        ratio = " " + "".join(
+            f"{(cells[p] / direct if direct else math.nan):>10.2f}" for p in SESSION_PATHS[:2]
+        )
+        print(f"{label:<{W}}{row}{ratio}")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -137,7 +148,7 @@ def run(args: argparse.Namespace) -> None:
         if args.part in ("all", "sessions"):
             print(f"  part 2: {args.sessions} sessions per path ...", file=sys.stderr)
             session_results = {}
-            for path in ("direct", "loopd"):
+            for path in ("direct", "loopd", "loopd+end"):
                 session_results[path] = measure_sessions(
                     path, stack, args.sessions, args.turns, args.io_timeout
                 )

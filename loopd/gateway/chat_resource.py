@@ -48,6 +48,8 @@ _log = Logger(namespace="loopd.gateway")
 
 SESSION_HEADER = b"x-session-id"
 ROLE_HEADER = b"x-session-role"
+END_HEADER = b"x-session-end"
+_ENDS = {b"true": True, b"1": True, b"false": False, b"0": False}
 _ROLES = {b"parent": "parent", b"child": "child"}
 _FIRST_TOKEN = (Content, Reasoning, ToolCallDelta)
 
@@ -84,13 +86,36 @@ class ChatCompletions(Resource):
         body = content.read() if content is not None else b""
         try:
             role = session_role(request)
+            final = session_end(request)
             parsed = parse_request(body)
             endpoint = self._gateway.endpoint_for(parsed.model)
         except GatewayError as e:
             self._gateway.metrics.observe_request("-", e.code)
             return write_json(request, e.status, e.body())
-        _Exchange(self._gateway, request, parsed, endpoint, role).start()
+        _Exchange(self._gateway, request, parsed, endpoint, role, final).start()
         return NOT_DONE_YET
+
+
+def session_end(request: Request) -> bool:
+    """
+    Whether C{X-Session-End} says this is the session's last request (C{true} or C{1};
+    absent, C{false} or C{0}: not).
+
+    @raise GatewayError: 400 for any other value.
+    """
+    value = request.getHeader(END_HEADER)
+    if value is None:
+        return False
+    final = _ENDS.get(value.strip().lower())
+    if final is None:
+        shown = value.decode("utf-8", "backslashreplace")
+        raise GatewayError(
+            400,
+            f"X-Session-End must be true or false, got {shown!r}",
+            "invalid_request_error",
+            "invalid_session_end",
+        )
+    return final
 
 
 def session_role(request: Request) -> str:
@@ -126,9 +151,11 @@ class _Exchange:
         parsed: GatewayRequest,
         endpoint: Any,
         role: str = "parent",
+        final: bool = False,
     ) -> None:
         self._gateway = gateway
         self._role = role
+        self._final = final
         self._hold: Any = None
         self._leasing: Deferred[Any] | None = None
         self._request = request
@@ -338,7 +365,7 @@ class _Exchange:
         """The request is over: its session's lease may start its grace."""
         hold, self._hold = self._hold, None
         if hold is not None:
-            self._gateway.leases.done(hold)
+            self._gateway.leases.done(hold, self._final)
 
     def _finish(self, body: bytes = b"") -> None:
         self._finished = True

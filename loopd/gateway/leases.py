@@ -45,6 +45,7 @@ class LeaseHold:
 
     @ivar users: the requests of the session that hold or wait for this lease.
     @ivar granted: whether the scheduler granted it.
+    @ivar final: whether one of its requests ended the session (no grace).
     @ivar terms: the lease's terms, once granted.
     """
 
@@ -57,6 +58,7 @@ class LeaseHold:
         self.role = role
         self.users = 0
         self.granted = False
+        self.final = False
         self.terms: LeaseTerms | None = None
         self.waiters: list[Deferred[LeaseHold]] = []
         self.beats: LoopingCall | None = None
@@ -154,16 +156,22 @@ class GatewayLeases:
             on_queued(self._ahead(hold))
         return waiter
 
-    def done(self, hold: LeaseHold) -> None:
+    def done(self, hold: LeaseHold, final: bool = False) -> None:
         """
         One request of the hold's session ended; the last one starts the grace.
+
+        @param final: the session said it is over (C{X-Session-End}): no grace, the slot
+            goes back as soon as no request of the session runs, as the seed's session
+            shutdown does.
         """
         if self._holds.get((hold.queue_key, hold.session_key)) is not hold:
             return
         hold.users -= 1
+        if final:
+            hold.final = True
         if hold.users > 0:
             return
-        if self._grace > 0:
+        if self._grace > 0 and not hold.final:
             hold.grace = self._reactor.callLater(self._grace, self._release, hold)
         else:
             self._release(hold)

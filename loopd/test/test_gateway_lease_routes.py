@@ -62,9 +62,12 @@ class LeaseHarness(Harness):
         document: object,
         session: str | None = None,
         role: str | None = None,
+        end: str | None = None,
     ) -> ClientConnection:
-        """POST C{document} on a new connection, with C{X-Session-Id}/C{-Role} if given."""
+        """POST C{document} on a new connection, with C{X-Session-Id}/C{-Role}/C{-End}."""
         headers = ["Content-Type: application/json"]
+        if end is not None:
+            headers.append(f"X-Session-End: {end}")
         if session is not None:
             headers.append(f"X-Session-Id: {session}")
         if role is not None:
@@ -200,6 +203,30 @@ class WaitTests(LeaseTestCase):
         self.harness.advance(0.1)
         self.assertEqual(self.chats_sent(), 2)
         self.assertEqual(self.harness.queue()["switches"], 1)
+
+    def test_session_end_skips_grace(self) -> None:
+        """X-Session-End: true hands the slot on when the answer ends, with no grace."""
+        self.script(answer({"content": "first"}), answer({"content": "second"}))
+        self.harness.chat(STREAM, "a", end="true")
+        self.harness.chat(STREAM, "b")
+        self.harness.advance(0.5)
+        self.assertEqual(self.chats_sent(), 2)
+        self.assertEqual(self.harness.holders(), ["b"])
+
+    def test_session_end_false_keeps_grace(self) -> None:
+        """X-Session-End: 0 (or false) is an ordinary request: the grace holds the slot."""
+        self.script(answer({"content": "first"}), answer({"content": "second"}))
+        self.harness.chat(STREAM, "a", end="0")
+        self.harness.chat(STREAM, "b")
+        self.harness.advance(0.5)
+        self.assertEqual((self.chats_sent(), self.harness.holders()), (1, ["a"]))
+
+    def test_session_end_refused(self) -> None:
+        """Any other X-Session-End is 400 invalid_session_end; nothing upstream, no lease."""
+        connection = self.harness.chat(HI, "s", end="soon")
+        self.error_status(connection, 400, "invalid_session_end")
+        self.assertEqual(self.fake.requests, [])
+        self.assertEqual(self.harness.status(), {"op": "status", "queues": []})
 
     def test_client_gone_while_waiting(self) -> None:
         """A client that leaves while waiting leaves no waiter, and nothing goes upstream."""

@@ -84,6 +84,32 @@ class Harness:
         self.clock.pump([step] * steps)
 
 
+class SessionEndTests(SynchronousTestCase):
+    """
+    A request that ends its session gives the slot back without a grace.
+    """
+
+    def test_final_request_releases_at_once(self) -> None:
+        """done(final=True): released when the request ends, the waiter granted at once."""
+        h = Harness()
+        hold = self.successResultOf(h.acquire("a"))
+        waiter = h.acquire("b")
+        h.leases.done(hold, final=True)
+        self.assertEqual(h.holders(), ["b"])
+        self.successResultOf(waiter)
+
+    def test_final_waits_for_the_sessions_other_requests(self) -> None:
+        """With another request of the session still running, the slot stays until it ends."""
+        h = Harness()
+        first = self.successResultOf(h.acquire("a"))
+        second = self.successResultOf(h.acquire("a"))
+        h.acquire("b")
+        h.leases.done(first, final=True)
+        self.assertEqual(h.holders(), ["a"])
+        h.leases.done(second)
+        self.assertEqual(h.holders(), ["b"])
+
+
 class GrantTests(SynchronousTestCase):
     """
     A request is granted at once into a free slot, or waits its turn and is told so.
