@@ -1,0 +1,3 @@
+"""
+Mixture of agents (C{model: "mesh"}): pure pieces of the mesh turn, one module per job.
+"""
