@@ -34,11 +34,7 @@ _RENDER_LIMIT = 120
 
 
 class PolicyError(ValueError):
-    """
-    An llm-queue.json is invalid; the message has one line per violation.
-
-    @ivar problems: every violation, C{<path> must be ... (got ...)}, in the order found.
-    """
+    """An llm-queue.json is invalid: C{problems} has each violation, in the order found."""
 
     def __init__(self, problems: tuple[str, ...]) -> None:
         """Record the violations."""
