@@ -1,0 +1,502 @@
+# -*- test-case-name: loopd.test.test_gateway_router -*-
+"""
+The C{auto} router: which endpoint serves a request whose C{model} is C{auto} or missing
+(reference/mesh-moa.md §5).
+
+  1. L{classify} reads the request: a category, a complexity, whether it needs tools, and
+     which media it carries.
+  2. The media filter keeps the endpoints that support every modality the request carries
+     (vision, audio); none left is L{MediaUnsupportedError}.
+  3. The capability filter prefers endpoints that suit the request: tool use (from
+     C{/props} C{chat_template_caps}) for a request with tools, then reasoning for a
+     reasoning request, then vision for an image request. When it would empty the list,
+     every endpoint stays.
+  4. The big tier is tried before the small tier (the single-digit-B name rule, or the
+     endpoint's configured C{size_b}, as for mesh roles).
+  5. Within a tier the pick is weighted by measured speed (L{SpeedStats}, the
+     C{predicted_per_second} of each completion), with a 15 % uniform exploration pick.
+
+The result is an order, not only a pick (L{Route}): the first endpoint is the §5 pick and each
+next one is the §5 pick among the rest, so the gateway tries the next on a connection failure.
+The random source is injected; the reference seeds a SplitMix64 generator from the clock,
+which loopd does not copy. Each request is routed on its own: no session affinity across
+endpoints (DESIGN §3 decision 34). Where the reference is silent: the signal words are loopd's
+own, a C{developer} message counts as system prompt, a speed sample ages out after an hour.
+
+Pure: no reactor, no I/O; time comes in as a number of seconds from the caller's clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from loopd.gateway.errors import GatewayError
+from loopd.moa.roles import Tier, tier_of
+
+__all__ = [
+    "EXPLORATION_PROBABILITY",
+    "MAX_SAMPLES",
+    "MIN_SAMPLES",
+    "NEUTRAL_WEIGHT",
+    "SAMPLE_TTL",
+    "WEIGHT_MAX",
+    "WEIGHT_MIN",
+    "Candidate",
+    "Category",
+    "Classification",
+    "Complexity",
+    "MediaUnsupportedError",
+    "NoEndpointError",
+    "RandomSource",
+    "Route",
+    "SpeedStats",
+    "candidate_weight",
+    "capability_filter",
+    "classify",
+    "make_candidate",
+    "media_filter",
+    "pick_weighted",
+    "route",
+    "tools_from_props",
+    "wants_auto",
+]
+
+#: A speed counts once an endpoint has at least this many samples; before, it weighs neutral.
+MIN_SAMPLES = 3
+#: The least weight a measured endpoint gets (tokens per second).
+WEIGHT_MIN = 5.0
+#: The most weight a measured endpoint gets (tokens per second).
+WEIGHT_MAX = 100.0
+#: The weight of an endpoint with fewer than L{MIN_SAMPLES} samples.
+NEUTRAL_WEIGHT = 25.0
+#: The chance that a pick ignores the weights and takes any endpoint of the tier.
+EXPLORATION_PROBABILITY = 0.15
+#: How long a speed sample counts, in seconds (the reference's metrics live one hour).
+SAMPLE_TTL = 3600.0
+#: How many recent samples an endpoint keeps at most (bounds memory; not in the reference).
+MAX_SAMPLES = 256
+
+Category = Literal["code", "reasoning", "creative", "image", "tool_call", "info", "chat"]
+"""What a request is about; the first matching rule of L{classify} wins."""
+Complexity = Literal["quick", "moderate", "deep"]
+"""How much work a request looks like."""
+
+# Signal substrings, matched in the lowercased text of every message; a score is the number
+# of distinct signals found. The lists are loopd's own (the reference only gives their sizes).
+_CODE_SIGNALS = (
+    "```", "def ", "function(", "=>", "#include", "import ", "printf", "console.log",
+    "stack trace", "traceback", "stderr", "stdout", "compile error", "compiler",
+    "syntax error", "segfault", "null pointer", "nullpointer", "refactor", "unit test",
+    "debug", "python", "javascript", "typescript", "golang", "rustc", "cargo ", "c++",
+    "kotlin", "sql", "regex", "json", "yaml", "bash", "shell script", "npm ", "pip install",
+    "dockerfile", "git commit", "source code", "code review",
+)  # fmt: skip
+_REASONING_SIGNALS = (
+    "prove that", "proof", "step by step", "reasoning", "why does", "why is", "explain why",
+    "derive", "calculate", "solve for", "solve this", "logic", "puzzle", "equation",
+    "theorem", "deduce", "compare and contrast",
+)  # fmt: skip
+_CREATIVE_SIGNALS = (
+    "a story", "short story", "poem", "poetry", "fiction", "lyrics", "song", "screenplay",
+    "haiku", "limerick", "creative",
+)  # fmt: skip
+_INFO_SIGNALS = (
+    "what is", "what are", "who is", "who was", "when did", "when was", "where is",
+    "definition of", "history of", "meaning of", "how many", "how much", "capital of",
+    "population of", "facts about", "tell me about", "explain what",
+)  # fmt: skip
+_IMAGE_SIGNALS = (
+    "image", "picture", "photo of", "photograph", "screenshot", "diagram", "drawing",
+    "illustration", "sketch",
+)  # fmt: skip
+_DEEP_SIGNALS = (
+    "in depth", "in-depth", "detailed", "comprehensive", "thorough", "step-by-step",
+    "architecture", "design a", "trade-off", "from scratch", "end to end", "end-to-end",
+    "deep dive", "research",
+)  # fmt: skip
+# The system prompt alone makes a request code when it names one of these.
+_CODE_SYSTEM_SIGNALS = ("developer", "coding", "programmer")
+
+_VISION_BLOCKS = frozenset({"image_url", "input_image", "image"})
+_AUDIO_BLOCKS = frozenset({"audio_url", "input_audio", "audio"})
+_FILE_BLOCKS = frozenset({"file", "input_file"})
+_TOOL_BLOCKS = frozenset({"tool_use", "tool_result"})
+_SYSTEM_ROLES = frozenset({"system", "developer"})
+
+
+@dataclass(frozen=True)
+class Classification:
+    """What L{classify} found in a request."""
+
+    category: Category
+    """The first matching category rule."""
+    complexity: Complexity
+    """Deep, quick or moderate."""
+    needs_tools: bool
+    """A non-empty C{tools} array, or a C{tool_use}/C{tool_result} content block."""
+    needs_vision: bool = False
+    """An image content block (or a block with an image field)."""
+    needs_audio: bool = False
+    """An audio content block (or a block with an audio field)."""
+    has_media: bool = False
+    """Any media block at all, files included."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One endpoint the router may pick, with the capabilities the filters look at."""
+
+    name: str
+    """The endpoint's name in loopd.toml (the model the gateway then addresses)."""
+    tier: Tier
+    """Big or small: L{loopd.moa.roles.tier_of} of the name and the configured C{size_b}."""
+    tools: bool = True
+    """Its chat template supports tools (L{tools_from_props})."""
+    vision: bool = False
+    """It accepts images (config)."""
+    audio: bool = False
+    """It accepts audio (config)."""
+    reasoning: bool = True
+    """It can reason; loopd has no source for this yet, so every endpoint qualifies."""
+
+
+class RandomSource(Protocol):
+    """The random numbers the router draws: C{random.Random} and test doubles fit."""
+
+    def random(self) -> float:
+        """A float in [0, 1)."""
+
+
+class NoEndpointError(GatewayError):
+    """No endpoint is configured, so an C{auto} request has nothing to run on (503)."""
+
+    def __init__(self) -> None:
+        """A 503 C{server_error}/C{no_endpoint}."""
+        super().__init__(503, "no endpoint is configured", "server_error", "no_endpoint")
+
+
+class MediaUnsupportedError(GatewayError):
+    """The request carries images or audio that no endpoint accepts (400)."""
+
+    def __init__(self, modalities: Sequence[str]) -> None:
+        """A 400 C{invalid_request_error}/C{media_unsupported} naming the C{modalities}."""
+        super().__init__(
+            400,
+            f"no endpoint accepts {' and '.join(modalities)} input",
+            "invalid_request_error",
+            "media_unsupported",
+        )
+
+
+@dataclass(frozen=True)
+class Route:
+    """The router's answer: the endpoints to try, in order, and why."""
+
+    candidates: tuple[Candidate, ...]
+    """Every endpoint that passed the filters, the pick first; never empty."""
+    classification: Classification
+    """What the request was classified as."""
+    explored: bool
+    """The first pick was the uniform exploration pick rather than the weighted one."""
+
+
+@dataclass(frozen=True)
+class SpeedStats:
+    """
+    An endpoint's recent generation speeds: the C{predicted_per_second} llama-server reports
+    on each completion, with the time it was recorded. The speed is their plain mean; a sample
+    counts for L{SAMPLE_TTL} seconds, and only the newest L{MAX_SAMPLES} are kept.
+    """
+
+    samples: tuple[tuple[float, float], ...] = field(default=())
+    """(recorded at, tokens per second) pairs, oldest first."""
+
+    def record(self, tokens_per_second: float | None, at: float) -> SpeedStats:
+        """
+        These statistics with one more sample recorded at C{at}. A missing, non-finite or
+        non-positive speed (a server that reports none, a completion of no tokens) is no
+        sample: the same statistics come back.
+        """
+        if tokens_per_second is None or not 0 < tokens_per_second < math.inf:
+            return self
+        kept = tuple(s for s in self.samples if at - s[0] < SAMPLE_TTL)
+        return SpeedStats((*kept, (at, float(tokens_per_second)))[-MAX_SAMPLES:])
+
+    def current(self, now: float) -> tuple[float, ...]:
+        """The speeds that still count at C{now}."""
+        return tuple(speed for at, speed in self.samples if now - at < SAMPLE_TTL)
+
+    def weight(self, now: float) -> float:
+        """The routing weight at C{now} (L{candidate_weight} of the current samples)."""
+        speeds = self.current(now)
+        average = math.fsum(speeds) / len(speeds) if speeds else None
+        return candidate_weight(average, len(speeds))
+
+
+def candidate_weight(average: float | None, samples: int) -> float:
+    """
+    §5 C{candidate_weight}: with at least L{MIN_SAMPLES} samples the average speed clamped
+    to [L{WEIGHT_MIN}, L{WEIGHT_MAX}] (no average: L{NEUTRAL_WEIGHT}); otherwise
+    L{NEUTRAL_WEIGHT}.
+    """
+    if samples < MIN_SAMPLES:
+        return NEUTRAL_WEIGHT
+    speed = NEUTRAL_WEIGHT if average is None or math.isnan(average) else average
+    return min(max(speed, WEIGHT_MIN), WEIGHT_MAX)
+
+
+def make_candidate(
+    name: str,
+    *,
+    size_b: float | None = None,
+    props: object = None,
+    vision: bool = False,
+    audio: bool = False,
+) -> Candidate:
+    """
+    The L{Candidate} for an endpoint: its tier by L{tier_of} (C{size_b} when configured,
+    else the single-digit-B name rule), tool use by L{tools_from_props} of its C{/props}
+    body (C{None} when it has none), vision and audio from its config.
+    """
+    return Candidate(
+        name, tier_of(name, size_b), tools=tools_from_props(props), vision=vision, audio=audio
+    )
+
+
+def tools_from_props(props: object) -> bool:
+    """
+    Whether an endpoint supports tool use, from its C{GET /props} body: C{False} only when
+    C{chat_template_caps.supports_tools} is C{false}. An endpoint without C{/props} (C{None},
+    an C{openai} server answering 404) or without the field is taken to support tools: the
+    reference's filter also keeps a "likely" capability, and the filter is a preference.
+    """
+    if not isinstance(props, Mapping):
+        return True
+    caps = props.get("chat_template_caps")
+    if not isinstance(caps, Mapping):
+        return True
+    return caps.get("supports_tools") is not False
+
+
+def wants_auto(body: Mapping[str, object]) -> bool:
+    """
+    Whether the C{auto} router serves a request: its C{model} is C{"auto"}, or missing,
+    C{null} or empty (no model named).
+    """
+    model = body.get("model")
+    return model is None or model == "" or model == "auto"
+
+
+def _named(value: object, names: frozenset[str]) -> bool:
+    """Whether C{value} is one of the strings C{names} (a list or dict never is)."""
+    return isinstance(value, str) and value in names
+
+
+def classify(body: Mapping[str, object]) -> Classification:
+    """
+    Classify an OpenAI (or Anthropic-style) chat request by heuristics on its text (§5).
+
+    Category, first match wins: code (the system prompt names developer, coding or
+    programmer; or code score ≥ 2; or code ≥ 1 with no reasoning and no creative signal),
+    reasoning (score ≥ 2), creative (≥ 1), image (vision needed or image score ≥ 1),
+    tool_call (tools needed, no code, reasoning or creative signal), info (score ≥ 2 and
+    no code signal), else chat. Complexity: deep (a deep signal, a last user message over
+    500 bytes, or over 10 messages), quick (last user message under 60 bytes, at most 2
+    messages, no reasoning or deep signal), else moderate. Malformed parts are skipped.
+    """
+    raw = body.get("messages")
+    messages = [m for m in raw if isinstance(m, Mapping)] if isinstance(raw, list) else []
+    text = "\n".join(t for m in messages for t in _texts(m.get("content"))).lower()
+    system = "\n".join(
+        t
+        for m in messages
+        if _named(m.get("role"), _SYSTEM_ROLES)
+        for t in _texts(m.get("content"))
+    ).lower()
+    blocks = [b for m in messages for b in _blocks(m.get("content"))]
+    tools = body.get("tools")
+    needs_tools = (isinstance(tools, list) and len(tools) > 0) or any(
+        _named(b.get("type"), _TOOL_BLOCKS) for b in blocks
+    )
+    vision = any(
+        _named(b.get("type"), _VISION_BLOCKS) or "image_url" in b or "image" in b for b in blocks
+    )
+    audio = any(
+        _named(b.get("type"), _AUDIO_BLOCKS) or "audio_url" in b or "audio" in b for b in blocks
+    )
+    has_media = vision or audio or any(_named(b.get("type"), _FILE_BLOCKS) for b in blocks)
+
+    code, reasoning, creative = (_score(text, s) for s in _SIGNAL_SETS[:3])
+    info, image, deep = (_score(text, s) for s in _SIGNAL_SETS[3:])
+    category: Category
+    if any(s in system for s in _CODE_SYSTEM_SIGNALS) or code >= 2:
+        category = "code"
+    elif code >= 1 and reasoning == 0 and creative == 0:
+        category = "code"
+    elif reasoning >= 2:
+        category = "reasoning"
+    elif creative >= 1:
+        category = "creative"
+    elif vision or image >= 1:
+        category = "image"
+    elif needs_tools and code == reasoning == creative == 0:
+        category = "tool_call"
+    elif info >= 2 and code == 0:
+        category = "info"
+    else:
+        category = "chat"
+
+    users = [m for m in messages if m.get("role") == "user"]
+    last_user = len("".join(_texts(users[-1].get("content"))).encode()) if users else 0
+    complexity: Complexity
+    if deep >= 1 or last_user > 500 or len(messages) > 10:
+        complexity = "deep"
+    elif last_user < 60 and len(messages) <= 2 and reasoning == 0 and deep == 0:
+        complexity = "quick"
+    else:
+        complexity = "moderate"
+    return Classification(category, complexity, needs_tools, vision, audio, has_media)
+
+
+_SIGNAL_SETS = tuple(
+    map(
+        frozenset,
+        (_CODE_SIGNALS, _REASONING_SIGNALS, _CREATIVE_SIGNALS)
+        + (_INFO_SIGNALS, _IMAGE_SIGNALS, _DEEP_SIGNALS),
+    )
+)
+
+
+def _score(text: str, signals: frozenset[str]) -> int:
+    """How many distinct signals occur in C{text}."""
+    return sum(1 for signal in signals if signal in text)
+
+
+def _blocks(content: object) -> Iterator[Mapping[str, object]]:
+    """The content blocks of a message's content (none for string content)."""
+    if isinstance(content, list):
+        yield from (block for block in content if isinstance(block, Mapping))
+
+
+def _texts(content: object) -> Iterator[str]:
+    """The text parts of a message's content: the string itself, or each block's C{text}."""
+    if isinstance(content, str):
+        yield content
+        return
+    for block in _blocks(content):
+        text = block.get("text")
+        if isinstance(text, str):
+            yield text
+
+
+def media_filter(
+    candidates: Sequence[Candidate], classification: Classification
+) -> tuple[Candidate, ...]:
+    """
+    The candidates that accept every modality the request carries (vision, audio). None
+    left for a request with images or audio raises L{MediaUnsupportedError}; a request with
+    only files (or no media) keeps every candidate.
+    """
+    kept = tuple(
+        c
+        for c in candidates
+        if (c.vision or not classification.needs_vision)
+        and (c.audio or not classification.needs_audio)
+    )
+    if not kept and candidates:
+        media = (("image", classification.needs_vision), ("audio", classification.needs_audio))
+        raise MediaUnsupportedError([name for name, needed in media if needed])
+    return kept
+
+
+def capability_filter(
+    candidates: Sequence[Candidate], classification: Classification
+) -> tuple[Candidate, ...]:
+    """
+    The candidates suited to the request: with tools, those that support tool use (this wins
+    over the category); else for a reasoning request those that reason; else for an image
+    request those with vision; else all. When the filter keeps none, all stay.
+    """
+    if classification.needs_tools:
+        kept = tuple(c for c in candidates if c.tools)
+    elif classification.category == "reasoning":
+        kept = tuple(c for c in candidates if c.reasoning)
+    elif classification.category == "image":
+        kept = tuple(c for c in candidates if c.vision)
+    else:
+        kept = tuple(candidates)
+    return kept or tuple(candidates)
+
+
+def pick_weighted(weights: Sequence[float], rng: RandomSource) -> tuple[int, bool]:
+    """
+    §5 C{pick_weighted}: the index of the pick among candidates with these C{weights}, and
+    whether it was the exploration pick. Draw one number; under L{EXPLORATION_PROBABILITY}
+    the next draw picks uniformly. Otherwise, with a positive total, the next draw times the
+    total picks the first candidate whose running sum exceeds it (the last if none); a total
+    of zero or less (or not finite) picks uniformly. One candidate draws nothing.
+    """
+    count = len(weights)
+    if count == 0:
+        raise ValueError("pick_weighted needs at least one candidate")
+    if count == 1:
+        return 0, False
+    if rng.random() < EXPLORATION_PROBABILITY:
+        return _uniform(count, rng), True
+    total = sum(weights)
+    if not total > 0 or not math.isfinite(total):
+        return _uniform(count, rng), False
+    pick = rng.random() * total
+    running = 0.0
+    for index, weight in enumerate(weights):
+        running += weight
+        if pick < running:
+            return index, False
+    return count - 1, False
+
+
+def _uniform(count: int, rng: RandomSource) -> int:
+    """An index in [0, count) from one draw."""
+    return min(int(rng.random() * count), count - 1)
+
+
+def route(
+    body: Mapping[str, object],
+    endpoints: Sequence[Candidate],
+    speeds: Mapping[str, SpeedStats],
+    now: float,
+    rng: RandomSource,
+) -> Route:
+    """
+    Route one C{auto} request (§5): classify it, apply the media filter, then (with more than
+    one candidate) the capability filter, and order what is left: the big tier before the
+    small tier, and within a tier repeated L{pick_weighted} draws by each endpoint's
+    L{SpeedStats} weight at C{now} (an endpoint missing from C{speeds} weighs neutral).
+
+    The order is a permutation of the filtered endpoints: the gateway tries them in turn when
+    a connection fails. Nothing about earlier requests or the session takes part.
+
+    @raise NoEndpointError: C{endpoints} is empty.
+    @raise MediaUnsupportedError: the request carries images or audio that no endpoint accepts.
+    """
+    if not endpoints:
+        raise NoEndpointError()
+    classification = classify(body)
+    kept = media_filter(endpoints, classification)
+    if len(kept) == 1:
+        return Route(kept, classification, False)
+    kept = capability_filter(kept, classification)
+    ordered: list[Candidate] = []
+    explored = False
+    for tier in (Tier.BIG, Tier.SMALL):
+        rest = [c for c in kept if c.tier == tier]
+        while rest:
+            weights = [speeds.get(c.name, SpeedStats()).weight(now) for c in rest]
+            index, exploring = pick_weighted(weights, rng)
+            if not ordered:
+                explored = exploring
+            ordered.append(rest.pop(index))
+    return Route(tuple(ordered), classification, explored)
