@@ -11,15 +11,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
+from loopd.gateway.classify import Classification, classify, wants_auto
 from loopd.gateway.errors import error_for
 from loopd.gateway.router import (
     Candidate,
-    Classification,
     MediaUnsupportedError,
     capability_filter,
-    classify,
     media_filter,
-    wants_auto,
 )
 from loopd.moa.roles import Tier
 
