@@ -18,55 +18,41 @@ Rules (the seed's, with DESIGN §3 decisions 10 and 20-23):
  - a lapsed lease is evicted whenever the scheduler is asked anything, so no lapsed lease is
    ever reported; the sweep's second pass yields idle activity-flagged holders to waiters;
  - passthrough (C{enabled: false}) grants at once; a reload never preempts a holder.
+
+No operation scans every queue or every waiter: lapses come off a heap by expiry, each
+connection's leases and waiters are indexed, and the next waiter of a queue is the top of
+its tier's heap (L{loopd.queue.scheduler_index}, L{loopd.queue.scheduler_queue}).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from loopd.queue.scheduler_index import ConnIndex, LapseHeap
 from loopd.queue.scheduler_queue import (
     QueueState,
     by_enqueue,
     by_grant,
+    in_grant_order,
+    in_order,
     next_waiter,
     status_entries,
 )
 from loopd.queue.scheduler_types import (
+    Clock,
     Grant,
     Lease,
     QueueEvent,
     Route,
     Router,
+    SchedulerCounters,
     Tier,
     Waiter,
 )
 
 __all__ = ["Clock", "Scheduler", "SchedulerCounters"]
-
-
-class Clock(Protocol):
-    """
-    The part of C{IReactorTime} the scheduler reads.
-    """
-
-    def seconds(self) -> float:
-        """
-        Return the current time in seconds.
-        """
-
-
-@dataclass(frozen=True)
-class SchedulerCounters:
-    """
-    Totals since the scheduler started: C{grants - releases - evictions} is the holder count.
-    """
-
-    grants: int
-    releases: int
-    evictions: int
-    switches: int
 
 
 def _ignore(event: QueueEvent) -> None:
@@ -102,9 +88,11 @@ class Scheduler:
         self._on_grant = on_grant
         self._on_event = on_event
         self._queues: dict[str, QueueState] = {}
-        self._pending: list[Grant] = []
+        self._pending: deque[Grant] = deque()
         self._seq = 0
         self._grants = self._releases = self._evictions = self._switches = 0
+        self._conns = ConnIndex()
+        self._lapses = LapseHeap(self._holds)
 
     # -- public operations -------------------------------------------------------------
 
@@ -134,17 +122,22 @@ class Scheduler:
         if lease is not None:
             self._refresh(queue, lease, now)
             lease.active_at = now
-            grant = self._grant_of(lease, queue_key, conn)
+            grant = lease.grant(queue_key, conn)
             self._pending.append(grant)
         elif waiter is not None:
-            waiter.conn, waiter.queue_key, waiter.role = conn, queue_key, role
+            self._conns.discard(waiter.conn, queue.key, session_key)
+            self._conns.add(conn, queue.key, session_key)
+            waiter.conn, waiter.queue_key = conn, queue_key
             waiter.group, waiter.activity = group, activity
+            queue.retier(waiter, role)
         elif queue.has_room() and not queue.waiting:
+            self._conns.add(conn, queue.key, session_key)
             grant = self._grant(queue, conn, queue_key, session_key, role, group, activity, now)
         else:
             self._seq += 1
             waiter = Waiter(conn, queue_key, session_key, role, group, activity, self._seq, now)
-            queue.waiting[session_key] = waiter
+            queue.enqueue(waiter)
+            self._conns.add(conn, queue.key, session_key)
             self._emit(QueueEvent("queued", queue.key, session_key, role))
         self._flush()
         return grant
@@ -169,7 +162,9 @@ class Scheduler:
         self._evict_lapsed(now)
         queue = self._queues.get(self._router(queue_key).queue_key)
         if queue is not None:
-            queue.waiting.pop(session_key, None)
+            waiter = queue.remove(session_key)
+            if waiter is not None:
+                self._conns.discard(waiter.conn, queue.key, session_key)
             if session_key in queue.holders:
                 self._drop_lease(queue, session_key, "cancel")
             self._fill(queue, now)
@@ -184,7 +179,7 @@ class Scheduler:
         for queue in self._queues.values():
             waiter = queue.waiting.get(session_key)
             if waiter is not None:
-                waiter.role = role
+                queue.retier(waiter, role)
         self._flush()
 
     def renew(self, conn: Hashable) -> None:
@@ -193,10 +188,11 @@ class Scheduler:
         """
         now = self._now()
         self._evict_lapsed(now)
-        for queue in self._queues.values():
-            for lease in queue.holders.values():
-                if lease.conn == conn:
-                    self._refresh(queue, lease, now)
+        for queue_key, session_key in self._conns.of(conn):
+            queue = self._queues[queue_key]
+            lease = queue.holders.get(session_key)
+            if lease is not None:
+                self._refresh(queue, lease, now)
         self._flush()
 
     def beat(self, queue_key: str, session_key: str) -> bool:
@@ -221,11 +217,18 @@ class Scheduler:
         """
         now = self._now()
         self._evict_lapsed(now)
-        for queue in self._queues.values():
-            for waiter in [w for w in queue.waiting.values() if w.conn == conn]:
-                del queue.waiting[waiter.session_key]
-            for lease in [le for le in queue.holders.values() if le.conn == conn]:
-                self._drop_lease(queue, lease.session_key, "disconnect")
+        held: dict[str, set[str]] = {}
+        touched: set[str] = set()
+        for queue_key, session_key in self._conns.of(conn):
+            touched.add(queue_key)
+            if self._queues[queue_key].remove(session_key) is None:
+                held.setdefault(queue_key, set()).add(session_key)
+            else:
+                self._conns.discard(conn, queue_key, session_key)
+        # a queue C{conn} had nothing in is as full as before: no room, or no waiter
+        for queue in in_order(self._queues, touched):
+            for session_key in in_grant_order(queue, held.get(queue.key, set())):
+                self._drop_lease(queue, session_key, "disconnect")
             self._fill(queue, now)
         self._flush()
 
@@ -262,7 +265,7 @@ class Scheduler:
         leases = sorted((le for q in old.values() for le in q.holders.values()), key=by_grant)
         waiters = sorted((w for q in old.values() for w in q.waiting.values()), key=by_enqueue)
         for key, queue in old.items():
-            queue.holders, queue.waiting = {}, {}
+            queue.clear()
             route = router(key)
             if route.queue_key == key:
                 queue.policy = route.settings
@@ -282,9 +285,10 @@ class Scheduler:
             queue = self._rehome(router(waiter.queue_key), old)
             held = queue.holders.get(waiter.session_key)
             if held is not None:
-                self._pending.append(self._grant_of(held, waiter.queue_key, waiter.conn))
+                self._pending.append(held.grant(waiter.queue_key, waiter.conn))
             elif waiter.session_key not in queue.waiting:
-                queue.waiting[waiter.session_key] = waiter
+                queue.enqueue(waiter)
+        self._reindex()
         for queue in self._queues.values():
             limit = queue.policy.max_streams
             if queue.policy.enabled and len(queue.holders) > limit:
@@ -299,6 +303,18 @@ class Scheduler:
                 )
             self._fill(queue, now)
         self._flush()
+
+    def _reindex(self) -> None:
+        """
+        Rebuild the connection indexes and the lapse heap after leases and waiters moved.
+        """
+        self._conns.clear()
+        for queue in self._queues.values():
+            for lease in queue.holders.values():
+                self._conns.add(lease.conn, queue.key, lease.session_key)
+            for waiter in queue.waiting.values():
+                self._conns.add(waiter.conn, queue.key, waiter.session_key)
+        self._lapses.rewatch(le for q in self._queues.values() for le in q.holders.values())
 
     def _rehome(self, route: Route, old: dict[str, QueueState]) -> QueueState:
         """
@@ -354,12 +370,22 @@ class Scheduler:
             self._queues[route.queue_key] = queue
         return queue
 
+    def _holds(self, lease: Lease) -> bool:
+        """
+        Return whether C{lease} is still held (not released, evicted or merged away).
+        """
+        queue = self._queues.get(lease.queue_key)
+        return queue is not None and queue.holders.get(lease.session_key) is lease
+
     def _refresh(self, queue: QueueState, lease: Lease, now: float) -> None:
         """
         Restart the lease's TTL on the longer of its term and the queue's current TTL.
         """
+        expires_at = lease.expires_at()
         lease.ttl_ms = lease.terms().grown(queue.policy.lease_ttl_ms).lease_ttl_ms
         lease.refreshed_at = now
+        if lease.expires_at() != expires_at:
+            self._lapses.push(lease, self._grants - self._releases - self._evictions)
 
     def _grant(
         self,
@@ -393,29 +419,16 @@ class Scheduler:
         )
         queue.holders[session_key] = lease
         self._grants += 1
+        self._lapses.push(lease, self._grants - self._releases - self._evictions)
         self._emit(QueueEvent("grant", queue.key, session_key, role))
         if switch:
             queue.switches += 1
             self._switches += 1
             self._emit(QueueEvent("switch", queue.key, session_key, role))
-        for waiter in queue.waiting.values():
-            waiter.parent_streak = waiter.parent_streak + 1 if role == "parent" else 0
-        grant = self._grant_of(lease, queue_key, conn)
+        queue.granted(role)
+        grant = lease.grant(queue_key, conn)
         self._pending.append(grant)
         return grant
-
-    def _grant_of(self, lease: Lease, queue_key: str, conn: Hashable) -> Grant:
-        """
-        Return the grant of C{lease} and its terms for C{conn}, keyed by the key it used.
-        """
-        return Grant(
-            conn,
-            queue_key,
-            lease.queue_key,
-            lease.session_key,
-            lease.ttl_ms,
-            lease.idle_yield_ms,
-        )
 
     def _fill(self, queue: QueueState, now: float) -> None:
         """
@@ -423,7 +436,7 @@ class Scheduler:
         """
         while queue.waiting and queue.has_room():
             w = next_waiter(queue, now)
-            del queue.waiting[w.session_key]
+            queue.remove(w.session_key)
             self._grant(
                 queue, w.conn, w.queue_key, w.session_key, w.role, w.group, w.activity, now, True
             )
@@ -433,21 +446,28 @@ class Scheduler:
         Remove a held lease and log its release.
         """
         lease = queue.holders.pop(session_key)
+        self._conns.discard(lease.conn, queue.key, session_key)
         self._releases += 1
         self._emit(QueueEvent("release", queue.key, session_key, lease.role, reason))
 
     def _evict_lapsed(self, now: float) -> None:
         """
-        The sweep's first pass: evict every lapsed lease, waiter or not, then refill.
+        The sweep's first pass: evict every lapsed lease, waiter or not, then refill; queue
+        by queue in status order, holders in grant order.
         """
-        for queue in self._queues.values():
-            lapsed = [le for le in queue.holders.values() if le.expires_at() <= now]
-            for lease in lapsed:
-                del queue.holders[lease.session_key]
+        leases = self._lapses.pop_lapsed(now)
+        if not leases:
+            return
+        lapsed: dict[str, set[str]] = {}
+        for lease in leases:
+            lapsed.setdefault(lease.queue_key, set()).add(lease.session_key)
+        for queue in in_order(self._queues, lapsed):
+            for session_key in in_grant_order(queue, lapsed[queue.key]):
+                lease = queue.holders.pop(session_key)
+                self._conns.discard(lease.conn, queue.key, session_key)
                 self._evictions += 1
-                self._emit(QueueEvent("evict", queue.key, lease.session_key, lease.role, "ttl"))
-            if lapsed:
-                self._fill(queue, now)
+                self._emit(QueueEvent("evict", queue.key, session_key, lease.role, "ttl"))
+            self._fill(queue, now)
 
     def _emit(self, event: QueueEvent) -> None:
         """
@@ -460,4 +480,4 @@ class Scheduler:
         Deliver the grants made by the operation that is ending, in order.
         """
         while self._pending:
-            self._on_grant(self._pending.pop(0))
+            self._on_grant(self._pending.popleft())

@@ -15,13 +15,16 @@ from typing import Literal, Protocol
 from loopd.queue.terms import LeaseTerms
 
 __all__ = [
+    "Clock",
     "EventName",
     "Grant",
     "Lease",
+    "ParentRun",
     "QueueEvent",
     "QueuePolicy",
     "Route",
     "Router",
+    "SchedulerCounters",
     "Settings",
     "StaticRoute",
     "StaticRouter",
@@ -31,6 +34,29 @@ __all__ = [
 
 Tier = Literal["parent", "child"]
 EventName = Literal["grant", "switch", "queued", "release", "evict", "config"]
+
+
+class Clock(Protocol):
+    """
+    The part of C{IReactorTime} the scheduler reads.
+    """
+
+    def seconds(self) -> float:
+        """
+        Return the current time in seconds.
+        """
+
+
+@dataclass(frozen=True)
+class SchedulerCounters:
+    """
+    Totals since the scheduler started: C{grants - releases - evictions} is the holder count.
+    """
+
+    grants: int
+    releases: int
+    evictions: int
+    switches: int
 
 
 @dataclass(frozen=True)
@@ -209,13 +235,56 @@ class Lease:
         """
         return LeaseTerms(self.ttl_ms, self.idle_yield_ms)
 
+    def grant(self, queue_key: str, conn: Hashable) -> Grant:
+        """
+        Return the grant of this lease and its terms for C{conn}, keyed by the key it used.
+        """
+        return Grant(
+            conn, queue_key, self.queue_key, self.session_key, self.ttl_ms, self.idle_yield_ms
+        )
+
 
 @dataclass
+class ParentRun:
+    """
+    A queue's run of consecutive parent grants, for aging by slots: C{length} parent grants
+    since the last child grant, which started run number C{epoch}.
+
+    A waiter keeps a mark into its queue's run instead of a count of its own, so a grant
+    costs the same whatever the number of waiters.
+    """
+
+    epoch: int = 0
+    length: int = 0
+
+    def granted(self, role: Tier) -> None:
+        """
+        Count a grant: a parent lengthens the run, a child ends it.
+        """
+        if role == "parent":
+            self.length += 1
+        else:
+            self.epoch += 1
+            self.length = 0
+
+    def streak(self, epoch: int, base: int) -> int:
+        """
+        Return the consecutive parent grants since the mark C{(epoch, base)} was taken (or
+        since the run that follows it began, when a child grant came between).
+        """
+        return self.length - base if epoch == self.epoch else self.length
+
+
+@dataclass(slots=True)
 class Waiter:
     """
-    A queued C{acquire}, with the key it asked with. C{seq} is its enqueue order;
-    C{parent_streak} counts the consecutive parent grants made while it waited (aging by
-    slots).
+    A queued C{acquire}, with the key it asked with. C{seq} is its enqueue order, and
+    waiters order by it (C{<}), so a heap of them yields the longest-waiting first.
+
+    While queued it follows its queue's C{run}, marked at C{(run_epoch, run_base)}; out of
+    a queue (C{run} is C{None}) C{run_base} is its streak. Its queue sets them
+    (L{loopd.queue.scheduler_queue.QueueState.enqueue}); change C{role} through the queue's
+    C{retier}, which keeps the tiers in step.
     """
 
     conn: Hashable
@@ -226,4 +295,35 @@ class Waiter:
     activity: bool
     seq: int
     enqueued_at: float
-    parent_streak: int = 0
+    run: ParentRun | None = field(default=None, repr=False, compare=False)
+    run_epoch: int = 0
+    run_base: int = 0
+
+    def __lt__(self, other: Waiter) -> bool:
+        """
+        Return whether this waiter queued before C{other}.
+        """
+        return self.seq < other.seq
+
+    @property
+    def parent_streak(self) -> int:
+        """
+        The consecutive parent grants made while it waited (aging by slots).
+        """
+        run = self.run
+        if run is None:
+            return self.run_base
+        return run.streak(self.run_epoch, self.run_base)
+
+    def join(self, run: ParentRun) -> None:
+        """
+        Follow C{run} from now on, keeping the streak counted so far.
+        """
+        streak = self.parent_streak
+        self.run, self.run_epoch, self.run_base = run, run.epoch, run.length - streak
+
+    def leave(self) -> None:
+        """
+        Stop following the queue's run: the streak stays what it is now.
+        """
+        self.run, self.run_epoch, self.run_base = None, 0, self.parent_streak
