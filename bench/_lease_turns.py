@@ -23,6 +23,7 @@ import http.client
 import json
 import os
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -195,12 +196,13 @@ def print_turns(
     results: list[tuple[str, dict[str, TurnsResult]]], sessions: int, turns: int, think: float
 ) -> None:
     """Print part 4: prompt tokens evaluated per path and setting, the saving, the goal."""
-    print(
-        f"\nPart 4, {sessions} agent sessions x {turns} turns, all at once, on a ONE-slot"
+    header = (
+        f"Part 4, {sessions} agent sessions x {turns} turns, all at once, on a ONE-slot"
         f" llama.cpp server ({SYSTEM_WORDS}-word system prompts, {think:g} s between a"
         " session's turns): prompt tokens the server evaluated (its timings.prompt_n),"
         " straight to it (the anchor) and through twist loopd (grace 3 s)"
     )
+    print("\n" + textwrap.fill(header, 88) + "\n")
     head = ("server's RAM prompt cache", "direct", "loopd", "fewer", "wall direct", "wall loopd")
     print(f"{head[0]:<30}{head[1]:>9}{head[2]:>9}{head[3]:>8}{head[4]:>13}{head[5]:>12}")
     for label, run in results:
