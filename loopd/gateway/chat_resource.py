@@ -14,8 +14,9 @@ the upstream request, and llama-server frees the slot.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
@@ -50,6 +51,7 @@ SESSION_HEADER = b"x-session-id"
 ROLE_HEADER = b"x-session-role"
 END_HEADER = b"x-session-end"
 _ENDS = {b"true": True, b"1": True, b"false": False, b"0": False}
+T = TypeVar("T")
 _ROLES = {b"parent": "parent", b"child": "child"}
 _FIRST_TOKEN = (Content, Reasoning, ToolCallDelta)
 
@@ -103,19 +105,7 @@ def session_end(request: Request) -> bool:
 
     @raise GatewayError: 400 for any other value.
     """
-    value = request.getHeader(END_HEADER)
-    if value is None:
-        return False
-    final = _ENDS.get(value.strip().lower())
-    if final is None:
-        shown = value.decode("utf-8", "backslashreplace")
-        raise GatewayError(
-            400,
-            f"X-Session-End must be true or false, got {shown!r}",
-            "invalid_request_error",
-            "invalid_session_end",
-        )
-    return final
+    return _header_choice(request, END_HEADER, _ENDS, False, "true or false")
 
 
 def session_role(request: Request) -> str:
@@ -124,19 +114,29 @@ def session_role(request: Request) -> str:
 
     @raise GatewayError: 400 for any other value.
     """
-    value = request.getHeader(ROLE_HEADER)
+    return _header_choice(request, ROLE_HEADER, _ROLES, "parent", "parent or child")
+
+
+def _header_choice(
+    request: Request, header: bytes, choices: Mapping[bytes, T], default: T, expected: str
+) -> T:
+    """
+    The value C{header} names among C{choices} (any case), C{default} when it is absent.
+
+    @raise GatewayError: 400 C{invalid_<header name>} for any other value.
+    """
+    value = request.getHeader(header)
     if value is None:
-        return "parent"
-    role = _ROLES.get(value.strip().lower())
-    if role is None:
+        return default
+    chosen = choices.get(value.strip().lower())
+    if chosen is None:
+        name = "-".join(part.capitalize() for part in header.decode().split("-"))
         shown = value.decode("utf-8", "backslashreplace")
+        code = "invalid_" + header.decode().removeprefix("x-").replace("-", "_")
         raise GatewayError(
-            400,
-            f"X-Session-Role must be parent or child, got {shown!r}",
-            "invalid_request_error",
-            "invalid_session_role",
+            400, f"{name} must be {expected}, got {shown!r}", "invalid_request_error", code
         )
-    return role
+    return chosen
 
 
 class _Exchange:

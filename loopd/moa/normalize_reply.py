@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from loopd.moa.normalize_json import loads_strict
+from loopd.moa.normalize_json import normalize_tool_arguments
 from loopd.moa.normalize_think import extract_thinking, strip_thinking
 
 __all__ = ["UNKNOWN_TOOL", "Reply", "extract_reply"]
@@ -73,14 +73,10 @@ def _text(value: object) -> str:
 def _native_arguments(value: object) -> dict[str, Any]:
     """
     A native tool call's arguments as an object: JSON text holding an object, or an object;
-    anything else is C{{}}.
+    anything else is C{{}} (the sanitizer's rule, with the arguments present).
     """
-    if isinstance(value, str):
-        try:
-            value = loads_strict(value)
-        except ValueError:
-            return {}
-    return value if isinstance(value, dict) else {}
+    arguments = normalize_tool_arguments(True, value)
+    return {} if arguments is None else arguments
 
 
 def _first_tool_call(calls: list[Any]) -> tuple[str, dict[str, Any]]:
