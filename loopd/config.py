@@ -52,6 +52,7 @@ from loopd.settings import (
     EndpointKind,
     Expect,
     Limits,
+    Mesh,
     Queue,
     Retry,
     Sampling,
@@ -72,6 +73,7 @@ __all__ = [
     "EndpointKind",
     "Expect",
     "Limits",
+    "Mesh",
     "Queue",
     "Retry",
     "Sampling",
@@ -183,6 +185,9 @@ _ENDPOINT_RULES: Final[Mapping[str, Rule]] = {
     "kind": one_of("llama-server", "openai"),
     "model": string(),
     "selftest": boolean,
+    "size_b": number(0, 1_000_000, min_open=True),
+    "vision": boolean,
+    "audio": boolean,
 }
 
 
@@ -297,6 +302,7 @@ _SECTIONS: Final[Mapping[str, _Section]] = {
     "endpoint": _Section("endpoints", _parse_endpoints),
     "server": _Section("server", table_parser(Server, _SERVER_RULES)),
     "queue": _Section("queue", table_parser(Queue, _QUEUE_RULES)),
+    "mesh": _Section("mesh", table_parser(Mesh, {"strong_patience_ms": integer(0, INT32_MAX)})),
 }
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "EndpointKind",
     "Expect",
     "Limits",
+    "Mesh",
     "Queue",
     "Retry",
     "Sampling",
@@ -145,6 +146,13 @@ class Endpoint:
     """The model id sent upstream, or None to send none."""
     selftest: bool = True
     """Run the startup self-test (only for C{llama-server} endpoints)."""
+    size_b: float | None = None
+    """The model's size in billions of parameters; below 10 is the small tier for mesh roles
+    and the auto router. None: the tier comes from the name (a single-digit-B name is small)."""
+    vision: bool = False
+    """The model takes images (the auto router sends image requests only to such endpoints)."""
+    audio: bool = False
+    """The model takes audio (likewise for audio requests)."""
     expect: Expect = field(default_factory=Expect)
     """What the self-test checks in /props."""
 
@@ -157,6 +165,14 @@ class Server:
     """A strports description; None: a Unix socket C{loopd.sock} in the default directory."""
     body_bytes: int = 8 * 1024 * 1024
     """The largest request body the gateway accepts; a larger one is refused with 413."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mesh:
+    """The mixture of agents, C{model: "mesh"} ([mesh])."""
+
+    strong_patience_ms: int = 20_000
+    """How long a small-tier consensus waits for a still-running big-tier Strong worker."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,6 +217,8 @@ class Config:
     """The gateway's listener."""
     queue: Queue = field(default_factory=Queue)
     """The lease scheduler."""
+    mesh: Mesh = field(default_factory=Mesh)
+    """The mixture of agents."""
 
     def endpoint(self, name: str) -> Endpoint:
         """Return the endpoint called C{name}; raise KeyError if there is none."""

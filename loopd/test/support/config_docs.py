@@ -18,6 +18,7 @@ from loopd.config import (
     Endpoint,
     Expect,
     Limits,
+    Mesh,
     Queue,
     Retry,
     Sampling,
@@ -37,6 +38,7 @@ SECTION_TYPES: dict[str, type] = {
     "sampling": Sampling,
     "server": Server,
     "queue": Queue,
+    "mesh": Mesh,
 }
 """Each top-level table of a document other than [[endpoint]], with its dataclass."""
 
@@ -164,6 +166,9 @@ def endpoints_of(kind: str, selftest: st.SearchStrategy[bool]) -> st.SearchStrat
         socket=st.text("abcz09._-/", max_size=40).map(lambda tail: "/tmp/" + tail),
         model=optional(st.text(min_size=1, max_size=20)),
         expect=expects,
+        size_b=optional(reals(0, 1_000_000, open_low=True)),
+        vision=st.booleans(),
+        audio=st.booleans(),
     )
 
 
@@ -205,6 +210,7 @@ configs = st.builds(
         frequency_penalty=optional(reals(-2, 2)),
         seed=optional(st.integers(0, 2**32 - 1)),
     ),
+    mesh=st.builds(Mesh, strong_patience_ms=st.integers(0, 2**31 - 1)),
     queue=st.builds(
         Queue,
         serve=st.booleans(),
