@@ -143,11 +143,13 @@ class LoopdService(Service):
             for line in report.lines():
                 _log.info("selftest {endpoint}: {line}", endpoint=report.endpoint, line=line)
         slot_counts = {}
+        props_by_name: dict[str, object] = {}
         for name, client in self.clients.items():
             if client.endpoint.kind == "llama-server":
                 try:
                     props = yield client.props()
                     slot_counts[name] = int(props.get("total_slots") or 1)
+                    props_by_name[name] = props
                 except Exception as e:  # noqa: BLE001 - the slot count is a hint only
                     _log.warn(
                         "{endpoint}: /props unavailable ({error}); assuming 1 slot",
@@ -156,7 +158,12 @@ class LoopdService(Service):
                     )
         leases = self._start_queue(slot_counts)
         self.gateway = Gateway(
-            self._reactor, self.config, self.clients, slot_counts=slot_counts, leases=leases
+            self._reactor,
+            self.config,
+            self.clients,
+            slot_counts=slot_counts,
+            leases=leases,
+            props=props_by_name,
         )
         self._port = yield self._listen(self.gateway)
         _log.info(

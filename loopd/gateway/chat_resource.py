@@ -14,7 +14,7 @@ the upstream request, and llama-server frees the slot.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -36,6 +36,7 @@ from loopd.gateway.translate import (
 from loopd.llama.types import (
     ChatEvent,
     Completion,
+    Connect,
     Content,
     Queued,
     Reasoning,
@@ -89,12 +90,13 @@ class ChatCompletions(Resource):
         try:
             role = session_role(request)
             final = session_end(request)
+            routed = self._gateway.route_auto(body)
             parsed = parse_request(body)
-            endpoint = self._gateway.endpoint_for(parsed.model)
+            first, *rest = routed or (self._gateway.endpoint_for(parsed.model),)
         except GatewayError as e:
             self._gateway.metrics.observe_request("-", e.code)
             return write_json(request, e.status, e.body())
-        _Exchange(self._gateway, request, parsed, endpoint, role, final).start()
+        _Exchange(self._gateway, request, parsed, first, role, final, rest).start()
         return NOT_DONE_YET
 
 
@@ -142,6 +144,10 @@ def _header_choice(
 class _Exchange:
     """
     One request's way through the gateway: slot choice, the upstream call, the answer.
+
+    An C{auto} request comes with C{alternatives}, the router's next candidates: when its
+    endpoint cannot be connected to before anything went to the client, the exchange gives
+    its lease back and tries the next one, each once.
     """
 
     def __init__(
@@ -152,24 +158,22 @@ class _Exchange:
         endpoint: Any,
         role: str = "parent",
         final: bool = False,
+        alternatives: Sequence[Any] = (),
     ) -> None:
         self._gateway = gateway
+        self._alternatives = list(alternatives)
         self._role = role
         self._final = final
         self._hold: Any = None
         self._leasing: Deferred[Any] | None = None
         self._request = request
         self._parsed = parsed
-        self._endpoint = endpoint
-        self._client = gateway.clients[endpoint.name]
         self._reactor = gateway.reactor
         self._started_at = self._reactor.seconds()
         self._first_token_seen = False
         self._completion_id = new_completion_id()
         self._created = int(gateway.wall_clock())
-        self._chunks = ChunkStream(
-            self._completion_id, endpoint.name, self._created, parsed.include_usage
-        )
+        self._use(endpoint)
         self._streaming = False
         self._finished = False
         self._call: Deferred[Completion] | None = None
@@ -180,6 +184,14 @@ class _Exchange:
             else gateway.sessions.anonymous_id(request.channel)
         )
 
+    def _use(self, endpoint: Any) -> None:
+        """Serve the request from C{endpoint} from now on."""
+        self._endpoint = endpoint
+        self._client = self._gateway.clients[endpoint.name]
+        self._chunks = ChunkStream(
+            self._completion_id, endpoint.name, self._created, self._parsed.include_usage
+        )
+
     def start(self) -> None:
         """
         Take the session's lease, then choose the slot and send the request upstream;
@@ -187,6 +199,10 @@ class _Exchange:
         """
         self._gateway.in_flight.add(self)
         self._request.notifyFinish().addErrback(self._client_gone)
+        self._acquire()
+
+    def _acquire(self) -> None:
+        """Take the session's lease on the endpoint (when leasing), then L{_go}."""
         leases = self._gateway.leases
         if leases is None:
             self._go()
@@ -293,6 +309,7 @@ class _Exchange:
         name = self._endpoint.name
         gateway.metrics.observe_request(name, "ok")
         gateway.metrics.observe_completion(name, completion.timings)
+        gateway.record_speed(name, completion.timings.predicted_per_second)
         self._note_cache(completion)
         if self._parsed.stream:
             self._start_stream()
@@ -329,7 +346,28 @@ class _Exchange:
         self._leasing = None
         if self._finished or reason.check(CancelledError):
             return
+        if reason.check(Connect) and self._alternatives and not self._streaming:
+            self._fail_over(reason)
+            return
         self._end_with_error(error_for(reason.value or Exception(reason.getErrorMessage())))
+
+    def _fail_over(self, reason: Failure) -> None:
+        """
+        The endpoint could not be connected to and the client has seen nothing yet: give
+        its lease back and try the router's next candidate.
+        """
+        failed, self._hold = self._hold, None
+        if failed is not None:
+            # Nothing of the session is cached there: its lease goes back without grace.
+            self._gateway.leases.done(failed, True)
+        _log.warn(
+            "auto: {endpoint} unreachable ({error}); trying {next}",
+            endpoint=self._endpoint.name,
+            error=reason.getErrorMessage(),
+            next=self._alternatives[0].name,
+        )
+        self._use(self._alternatives.pop(0))
+        self._acquire()
 
     def _end_with_error(self, error: GatewayError) -> None:
         if self._finished:

@@ -16,10 +16,12 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from loopd import http
+from loopd.gateway.auto import AUTO_MODEL, AutoRouter
 from loopd.gateway.chat_resource import ChatCompletions, write_json
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.leases import GatewayLeases, queue_status
 from loopd.gateway.metrics import GatewayMetrics
+from loopd.gateway.router import RandomSource
 from loopd.gateway.sessions import Sessions
 from loopd.llama import Client
 from loopd.settings import Config, Endpoint
@@ -204,6 +206,8 @@ class Gateway:
         sessions: Sessions | None = None,
         wall_clock: Callable[[], float] = time.time,
         leases: GatewayLeases | None = None,
+        props: Mapping[str, object] | None = None,
+        rng: RandomSource | None = None,
     ) -> None:
         """
         @param slot_counts: each endpoint's number of slots (from its C{/props}); an
@@ -212,6 +216,9 @@ class Gateway:
         @param leases: the lease scheduler's gateway side (bound to its scheduler); each
             request then takes a lease on its endpoint's queue, and C{GET /v1/queue} serves
             the scheduler's status. C{None}: no leases, C{/v1/queue} answers 404.
+        @param props: each endpoint's C{/props} body, by name, for the C{auto} router's
+            candidates (tool use); an endpoint not named gets the defaults.
+        @param rng: the C{auto} router's random source (default C{random.Random()}).
         """
         self.reactor = reactor
         self.config = config
@@ -224,6 +231,7 @@ class Gateway:
         if leases is not None and leases.scheduler is not None:
             self.metrics.watch_scheduler(leases.scheduler)
         self._slot_counts = dict(slot_counts or {})
+        self.router = AutoRouter(config.endpoints, props, rng)
         for name, client in self.clients.items():
             waiting = getattr(client.gate, "waiting", None)
             # Gates other than SlotGate may not say how many requests wait.
@@ -247,6 +255,22 @@ class Gateway:
                 "invalid_request_error",
                 "model_not_found",
             ) from None
+
+    def route_auto(self, body: bytes) -> tuple[Endpoint, ...] | None:
+        """
+        The endpoints to try, in order, for a request whose C{model} is C{auto} or missing
+        (the C{auto} router's order for its raw C{body}); C{None} for any other request.
+
+        @raise GatewayError: the router's errors (C{media_unsupported}, C{no_endpoint}).
+        """
+        chosen = self.router.route(body, self.reactor.seconds())
+        if chosen is None:
+            return None
+        return tuple(self.config.endpoint(c.name) for c in chosen.candidates)
+
+    def record_speed(self, name: str, tokens_per_second: float | None) -> None:
+        """Note the generation speed of a completion endpoint C{name} just finished."""
+        self.router.record(name, tokens_per_second, self.reactor.seconds())
 
     def slot_count(self, name: str) -> int:
         """
@@ -296,6 +320,7 @@ class Gateway:
             {"id": e.name, "object": "model", "created": created, "owned_by": "loopd"}
             for e in self.config.endpoints
         ]
+        data.append({"id": AUTO_MODEL, "object": "model", "created": created, "owned_by": "loopd"})
         return 200, {"object": "list", "data": data}
 
     def _health(self) -> Deferred[tuple[int, object]]:

@@ -1,0 +1,291 @@
+"""
+Tests for the C{auto} model in the gateway (L{loopd.gateway.auto} and its wiring in
+L{loopd.gateway.site} and L{loopd.gateway.chat_resource}): routed requests, speeds recorded
+from completions, the capability and media filters, fail-over on a connection failure and
+C{/v1/models}. Two scripted fake llama-servers (C{tiny} and C{big}) in memory on a
+C{MemoryReactorClock}; the router's random numbers come from a script, so picks are exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from loopd.config import Config
+from loopd.gateway.leases import GatewayLeases
+from loopd.gateway.site import Gateway
+from loopd.queue.host import QueueHost
+from loopd.test.support.fake_llama import CHAT, FakeLlama
+from loopd.test.test_gateway_site import (
+    HI,
+    NOW,
+    OTHER_PATH,
+    TIMINGS,
+    Harness,
+    answer,
+    make_config,
+)
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+IMAGE = {
+    "messages": [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+            ],
+        }
+    ]
+}
+NO_TOOLS = {"chat_template_caps": {"supports_tools": False}}
+
+
+class Scripted:
+    """A random source that returns scripted numbers and fails when it runs out."""
+
+    def __init__(self, *numbers: float) -> None:
+        """Return C{numbers}, in order."""
+        self.numbers = list(numbers)
+
+    def random(self) -> float:
+        """The next scripted number."""
+        return self.numbers.pop(0)
+
+
+def auto_config(**endpoint_changes: Mapping[str, Any]) -> Config:
+    """L{make_config} with C{tiny} and C{big}, each endpoint's fields changed as given."""
+    config = make_config(endpoints=("tiny", "big"))
+    endpoints = tuple(
+        dataclasses.replace(e, **endpoint_changes.get(e.name, {})) for e in config.endpoints
+    )
+    return dataclasses.replace(config, endpoints=endpoints)
+
+
+class AutoHarness(Harness):
+    """
+    L{Harness} with a second fake (C{big}, unless C{big_listens} is false), the router's
+    random source scripted, C{/props} bodies given, and leases when asked for.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        rng: Scripted,
+        props: Mapping[str, object] | None = None,
+        *,
+        big_listens: bool = True,
+        leases: bool = False,
+    ) -> None:
+        """A gateway over C{config} routing with C{rng}."""
+        super().__init__(config)
+        self.big = FakeLlama(self.reactor)
+        if big_listens:
+            self.net.listen(OTHER_PATH, self.big)
+        self.leases = None
+        if leases:
+            self.leases = GatewayLeases(self.reactor, 60_000)
+            counts = {e.name: e.expect.total_slots or 1 for e in self.config.endpoints}
+            self.host = QueueHost(self.reactor, self.leases.on_grant, slot_counts=counts)
+            self.leases.bind(self.host.scheduler)
+        self.gateway = Gateway(
+            self.reactor,
+            self.config,
+            self.gateway.clients,
+            wall_clock=lambda: NOW,
+            props=props,
+            rng=rng,
+            leases=self.leases,
+        )
+        self.site = self.gateway.site()
+
+    def served(self) -> tuple[int, int]:
+        """How many chat requests C{tiny} and C{big} received."""
+        return len(self.fake.requests_to("POST", CHAT)), len(self.big.requests_to("POST", CHAT))
+
+
+class AutoTestCase(SynchronousTestCase):
+    """Helpers the tests share."""
+
+    def ask(self, harness: AutoHarness, document: object) -> Any:
+        """POST C{document}, let the answer come; the whole 200 JSON answer."""
+        connection = harness.post(document)
+        harness.advance(1)
+        response = connection.response()
+        self.assertEqual((response.status, response.complete), (200, True), response.body)
+        return response.json()
+
+    def script_both(self, harness: AutoHarness, count: int = 1) -> None:
+        """Let each fake answer C{count} chat requests."""
+        harness.fake.script("POST", CHAT, *[answer({"content": "tiny"})] * count)
+        harness.big.script("POST", CHAT, *[answer({"content": "big"})] * count)
+
+
+class PickTests(AutoTestCase):
+    """Which endpoint an C{auto} request goes to."""
+
+    def test_weighted_pick(self) -> None:
+        """Neutral weights 25/25: a draw under half the total picks tiny, over half big."""
+        for draw, served, model in ((0.4, (1, 0), "tiny"), (0.6, (0, 1), "big")):
+            harness = AutoHarness(auto_config(), Scripted(0.5, draw))
+            self.script_both(harness)
+            body = self.ask(harness, {**HI, "model": "auto"})
+            self.assertEqual((harness.served(), body["model"]), (served, model))
+
+    def test_no_model_is_auto(self) -> None:
+        """No model, a null model and an empty model are routed like auto."""
+        for document in (HI, {**HI, "model": None}, {**HI, "model": ""}):
+            harness = AutoHarness(auto_config(), Scripted(0.5, 0.6))
+            self.script_both(harness)
+            self.assertEqual(self.ask(harness, document)["model"], "big")
+            self.assertEqual(harness.served(), (0, 1))
+
+    def test_named_model_unchanged(self) -> None:
+        """A request that names an endpoint goes there and draws no random number."""
+        harness = AutoHarness(auto_config(), Scripted())
+        self.script_both(harness)
+        self.assertEqual(self.ask(harness, {**HI, "model": "big"})["model"], "big")
+        self.assertEqual(harness.served(), (0, 1))
+
+    def test_exploration(self) -> None:
+        """A first draw under 15 % picks uniformly with the second draw."""
+        harness = AutoHarness(auto_config(), Scripted(0.1, 0.7))
+        self.script_both(harness)
+        self.assertEqual(self.ask(harness, HI)["model"], "big")
+
+    def test_big_tier_first(self) -> None:
+        """A big-tier endpoint is picked before a small-tier one, with no draw."""
+        config = auto_config(tiny={"size_b": 70.0}, big={"size_b": 3.0})
+        harness = AutoHarness(config, Scripted())
+        self.script_both(harness)
+        self.assertEqual(self.ask(harness, HI)["model"], "tiny")
+
+
+class SpeedTests(AutoTestCase):
+    """Speeds from completions weigh the picks."""
+
+    def test_speeds_recorded(self) -> None:
+        """Each completion's predicted_per_second is a sample, at the reactor's time."""
+        harness = AutoHarness(auto_config(), Scripted())
+        self.script_both(harness)
+        harness.advance(5)
+        self.ask(harness, {**HI, "model": "tiny"})
+        samples = harness.gateway.router.speeds["tiny"].samples
+        self.assertEqual([speed for _, speed in samples], [TIMINGS["predicted_per_second"]])
+        self.assertNotIn("big", harness.gateway.router.speeds)
+
+    def test_no_speed_no_sample(self) -> None:
+        """A completion without predicted_per_second records nothing."""
+        harness = AutoHarness(auto_config(), Scripted())
+        harness.fake.script("POST", CHAT, answer({"content": "x"}, timings={"predicted_n": 1}))
+        self.ask(harness, {**HI, "model": "tiny"})
+        self.assertEqual(harness.gateway.router.speeds["tiny"].samples, ())
+
+    def test_speeds_change_the_pick(self) -> None:
+        """Three fast answers from tiny (100 t/s vs neutral 25) turn a 0.7 draw to tiny."""
+        fast = {**TIMINGS, "predicted_per_second": 100.0}
+        harness = AutoHarness(auto_config(), Scripted(0.5, 0.7))
+        harness.fake.script("POST", CHAT, *[answer({"content": "x"}, timings=fast)] * 4)
+        for _ in range(3):
+            self.ask(harness, {**HI, "model": "tiny"})
+        self.assertEqual(self.ask(harness, HI)["model"], "tiny")
+        unmeasured = AutoHarness(auto_config(), Scripted(0.5, 0.7))
+        self.script_both(unmeasured)
+        self.assertEqual(self.ask(unmeasured, HI)["model"], "big")
+
+
+class FilterTests(AutoTestCase):
+    """The capability and media filters."""
+
+    def test_tools_to_tool_endpoint(self) -> None:
+        """A request with tools goes to the endpoint whose /props says it supports tools."""
+        harness = AutoHarness(auto_config(), Scripted(0.5, 0.1), {"tiny": NO_TOOLS})
+        self.script_both(harness)
+        self.assertEqual(self.ask(harness, {**HI, "tools": [TOOL]})["model"], "big")
+        self.assertEqual(harness.served(), (0, 1))
+
+    def test_no_tools_any_endpoint(self) -> None:
+        """Without tools the endpoint without tool support may still be picked."""
+        harness = AutoHarness(auto_config(), Scripted(0.5, 0.1), {"tiny": NO_TOOLS})
+        self.script_both(harness)
+        self.assertEqual(self.ask(harness, HI)["model"], "tiny")
+
+    def test_image_without_vision(self) -> None:
+        """An image request and no vision endpoint: 400 media_unsupported, nothing sent."""
+        harness = AutoHarness(auto_config(), Scripted(0.5, 0.5))
+        response = harness.post(IMAGE).response()
+        self.assertEqual(response.status, 400)
+        self.assertEqual(response.json()["error"]["code"], "media_unsupported")
+        self.assertEqual(harness.served(), (0, 0))
+
+    def test_image_with_vision(self) -> None:
+        """With a vision endpoint the router passes an image request; the parser refuses it."""
+        harness = AutoHarness(auto_config(big={"vision": True}), Scripted())
+        response = harness.post(IMAGE).response()
+        self.assertEqual(response.status, 400)
+        self.assertEqual(response.json()["error"]["code"], "unsupported_content")
+
+
+class FailOverTests(AutoTestCase):
+    """A connection failure on the chosen endpoint moves to the next candidate."""
+
+    def test_connect_fails_over(self) -> None:
+        """tiny unreachable: the request is answered by big."""
+        harness = AutoHarness(auto_config(), Scripted(0.5, 0.1))
+        harness.net.stop_listening(harness.config.endpoints[0].socket)
+        self.script_both(harness)
+        body = self.ask(harness, HI)
+        self.assertEqual((body["model"], harness.served()), ("big", (0, 1)))
+
+    def test_connect_fails_over_stream(self) -> None:
+        """A streamed auto request fails over too: the client sees only big's stream."""
+        harness = AutoHarness(auto_config(), Scripted(0.5, 0.1))
+        harness.net.stop_listening(harness.config.endpoints[0].socket)
+        self.script_both(harness)
+        connection = harness.post({**HI, "stream": True})
+        harness.advance(1)
+        data = connection.response().data()
+        self.assertEqual(data[-1], "[DONE]")
+        self.assertEqual({d["model"] for d in data[:-1]}, {"big"})
+
+    def test_connect_fails_over_with_leases(self) -> None:
+        """Under leases the failed endpoint's lease goes back at once (no grace)."""
+        harness = AutoHarness(auto_config(), Scripted(0.5, 0.1), leases=True)
+        harness.net.stop_listening(harness.config.endpoints[0].socket)
+        self.script_both(harness)
+        self.assertEqual(self.ask(harness, HI)["model"], "big")
+        assert harness.leases is not None
+        self.assertEqual(len(harness.leases.held_sessions("tiny")), 0)
+        self.assertEqual(len(harness.leases.held_sessions("big")), 1)
+
+    def test_all_unreachable(self) -> None:
+        """Every candidate unreachable: the last failure answers, 502 connect."""
+        harness = AutoHarness(auto_config(), Scripted(0.5, 0.1), big_listens=False)
+        harness.net.stop_listening(harness.config.endpoints[0].socket)
+        connection = harness.post(HI)
+        harness.advance(1)
+        response = connection.response()
+        self.assertEqual((response.status, response.json()["error"]["code"]), (502, "connect"))
+
+    def test_named_model_no_fail_over(self) -> None:
+        """A named endpoint that cannot be connected to is a 502, not another endpoint."""
+        harness = AutoHarness(auto_config(), Scripted())
+        harness.net.stop_listening(harness.config.endpoints[0].socket)
+        self.script_both(harness)
+        connection = harness.post({**HI, "model": "tiny"})
+        harness.advance(1)
+        self.assertEqual(connection.response().status, 502)
+        self.assertEqual(harness.served(), (0, 0))
+
+
+class ModelsTests(SynchronousTestCase):
+    """C{/v1/models} lists the virtual model auto after the endpoints."""
+
+    def test_auto_listed(self) -> None:
+        """The ids are the endpoints in config order, then auto."""
+        harness = AutoHarness(auto_config(), Scripted())
+        ids = [m["id"] for m in harness.get("/v1/models").response().json()["data"]]
+        self.assertEqual(ids, ["tiny", "big", "auto"])
