@@ -13,7 +13,6 @@ import os
 import signal
 import sys
 import textwrap
-from types import FrameType
 
 from _lease_turns import TurnsResult, measure_all, print_turns
 from _queue_echo import start_echo
@@ -28,7 +27,7 @@ from _queue_runs import (
 )
 from _queue_stack import DAEMON_CMD, PLACEMENTS, Daemon, Placement, start_daemon
 from _report import W, non_negative, percentile, positive, verdict
-from _servers import BenchError, Children
+from _servers import BenchError, Children, run_guarded
 
 RATIO_GOAL = 3.0
 """The hand-off p50 may be at most this many times the echo round trip's p50."""
@@ -256,23 +255,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _terminate(signum: int, frame: FrameType | None) -> None:
-    """Turn SIGTERM or SIGHUP into SystemExit, so the children get stopped."""
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; return the exit status."""
     args = parse_args(argv)
     args.placement.pin_client()
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGHUP, _terminate)
-    try:
-        run(args)
-    except (BenchError, OSError, ValueError) as e:
-        print(f"ERROR: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    return 0
+    return run_guarded(lambda: run(args), (BenchError, OSError, ValueError))

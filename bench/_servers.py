@@ -28,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 RECV_SIZE = 1 << 20
@@ -40,6 +42,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 class BenchError(Exception):
     """A measurement or a child process failed."""
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    """Turn SIGTERM or SIGHUP into SystemExit, so the children get stopped."""
+    raise SystemExit(128 + signum)
+
+
+def exit_on_signals() -> None:
+    """Make SIGTERM and SIGHUP end the benchmark through its cleanup (SystemExit)."""
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGHUP, _terminate)
+
+
+def run_guarded(work: Callable[[], None], errors: tuple[type[BaseException], ...]) -> int:
+    """Run a benchmark's body: 0 when it ran, 1 (with the error on stderr) for one of
+    errors, 130 on Ctrl-C; SIGTERM and SIGHUP stop it through its cleanup."""
+    exit_on_signals()
+    try:
+        work()
+    except errors as e:
+        print(f"ERROR: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
 
 
 class _Conn:

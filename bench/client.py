@@ -41,12 +41,11 @@ import sys
 import textwrap
 from collections.abc import Callable
 from importlib.metadata import version
-from types import FrameType
 
 from _client_decode import DECODERS, build_stream, measure_mode, split_events, split_network
 from _client_e2e import PATHS, Samples, Setup, measure, run_reactor, start
 from _report import W, non_negative, percentile, positive, verdict
-from _servers import ROOT, BenchError, Children
+from _servers import ROOT, BenchError, Children, run_guarded
 
 MODES = ("network", "event")
 """How the stream is fed: 1-4 KiB pieces cut anywhere, or one event per piece."""
@@ -182,28 +181,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _terminate(signum: int, frame: FrameType | None) -> None:
-    """Turn SIGTERM or SIGHUP into SystemExit, so the children get stopped."""
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; return the exit status."""
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGHUP, _terminate)
-    try:
+
+    def work() -> None:
         if args.part in ("all", "decode"):
             run_decode(args)
         if args.part in ("all", "e2e"):
             run_e2e(args)
-    except (BenchError, OSError, http.client.HTTPException) as e:
-        print(f"ERROR: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    return 0
+
+    return run_guarded(work, (BenchError, OSError, http.client.HTTPException))
 
 
 if __name__ == "__main__":

@@ -41,12 +41,11 @@ import sys
 import textwrap
 from collections.abc import Callable
 from importlib.metadata import version
-from types import FrameType
 
 from _gateway_runs import Samples, measure_long, measure_sessions
 from _gateway_stack import QUEUE_DEPTH, Stack, start
 from _report import W, non_negative, percentile, positive, verdict
-from _servers import BenchError, Children
+from _servers import BenchError, Children, run_guarded
 
 PATHS = ("loopd", "direct")
 """Both paths, in the order printed."""
@@ -183,25 +182,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _terminate(signum: int, frame: FrameType | None) -> None:
-    """Turn SIGTERM or SIGHUP into SystemExit, so the children get stopped."""
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; return the exit status."""
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGHUP, _terminate)
-    try:
-        run(args)
-    except (BenchError, OSError, http.client.HTTPException) as e:
-        print(f"ERROR: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    return 0
+    return run_guarded(lambda: run(args), (BenchError, OSError, http.client.HTTPException))
 
 
 if __name__ == "__main__":

@@ -47,10 +47,9 @@ import textwrap
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import TypeVar
 
-from _servers import BenchError, Children, start_forwarder, start_upstream
+from _servers import BenchError, Children, exit_on_signals, start_forwarder, start_upstream
 
 CHUNK = 256 * 1024
 """Bytes per send in the throughput test."""
@@ -428,11 +427,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _terminate(signum: int, frame: FrameType | None) -> None:
-    """Turn SIGTERM or SIGHUP into SystemExit, so the children get stopped."""
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; return the exit status."""
     args = parse_args(argv)
@@ -441,8 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})  # inherited by every child
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGHUP, _terminate)
+    exit_on_signals()
     children = Children()
     results = {name: Figures() for name in args.only}
     paths: list[Path] = []

@@ -67,6 +67,7 @@ __all__ = [
     "ERROR_EMPTY",
     "ERROR_MALFORMED",
     "ERROR_REASONING_ONLY",
+    "demote_undeclared",
     "enforce_allowed_tools",
     "normalize_reply",
     "normalize_text",
@@ -105,10 +106,19 @@ def enforce_allowed_tools(outcome: Outcome, allowed_tools: Collection[str]) -> O
     with confidence 0.0, no tool, the payload kept, and C{demoted_tool} set. With no tools
     declared nothing changes.
     """
-    name = outcome.tool_name
-    if outcome.kind is not Kind.TOOL_PROPOSAL or name is None or not allowed_tools:
+    if not allowed_tools:
         return outcome
-    if name in allowed_tools:
+    return demote_undeclared(outcome, allowed_tools)
+
+
+def demote_undeclared(outcome: Outcome, allowed_tools: Collection[str]) -> Outcome:
+    """
+    Demote a named tool proposal whose tool is not in C{allowed_tools} (an empty collection
+    allows none): an uncertainty with confidence 0.0, no tool, the payload kept, and
+    C{demoted_tool} set. Every other outcome is returned unchanged.
+    """
+    name = outcome.tool_name
+    if outcome.kind is not Kind.TOOL_PROPOSAL or name is None or name in allowed_tools:
         return outcome
     return replace(
         outcome,

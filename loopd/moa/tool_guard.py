@@ -23,10 +23,9 @@ C{no_usable_answer} (L{loopd.moa.reducer.is_usable}).
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import replace
 
 from loopd.moa.context import Packed, pack_for_tool_result_turn
-from loopd.moa.normalize import CONFIDENCE_DEMOTED, enforce_allowed_tools
+from loopd.moa.normalize import demote_undeclared
 from loopd.moa.outcome import Kind, Outcome
 from loopd.moa.turn import ToolLoop, Turn, TurnKind, detect_tool_loop
 
@@ -76,18 +75,7 @@ def enforce_declared_tools(outcome: Outcome, allowed_tools: Collection[str]) -> 
     L{enforce_allowed_tools} does. Unlike that function (and v1, quirk 3 of §7), an empty
     C{allowed_tools} allows no tool at all. Every other outcome is returned unchanged.
     """
-    if allowed_tools:
-        return enforce_allowed_tools(outcome, allowed_tools)
-    if outcome.kind is not Kind.TOOL_PROPOSAL or outcome.tool_name is None:
-        return outcome
-    return replace(
-        outcome,
-        kind=Kind.UNCERTAINTY,
-        tool_name=None,
-        tool_arguments=None,
-        confidence=CONFIDENCE_DEMOTED,
-        demoted_tool=outcome.tool_name,
-    )
+    return demote_undeclared(outcome, allowed_tools)
 
 
 def emits_tool_call(outcome: Outcome, allowed_tools: Collection[str]) -> bool:
