@@ -80,6 +80,33 @@ def loopd_toml(listen: str, socket: str, expect: dict[str, Any] | None, long: bo
     return "\n".join(lines) + "\n"
 
 
+@inlineCallbacks
+def serve_behind_proxy(test: TestCase, model: str, slots: int) -> Any:
+    """
+    A real llama.cpp server on a fresh tiny C{model} (C{tiny-think.gguf} thinks forever)
+    with C{slots} slots, and a C{twist inferproxy} in front of it, in a short temp dir; all
+    removed after C{test}. Fires with the dir, the server and the inferproxy's socket.
+    """
+    reactor = real_reactor()
+    directory = tempfile.mkdtemp(prefix="ld", dir="/tmp")
+    test.addCleanup(shutil.rmtree, directory, True)
+    infer = os.path.join(directory, "infer.sock")
+    # Writing a tiny model takes milliseconds: each test has its own.
+    model_path = os.path.join(directory, model)
+    write_tiny_model(model_path, think_forever=model == "tiny-think.gguf")
+    server = RealServer(reactor, model_path, n_ctx=N_CTX, parallel=slots)
+    test.addCleanup(server.stop)
+    port = yield server.start()
+    proxy = spawn_twist(
+        reactor,
+        b"inferproxy listening on",
+        *("inferproxy", "--listen", infer, "--upstream", f"127.0.0.1:{port}"),
+    )
+    test.addCleanup(stop_twist, proxy)
+    yield proxy.ready
+    return directory, server, infer
+
+
 class RawStream(Protocol):
     """
     A raw HTTP client: fires C{seen} once C{marker} has arrived C{count} times, and
@@ -119,23 +146,8 @@ class GatewayEndToEndTests(TestCase):
         C{template_sha} when given); with the thinking one it does not, and streams long.
         """
         reactor = real_reactor()
-        self.directory = tempfile.mkdtemp(prefix="ld", dir="/tmp")
-        self.addCleanup(shutil.rmtree, self.directory, True)
+        self.directory, self.server, infer = yield serve_behind_proxy(self, model, SLOTS)
         self.socket = os.path.join(self.directory, "loopd.sock")
-        infer = os.path.join(self.directory, "infer.sock")
-        # Writing a tiny model takes milliseconds: each test has its own.
-        model_path = os.path.join(self.directory, model)
-        write_tiny_model(model_path, think_forever=model == "tiny-think.gguf")
-        self.server = RealServer(reactor, model_path, n_ctx=N_CTX, parallel=SLOTS)
-        self.addCleanup(self.server.stop)
-        port = yield self.server.start()
-        proxy = spawn_twist(
-            reactor,
-            b"inferproxy listening on",
-            *("inferproxy", "--listen", infer, "--upstream", f"127.0.0.1:{port}"),
-        )
-        self.addCleanup(stop_twist, proxy)
-        yield proxy.ready
         expect = None
         if model == "tiny.gguf":
             props = (yield self.server.query("/props")).json()

@@ -25,13 +25,10 @@ from loopd.test.support.peers import real_reactor
 from loopd.test.support.twist import TwistProcess, spawn_twist, stop_twist
 
 try:
-    from loopd.demo.real_server import RealServer
-    from loopd.demo.tiny_model import write_tiny_model
-    from test.test_gateway_e2e import RawStream, loopd_toml
+    from test.test_gateway_e2e import RawStream, loopd_toml, serve_behind_proxy
 except (ImportError, SkipTest) as e:  # pragma: no cover - the test extra is not installed
     raise SkipTest(f"the loopd queue end-to-end tests need the test extra: {e}") from None
 
-N_CTX = 65536
 SLOTS = 2
 QUEUED = b': loopd {"event":"queued"'
 
@@ -87,23 +84,9 @@ class LoopdQueueEndToEndTests(TestCase):
         added to its C{[queue]} table); fire when ready.
         """
         reactor = real_reactor()
-        self.directory = tempfile.mkdtemp(prefix="ld", dir="/tmp")
-        self.addCleanup(shutil.rmtree, self.directory, True)
+        self.directory, self.server, infer = yield serve_behind_proxy(self, model, SLOTS)
         self.socket = os.path.join(self.directory, "loopd.sock")
         self.lease_socket = os.path.join(self.directory, "lease.sock")
-        infer = os.path.join(self.directory, "infer.sock")
-        model_path = os.path.join(self.directory, model)
-        write_tiny_model(model_path, think_forever=model == "tiny-think.gguf")
-        self.server = RealServer(reactor, model_path, n_ctx=N_CTX, parallel=SLOTS)
-        self.addCleanup(self.server.stop)
-        port = yield self.server.start()
-        proxy = spawn_twist(
-            reactor,
-            b"inferproxy listening on",
-            *("inferproxy", "--listen", infer, "--upstream", f"127.0.0.1:{port}"),
-        )
-        self.addCleanup(stop_twist, proxy)
-        yield proxy.ready
         self.slots = (yield self.server.query("/props")).json()["total_slots"]
         config = os.path.join(self.directory, "loopd.toml")
         queue = ["[queue]", f"socket = {json.dumps(self.lease_socket)}"]
