@@ -10,7 +10,6 @@ from one endpoint to another; the session's slot affinity inside the chosen endp
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Mapping, Sequence
 
@@ -63,23 +62,19 @@ class AutoRouter:
         self.speeds: dict[str, SpeedStats] = {}
         self.rng: RandomSource = rng if rng is not None else random.Random()
 
-    def route(self, body: bytes, now: float) -> Route | None:
+    def route(self, document: Mapping[str, object], now: float) -> Route | None:
         """
-        Route one request from its raw C{body} at time C{now}: C{None} when it is not the
-        router's (its model names an endpoint, or the body is no JSON object, which the
-        request parser then refuses).
+        Route one request from its decoded body at time C{now}: C{None} when it is not the
+        router's (its model names an endpoint).
 
-        It runs before the request parser, so that an image or audio request no endpoint
-        accepts is C{media_unsupported} rather than the parser's refusal of non-text parts.
+        It runs before the request is checked, so that an image or audio request no
+        endpoint accepts is C{media_unsupported} rather than the check's refusal of
+        non-text parts.
 
         @raise loopd.gateway.router.NoEndpointError: no endpoint is configured.
         @raise loopd.gateway.router.MediaUnsupportedError: no endpoint takes its media.
         """
-        try:
-            document = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(document, dict) or not wants_auto(document):
+        if not wants_auto(document):
             return None
         return route(document, self.candidates, self.speeds, now, self.rng)
 

@@ -25,13 +25,14 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from loopd.gateway.errors import GatewayError, error_for
+from loopd.gateway.request_body import decode_request
 from loopd.gateway.translate import (
     ChunkStream,
     GatewayRequest,
     completion_json,
     loopd_comment,
     new_completion_id,
-    parse_request,
+    parse_document,
 )
 from loopd.llama.types import (
     ChatEvent,
@@ -90,8 +91,9 @@ class ChatCompletions(Resource):
         try:
             role = session_role(request)
             final = session_end(request)
-            routed = self._gateway.route_auto(body)
-            parsed = parse_request(body)
+            document = decode_request(body)
+            routed = self._gateway.route_auto(document)
+            parsed = parse_document(document)
             first, *rest = routed or (self._gateway.endpoint_for(parsed.model),)
         except GatewayError as e:
             self._gateway.metrics.observe_request("-", e.code)

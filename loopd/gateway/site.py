@@ -256,14 +256,14 @@ class Gateway:
                 "model_not_found",
             ) from None
 
-    def route_auto(self, body: bytes) -> tuple[Endpoint, ...] | None:
+    def route_auto(self, document: Mapping[str, object]) -> tuple[Endpoint, ...] | None:
         """
         The endpoints to try, in order, for a request whose C{model} is C{auto} or missing
-        (the C{auto} router's order for its raw C{body}); C{None} for any other request.
+        (the C{auto} router's order for its decoded body); C{None} for any other request.
 
         @raise GatewayError: the router's errors (C{media_unsupported}, C{no_endpoint}).
         """
-        chosen = self.router.route(body, self.reactor.seconds())
+        chosen = self.router.route(document, self.reactor.seconds())
         if chosen is None:
             return None
         return tuple(self.config.endpoint(c.name) for c in chosen.candidates)

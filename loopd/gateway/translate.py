@@ -11,12 +11,12 @@ comment lines that OpenAI clients ignore. Pure: no I/O, no reactor, no twisted.w
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass
 from typing import Any, NoReturn
 
 from loopd.gateway.errors import GatewayError
+from loopd.gateway.request_body import decode_request
 from loopd.llama.request import render_messages
 from loopd.llama.types import (
     Assistant,
@@ -46,6 +46,7 @@ __all__ = [
     "completion_json",
     "loopd_comment",
     "new_completion_id",
+    "parse_document",
     "parse_request",
 ]
 
@@ -98,9 +99,15 @@ def parse_request(body: bytes) -> GatewayRequest:
         C{unsupported_content}, C{invalid_tools}, C{invalid_parameter},
         C{unsupported_parameter} (C{n} other than 1).
     """
-    document = _decode(body)
-    if not isinstance(document, dict):
-        _fail("not_an_object", "body", "expected a JSON object")
+    return parse_document(decode_request(body))
+
+
+def parse_document(document: dict[str, Any]) -> GatewayRequest:
+    """
+    Check and translate a decoded request object, as L{parse_request} does for its body.
+
+    @raise GatewayError: as L{parse_request}, but for the body's decoding.
+    """
     n = document.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
         _fail("unsupported_parameter", "n", "only 1 choice is supported")
@@ -138,27 +145,6 @@ def _show(value: str) -> str:
     """A client's string quoted for a message, shortened when long."""
     text = json.dumps(value, ensure_ascii=False)
     return text if len(text) <= 60 else text[:56] + '..."'
-
-
-def _decode(body: bytes) -> object:
-    """Parse the body as UTF-8 JSON with JavaScript's limits: no NaN, no infinities."""
-    try:
-        text = body.decode("utf-8")
-        document = json.loads(text, parse_constant=_finite, parse_float=_finite)
-        if "\\u" in text:
-            # An escape can spell a lone surrogate ("\\ud800"), which UTF-8 cannot carry.
-            json.dumps(document, ensure_ascii=False).encode("utf-8")
-    except (ValueError, RecursionError) as error:
-        _fail("invalid_json", "body", f"not valid UTF-8 JSON ({error})")
-    return document
-
-
-def _finite(text: str) -> float:
-    """A float, not too large; also refuses Python's C{NaN} and C{Infinity} (not JSON)."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text[:20]} is not a finite number")
-    return value
 
 
 def _flag(value: object, path: str) -> bool:
