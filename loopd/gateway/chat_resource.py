@@ -25,7 +25,10 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from loopd.gateway.errors import GatewayError, error_for
+from loopd.gateway.mesh_calls import mesh_pool
+from loopd.gateway.mesh_exchange import MeshExchange
 from loopd.gateway.request_body import decode_request
+from loopd.gateway.slot_choice import pick_slot
 from loopd.gateway.translate import (
     ChunkStream,
     GatewayRequest,
@@ -44,6 +47,7 @@ from loopd.llama.types import (
     ToolCallDelta,
     WaitTimeout,
 )
+from loopd.moa.roles import VIRTUAL_MODEL_NAME as MESH_MODEL
 
 __all__ = ["ChatCompletions", "write_json"]
 
@@ -94,12 +98,39 @@ class ChatCompletions(Resource):
             document = decode_request(body)
             routed = self._gateway.route_auto(document)
             parsed = parse_document(document)
+            if parsed.model == MESH_MODEL:
+                pool = mesh_pool(self._gateway)
+                if len(pool) >= 2:
+                    session = session_of(self._gateway, request)
+                    mesh = MeshExchange(
+                        self._gateway,
+                        request,
+                        document,
+                        pool,
+                        stream=parsed.stream,
+                        session=session,
+                        final=final,
+                    )
+                    mesh.start()
+                    return NOT_DONE_YET
+                # Fewer than two workers: the one model serves the request alone (v2).
+                routed = (self._gateway.config.endpoint(pool[0].name),)
             first, *rest = routed or (self._gateway.endpoint_for(parsed.model),)
         except GatewayError as e:
             self._gateway.metrics.observe_request("-", e.code)
             return write_json(request, e.status, e.body())
         _Exchange(self._gateway, request, parsed, first, role, final, rest).start()
         return NOT_DONE_YET
+
+
+def session_of(gateway: Any, request: Request) -> str:
+    """
+    The request's session: its C{X-Session-Id}, else one id per client connection.
+    """
+    header = request.getHeader(SESSION_HEADER)
+    if header:
+        return header.decode("utf-8", "backslashreplace")
+    return str(gateway.sessions.anonymous_id(request.channel))
 
 
 def session_end(request: Request) -> bool:
@@ -179,12 +210,7 @@ class _Exchange:
         self._streaming = False
         self._finished = False
         self._call: Deferred[Completion] | None = None
-        header = request.getHeader(SESSION_HEADER)
-        self._session: str = (
-            header.decode("utf-8", "backslashreplace")
-            if header
-            else gateway.sessions.anonymous_id(request.channel)
-        )
+        self._session = session_of(gateway, request)
 
     def _use(self, endpoint: Any) -> None:
         """Serve the request from C{endpoint} from now on."""
@@ -229,25 +255,8 @@ class _Exchange:
         self._go()
 
     def _go(self) -> None:
-        """
-        Choose the slot and send the request upstream.
-
-        A slot is busy while a request runs on it, and, under leases, while another session
-        holding a lease on this endpoint calls it home: that session's next turn finds its
-        KV cache where it left it.
-        """
-        # Gates other than SlotGate may not say which slots are taken.
-        in_flight = getattr(self._client.gate, "in_flight", lambda slot: False)
-        sessions = self._gateway.sessions
-        reserved: set[int | None] = set()
-        if self._gateway.leases is not None:
-            holders = self._gateway.leases.held_sessions(self._endpoint.name)
-            reserved = {sessions.last_slot(s) for s in holders if s != self._session}
-        slot = sessions.choose_slot(
-            self._session,
-            self._gateway.slot_count(self._endpoint.name),
-            lambda s: s in reserved or in_flight(s),
-        )
+        """Choose the slot (L{pick_slot}) and send the request upstream."""
+        slot = pick_slot(self._gateway, self._endpoint.name, self._session)
         self._slot = slot
         chat = replace(self._parsed.chat, slot=slot)
         call = self._client.chat_with_retry(chat, self._event)

@@ -20,10 +20,12 @@ from loopd.gateway.auto import AUTO_MODEL, AutoRouter
 from loopd.gateway.chat_resource import ChatCompletions, write_json
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.leases import GatewayLeases, queue_status
+from loopd.gateway.mesh_calls import Reachability
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.router import RandomSource
 from loopd.gateway.sessions import Sessions
 from loopd.llama import Client
+from loopd.moa.roles import VIRTUAL_MODEL_NAME as MESH_MODEL
 from loopd.settings import Config, Endpoint
 
 __all__ = ["CappedRequest", "Gateway"]
@@ -232,6 +234,7 @@ class Gateway:
             self.metrics.watch_scheduler(leases.scheduler)
         self._slot_counts = dict(slot_counts or {})
         self.router = AutoRouter(config.endpoints, props, rng)
+        self.reachability = Reachability()
         for name, client in self.clients.items():
             waiting = getattr(client.gate, "waiting", None)
             # Gates other than SlotGate may not say how many requests wait.
@@ -320,7 +323,8 @@ class Gateway:
             {"id": e.name, "object": "model", "created": created, "owned_by": "loopd"}
             for e in self.config.endpoints
         ]
-        data.append({"id": AUTO_MODEL, "object": "model", "created": created, "owned_by": "loopd"})
+        for virtual in (AUTO_MODEL, MESH_MODEL):
+            data.append({"id": virtual, "object": "model", "created": created, "owned_by": "loopd"})
         return 200, {"object": "list", "data": data}
 
     def _health(self) -> Deferred[tuple[int, object]]:

@@ -31,7 +31,8 @@ llama-server stop generating.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from twisted.internet.defer import CancelledError, Deferred
@@ -60,7 +61,7 @@ from loopd.llama.types import (
 )
 from loopd.sse import SSEDecoder, SSEError, SSEEvent
 
-__all__ = ["ChatCall", "CHAT_PATH", "CONTROL_PATH"]
+__all__ = ["CHAT_PATH", "CONTROL_PATH", "ChatCall", "retry_after_seconds"]
 
 CHAT_PATH = "/v1/chat/completions"
 CONTROL_PATH = "/v1/chat/completions/control"
@@ -287,7 +288,8 @@ class ChatCall:
             pieces.append(data)
 
         def failed(_: object) -> None:
-            self._fail(Http(response.status, b"".join(pieces).decode("utf-8", "replace")))
+            text = b"".join(pieces).decode("utf-8", "replace")
+            self._fail(Http(response.status, text, retry_after_seconds(response.headers)))
 
         reading = self._track(response.deliver(collect))
         reading.addCallbacks(failed, self._fail)
@@ -382,3 +384,18 @@ class ChatCall:
         if self._finished:
             return
         self._fail(ThinkingOverrun(f"the reasoning_end control failed: {reason.value}"))
+
+
+def retry_after_seconds(headers: Mapping[str, str]) -> float | None:
+    """
+    A response's C{Retry-After} as seconds: a finite number that is not negative; None when
+    the header is missing or not a number (the HTTP-date form included).
+    """
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None

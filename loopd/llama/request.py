@@ -141,7 +141,8 @@ def chat_body(
         C{reasoning_end} control so the thinking cap can end a thinking block.
 
     For an endpoint of kind C{openai}, the fields only llama.cpp's server knows
-    (L{LLAMA_ONLY_FIELDS}) are left out.
+    (L{LLAMA_ONLY_FIELDS}) are left out, but for C{chat_template_kwargs} when the request's
+    C{template_thinking} asks for it.
 
     @param stream: ask for a C{text/event-stream} answer.
     """
@@ -170,6 +171,8 @@ def chat_body(
         body["cache_prompt"] = True
         body["return_progress"] = True
         body["timings_per_token"] = True
+        body["chat_template_kwargs"] = {"enable_thinking": request.thinking}
+    elif request.template_thinking:
         body["chat_template_kwargs"] = {"enable_thinking": request.thinking}
     if not request.thinking:
         body["reasoning_effort"] = "none"

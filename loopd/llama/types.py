@@ -148,6 +148,9 @@ class ChatRequest:
     @ivar stop: stop strings.
     @ivar tool_choice: C{"auto"}, C{"none"} or C{"required"}; unset leaves the server's
         default (auto).
+    @ivar template_thinking: send C{chat_template_kwargs.enable_thinking} to an C{openai}
+        endpoint too (a llama-server always gets it): the mesh's calls carry the thinking
+        choice to every worker (DESIGN decision 28).
     """
 
     slot: int
@@ -159,6 +162,7 @@ class ChatRequest:
     top_p: float | None = None
     stop: tuple[str, ...] = ()
     tool_choice: str | None = None
+    template_thinking: bool = False
 
 
 # ---------------------------------------------------------------------------------------
@@ -388,13 +392,16 @@ class Http(InferError):
     @ivar body: the error body, at most 4 KiB of it.
     @ivar context_exceeded: the prompt does not fit the slot's context (400 with
         C{exceed_context_size_error}); the caller may compact and try again.
+    @ivar retry_after: the response's C{Retry-After} in seconds, when it gave one as a
+        number (the mesh retries a 429 after it).
     """
 
-    def __init__(self, status: int, body: str) -> None:
+    def __init__(self, status: int, body: str, retry_after: float | None = None) -> None:
         body = _cap_text(body, HTTP_BODY_CAP)
         super().__init__(f"HTTP {status}: {body}")
         self.status = status
         self.body = body
+        self.retry_after = retry_after
         self.context_exceeded = _is_context_exceeded(status, body)
 
 

@@ -282,10 +282,10 @@ class FailOverTests(AutoTestCase):
 
 
 class ModelsTests(SynchronousTestCase):
-    """C{/v1/models} lists the virtual model auto after the endpoints."""
+    """C{/v1/models} lists the virtual models auto and mesh after the endpoints."""
 
     def test_auto_listed(self) -> None:
-        """The ids are the endpoints in config order, then auto."""
+        """The ids are the endpoints in config order, then auto and mesh."""
         harness = AutoHarness(auto_config(), Scripted())
         ids = [m["id"] for m in harness.get("/v1/models").response().json()["data"]]
-        self.assertEqual(ids, ["tiny", "big", "auto"])
+        self.assertEqual(ids, ["tiny", "big", "auto", "mesh"])

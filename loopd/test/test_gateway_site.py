@@ -376,15 +376,15 @@ class RefusalTests(SynchronousTestCase):
 
 class ModelsTests(SynchronousTestCase):
     """
-    C{GET /v1/models} lists the endpoints and the virtual model C{auto}.
+    C{GET /v1/models} lists the endpoints and the virtual models C{auto} and C{mesh}.
     """
 
     def test_lists_endpoints(self) -> None:
-        """Each endpoint is a model object, in config order, then auto; a slash is the same."""
+        """Each endpoint is a model object, in config order, then auto and mesh; a slash too."""
         harness = Harness(make_config(endpoints=("tiny", "big")))
         models = [
             {"id": name, "object": "model", "created": NOW, "owned_by": "loopd"}
-            for name in ("tiny", "big", "auto")
+            for name in ("tiny", "big", "auto", "mesh")
         ]
         for target in ("/v1/models", "/v1/models/"):
             response = harness.get(target).response()
