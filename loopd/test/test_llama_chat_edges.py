@@ -1,18 +1,19 @@
 """
 Edge cases of L{loopd.llama.chat} that tests found: a limit judged on float clock sums, an
-error body that stops arriving, a late /slots answer after the headers.
+error body that stops arriving, a late /slots answer after the headers; a 429's Retry-After.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from loopd.llama.types import Stalled, Waiting, WaitTimeout
+from loopd.llama.types import Http, Stalled, Waiting, WaitTimeout
 from loopd.test.support.fake_llama import (
     JSON_HEADERS,
     LOADING,
     Piece,
     Reply,
+    error_reply,
     json_reply,
     slots_reply,
 )
@@ -56,3 +57,12 @@ class ChatEdgeTests(ChatTestCase):
         events = transcript_events("plain.sse")
         d = h.run(stream(events, 0.01, headers_delay=0.06), late)
         self.assertEqual(self.assert_answered(h, d, 0.06 + 0.01 * len(events)).content, ANSWER)
+
+    def test_http_429_retry_after(self) -> None:
+        """HTTP 429 with Retry-After: Http 429 carrying the seconds; none without the header."""
+        for header, expected in (((("Retry-After", "2"),), 2.0), ((), None)):
+            h = Harness()
+            limited = error_reply(429, "rate_limit_error", "slow down")
+            d = h.start(dataclasses.replace(limited, headers=header))
+            error = self.assert_failed(h, d, Http, 0)
+            self.assertEqual((error.status, error.retry_after), (429, expected))

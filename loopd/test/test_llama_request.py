@@ -308,6 +308,13 @@ class OpenAIBodyTests(SynchronousTestCase):
         body = chat_body(request(thinking=False), CONFIG, OPENAI)
         self.assertEqual(body["reasoning_effort"], "none")
 
+    def test_template_thinking(self) -> None:
+        """A request with template_thinking carries its thinking choice as a template kwarg."""
+        for thinking in (True, False):
+            body = chat_body(request(thinking=thinking, template_thinking=True), CONFIG, OPENAI)
+            self.assertEqual(body["chat_template_kwargs"], {"enable_thinking": thinking})
+            self.assertEqual(set(body) & LLAMA_ONLY_FIELDS, {"chat_template_kwargs"})
+
     def test_not_streaming(self) -> None:
         """Without streaming there are no stream options."""
         body = chat_body(request(), CONFIG, OPENAI, stream=False)

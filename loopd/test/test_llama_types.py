@@ -9,6 +9,7 @@ import json
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.llama import types
+from loopd.llama.chat import retry_after_seconds
 
 
 class InferErrorTests(SynchronousTestCase):
@@ -89,3 +90,24 @@ class ValueTests(SynchronousTestCase):
             timings=types.Timings(),
         )
         self.assertEqual(completion.as_message(), types.Assistant(None, "hmm", (call,)))
+
+
+class RetryAfterTests(SynchronousTestCase):
+    """L{retry_after_seconds} reads a response's Retry-After as seconds."""
+
+    def test_values(self) -> None:
+        """Numbers are seconds; a date, a negative, NaN, garbage or no header is None."""
+        table = {
+            "1": 1.0,
+            " 2 ": 2.0,
+            "0.5": 0.5,
+            "0": 0.0,
+            "-1": None,
+            "nan": None,
+            "inf": None,
+            "Wed, 21 Oct 2015 07:28:00 GMT": None,
+            "soon": None,
+        }
+        for value, expected in table.items():
+            self.assertEqual(retry_after_seconds({"retry-after": value}), expected, value)
+        self.assertIsNone(retry_after_seconds({}))
