@@ -27,16 +27,10 @@ from twisted.web.server import NOT_DONE_YET, Request
 from loopd.gateway.errors import GatewayError, error_for
 from loopd.gateway.mesh_calls import mesh_pool
 from loopd.gateway.mesh_exchange import MeshExchange
+from loopd.gateway.render import ChunkStream, completion_json, loopd_comment, new_completion_id
 from loopd.gateway.request_body import decode_request
 from loopd.gateway.slot_choice import pick_slot
-from loopd.gateway.translate import (
-    ChunkStream,
-    GatewayRequest,
-    completion_json,
-    loopd_comment,
-    new_completion_id,
-    parse_document,
-)
+from loopd.gateway.translate import GatewayRequest, parse_document
 from loopd.llama.types import (
     ChatEvent,
     Completion,

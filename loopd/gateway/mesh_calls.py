@@ -23,8 +23,9 @@ from typing import Any, Final
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.python.failure import Failure
 
+from loopd.gateway.render import completion_json
 from loopd.gateway.slot_choice import pick_slot
-from loopd.gateway.translate import completion_json, parse_document
+from loopd.gateway.translate import parse_document
 from loopd.llama.types import ChatEvent, Completion, Connect, Http
 from loopd.moa.fanout import RateLimited
 from loopd.moa.roles import Worker, build_pool

@@ -1,54 +1,30 @@
 # -*- test-case-name: loopd.test.test_gateway_translate,loopd.test.test_gateway_errors -*-
 """
-Translation between the OpenAI chat-completions API and the llama client's values.
-
-Inward, L{parse_request}: a request body to a L{GatewayRequest}, or a 400 L{GatewayError}
-naming the field. Outward, L{completion_json}: a C{chat.completion} object;
-L{ChunkStream}: C{chat.completion.chunk}s; L{loopd_comment}: loopd's own events for the SSE
-comment lines that OpenAI clients ignore. Pure: no I/O, no reactor, no twisted.web.
+Translation of an OpenAI chat-completions request into the llama client's values:
+L{parse_request}, a request body to a L{GatewayRequest}, or a 400 L{GatewayError} naming the
+field. The way back out is L{loopd.gateway.render}. Pure: no I/O, no reactor, no twisted.web.
 """
 
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.request_body import decode_request
-from loopd.llama.request import render_messages
 from loopd.llama.types import (
     Assistant,
-    ChatEvent,
     ChatMessage,
     ChatRequest,
-    Completion,
-    Content,
-    Progress,
-    Queued,
-    Reasoning,
-    Retrying,
     System,
-    ThinkingCapped,
-    Timings,
     Tool,
     ToolCall,
-    ToolCallDelta,
     ToolSchema,
     User,
-    Waiting,
 )
 
-__all__ = [
-    "ChunkStream",
-    "GatewayRequest",
-    "completion_json",
-    "loopd_comment",
-    "new_completion_id",
-    "parse_document",
-    "parse_request",
-]
+__all__ = ["GatewayRequest", "parse_document", "parse_request"]
 
 MAX_STOP = 4
 """The most stop strings a request may give, as in OpenAI's API."""
@@ -59,6 +35,8 @@ TOOL_CHOICES = ("auto", "none", "required")
 _TEXT_PARTS = "expected a string or an array of text parts"
 _CHOICES = 'expected "auto", "none", "required" or {"type": "function", "function": {"name": ...}}'
 _MSG = "invalid_message"
+#: The media part kinds a user turn may carry, with the string fields each must have.
+_MEDIA: dict[str, tuple[str, ...]] = {"image_url": ("url",), "input_audio": ("data", "format")}
 _PARAM = "invalid_parameter"
 _TOOLS = "invalid_tools"
 
@@ -190,9 +168,10 @@ def _message(value: object, path: str) -> ChatMessage:
     if role == "tool":
         call_id = _string(message.get("tool_call_id"), f"{path}.tool_call_id")
         return Tool(call_id, _content(message.get("content"), f"{path}.content"))
-    if role in ("system", "developer", "user"):
-        content = _content(message.get("content"), f"{path}.content")
-        return User(content) if role == "user" else System(content)
+    if role == "user":
+        return _user(message.get("content"), f"{path}.content")
+    if role in ("system", "developer"):
+        return System(_content(message.get("content"), f"{path}.content"))
     _fail(_MSG, f"{path}.role", 'expected "system", "developer", "user", "assistant" or "tool"')
 
 
@@ -205,8 +184,41 @@ def _content(value: object, path: str) -> str:
     return "".join(_text_part(part, f"{path}[{j}]") for j, part in enumerate(value))
 
 
+def _user(value: object, path: str) -> User:
+    """
+    A user turn: text as for every role, and also image and audio parts, which are kept as
+    sent (the endpoint decides whether it takes them; the C{auto} router sends them only to
+    an endpoint with C{vision} or C{audio}).
+    """
+    if not isinstance(value, list) or not any(_is_media(part) for part in value):
+        return User(_content(value, path))
+    texts = []
+    for j, part in enumerate(value):
+        if _is_media(part):
+            _media_part(part, f"{path}[{j}]")
+        else:
+            texts.append(_text_part(part, f"{path}[{j}]"))
+    return User("".join(texts), tuple(value))
+
+
+def _is_media(part: object) -> bool:
+    """Whether a content part is an image or audio part (by its C{type})."""
+    if not isinstance(part, dict):
+        return False
+    kind = part.get("type")
+    return isinstance(kind, str) and kind in _MEDIA
+
+
+def _media_part(part: dict[str, Any], path: str) -> None:
+    """Check an image part (C{image_url.url}) or audio part (C{input_audio.data, format})."""
+    kind = part["type"]
+    body = _object(part.get(kind), f"{path}.{kind}")
+    for field in _MEDIA[kind]:
+        _string(body.get(field), f"{path}.{kind}.{field}")
+
+
 def _text_part(part: object, path: str) -> str:
-    """The text of one content part; other part kinds (images, audio, files) are refused."""
+    """The text of one content part; other part kinds (files, refusals ...) are refused."""
     if isinstance(part, dict):
         kind = part.get("type")
         if kind == "text":
@@ -347,133 +359,3 @@ def _stop(value: object) -> tuple[str, ...]:
         if not isinstance(item, str) or not item:
             _fail(_PARAM, f"stop[{j}]", "expected a non-empty string")
     return tuple(value)
-
-
-def new_completion_id() -> str:
-    """A fresh completion id: C{chatcmpl-} and 24 random hex digits."""
-    return "chatcmpl-" + os.urandom(12).hex()
-
-
-def _usage(timings: Timings) -> dict[str, Any]:
-    """OpenAI's C{usage}: the prompt counts both the reused and the evaluated tokens."""
-    prompt = timings.cache_n + timings.prompt_n
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": timings.predicted_n,
-        "total_tokens": prompt + timings.predicted_n,
-        "prompt_tokens_details": {"cached_tokens": timings.cache_n},
-    }
-
-
-def completion_json(
-    completion: Completion, *, completion_id: str, model: str, created: int
-) -> dict[str, Any]:
-    """
-    A finished completion as OpenAI's C{chat.completion} object: one choice whose message
-    has C{content}, C{reasoning_content} when set and C{tool_calls} when any, its
-    C{finish_reason}, C{usage} (with C{prompt_tokens_details.cached_tokens}) and the
-    upstream's C{timings} (C{cache_n}, C{prompt_n}, C{predicted_n} and, when known,
-    C{predicted_per_second}).
-    """
-    return {
-        "id": completion_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": render_messages([completion.as_message()])[0],
-                "finish_reason": completion.finish_reason.value,
-            }
-        ],
-        "usage": _usage(completion.timings),
-        "timings": {k: v for k, v in asdict(completion.timings).items() if v is not None},
-    }
-
-
-@dataclass(frozen=True)
-class ChunkStream:
-    """
-    Renders one streamed answer as C{chat.completion.chunk} dicts, each with the same id,
-    created time and model, and a real C{choices[0]} (the usage chunk excepted, which has
-    C{choices: []} as in OpenAI's API).
-
-    @ivar include_usage: L{finish_chunks} ends with a usage chunk.
-    """
-
-    completion_id: str
-    model: str
-    created: int
-    include_usage: bool
-
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        """The envelope every chunk shares."""
-        return {
-            "id": self.completion_id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def _delta(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-        """A chunk whose C{choices[0]} carries C{delta}."""
-        return self._chunk([{"index": 0, "delta": delta, "finish_reason": finish_reason}])
-
-    def role_chunk(self) -> dict[str, Any]:
-        """The first chunk: the assistant role, with empty content."""
-        return self._delta({"role": "assistant", "content": ""})
-
-    def chunks_for(self, event: ChatEvent) -> list[dict[str, Any]]:
-        """
-        The chunks for one event: thinking text as a C{reasoning_content} delta, answer
-        text as a C{content} delta, a piece of a tool call as a C{tool_calls} delta (with
-        C{id} and C{type} when the id first shows, C{name} when the name does). Empty
-        pieces and every other event give none.
-        """
-        if isinstance(event, Reasoning) and event.text:
-            return [self._delta({"reasoning_content": event.text})]
-        if isinstance(event, Content) and event.text:
-            return [self._delta({"content": event.text})]
-        if isinstance(event, ToolCallDelta) and (event.id or event.name or event.arguments):
-            call: dict[str, Any] = {"index": event.index}
-            if event.id is not None:
-                call.update(id=event.id, type="function")
-            name = {} if event.name is None else {"name": event.name}
-            call["function"] = {**name, "arguments": event.arguments}
-            return [self._delta({"tool_calls": [call]})]
-        return []
-
-    def finish_chunks(self, completion: Completion) -> list[dict[str, Any]]:
-        """
-        The closing chunks: the finish chunk (an empty delta and the C{finish_reason}), then
-        the usage chunk when the client asked for it.
-        """
-        chunks = [self._delta({}, completion.finish_reason.value)]
-        if self.include_usage:
-            chunks.append({**self._chunk([]), "usage": _usage(completion.timings)})
-        return chunks
-
-
-def loopd_comment(event: ChatEvent) -> dict[str, Any] | None:
-    """
-    loopd's own events, for the C{: loopd {...}} comment lines of a stream: C{queued}
-    (C{ahead}), C{waiting} (C{slot_busy}, C{loading}), C{progress} (C{total}, C{cache},
-    C{processed}), C{thinking_capped} (C{tokens}), C{retrying} (C{attempt}, C{after_ms},
-    C{error}). None for the events that are chunks.
-    """
-    name = _COMMENTS.get(type(event))
-    if name is None:
-        return None
-    return {"event": name, **asdict(event)}
-
-
-# The comment's fields are exactly the event's, in the same order.
-_COMMENTS: dict[type[ChatEvent], str] = {
-    Queued: "queued",
-    Waiting: "waiting",
-    Progress: "progress",
-    ThinkingCapped: "thinking_capped",
-    Retrying: "retrying",
-}

@@ -49,7 +49,8 @@ def render_messages(messages: Iterable[ChatMessage]) -> list[dict[str, Any]]:
     """
     Render messages in the OpenAI chat shape, in order.
 
-      - L{System}, L{User}: C{{"role", "content"}}.
+      - L{System}, L{User}: C{{"role", "content"}}; a user turn with media parts sends
+        its parts as the content array.
       - L{Assistant}: C{{"role": "assistant", "content"}} with C{content} C{null} when it
         is None; C{reasoning_content} only when it is not None; C{tool_calls} only when
         there are any, each C{{"id", "type": "function", "function": {"name",
@@ -66,7 +67,8 @@ def _render_message(message: ChatMessage) -> dict[str, Any]:
     if isinstance(message, System):
         return {"role": "system", "content": message.content}
     if isinstance(message, User):
-        return {"role": "user", "content": message.content}
+        content: str | list[dict[str, Any]] = list(message.parts) or message.content
+        return {"role": "user", "content": content}
     if isinstance(message, Assistant):
         rendered: dict[str, Any] = {"role": "assistant", "content": message.content}
         if message.reasoning_content is not None:

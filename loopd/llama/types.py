@@ -91,9 +91,14 @@ class System(ChatMessage):
 class User(ChatMessage):
     """
     A user turn.
+
+    @ivar content: its text (every text part joined, when it came in parts).
+    @ivar parts: the content parts as the client sent them, when they carry an image or
+        audio; sent upstream in place of C{content}. Empty for a text-only turn.
     """
 
     content: str
+    parts: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ C{MemoryReactorClock}; the router's random numbers come from a script, so picks 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -222,11 +223,13 @@ class FilterTests(AutoTestCase):
         self.assertEqual(harness.served(), (0, 0))
 
     def test_image_with_vision(self) -> None:
-        """With a vision endpoint the router passes an image request; the parser refuses it."""
-        harness = AutoHarness(auto_config(big={"vision": True}), Scripted())
-        response = harness.post(IMAGE).response()
-        self.assertEqual(response.status, 400)
-        self.assertEqual(response.json()["error"]["code"], "unsupported_content")
+        """With a vision endpoint an image request goes there, its parts as sent."""
+        harness = AutoHarness(auto_config(big={"vision": True}), Scripted(0.5, 0.5))
+        harness.big.script("POST", CHAT, answer({"content": "a cat"}))
+        body = self.ask(harness, IMAGE)
+        self.assertEqual((body["model"], harness.served()), ("big", (0, 1)))
+        (sent,) = harness.big.requests_to("POST", CHAT)
+        self.assertEqual(json.loads(sent.body)["messages"], IMAGE["messages"])
 
 
 class FailOverTests(AutoTestCase):

@@ -291,8 +291,8 @@ class ParseRejectedTests(SynchronousTestCase):
             self.assert_message_rejected(message, "messages[1].content[0].text")
 
     def test_unsupported_content(self) -> None:
-        """Image, audio and file parts are unsupported_content, naming the part's type."""
-        for kind in ("image_url", "input_audio", "file", "refusal"):
+        """File and refusal parts are unsupported_content, naming the part's type."""
+        for kind in ("file", "refusal"):
             message = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": kind}]}
             self.assert_message_rejected(
                 message, "messages[1].content[1].type", "unsupported_content"

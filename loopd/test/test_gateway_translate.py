@@ -10,14 +10,8 @@ from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.gateway.errors import GatewayError
-from loopd.gateway.translate import (
-    ChunkStream,
-    GatewayRequest,
-    completion_json,
-    loopd_comment,
-    new_completion_id,
-    parse_request,
-)
+from loopd.gateway.render import ChunkStream, completion_json, loopd_comment, new_completion_id
+from loopd.gateway.translate import GatewayRequest, parse_request
 from loopd.llama.types import (
     Assistant,
     ChatMessage,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
@@ -277,6 +278,19 @@ class OverrideTests(SynchronousTestCase):
         self.assertNotIn("tool_choice", chat_body(request(tool_choice="required"), CONFIG, LLAMA))
 
 
+class MediaTests(SynchronousTestCase):
+    """A user turn with media parts is sent with its parts."""
+
+    def test_parts_sent(self) -> None:
+        """The parts replace the joined text as the content array."""
+        parts = (
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        )
+        rendered = render_messages([User("What is this?", parts)])
+        self.assertEqual(rendered, [{"role": "user", "content": list(parts)}])
+
+
 class OpenAIBodyTests(SynchronousTestCase):
     """L{chat_body} for an endpoint of kind openai (DESIGN §3.6)."""
 
@@ -355,7 +369,11 @@ class EncodeTests(SynchronousTestCase):
     @given(st.lists(st.tuples(st.sampled_from(["system", "user", "tool"]), st.text()), max_size=5))
     def test_text_faithful(self, specs: list[tuple[str, str]]) -> None:
         """Any message text reaches the wire unchanged."""
-        kinds = {"system": System, "user": User, "tool": lambda text: Tool("id", text)}
+        kinds: dict[str, Callable[[str], ChatMessage]] = {
+            "system": System,
+            "user": User,
+            "tool": lambda text: Tool("id", text),
+        }
         messages = tuple(kinds[kind](text) for kind, text in specs)
         sent = json.loads(encode(chat_body(request(messages=messages), CONFIG, LLAMA)))
         self.assertEqual([m["content"] for m in sent["messages"]], [text for _, text in specs])
