@@ -55,7 +55,7 @@ from loopd.moa.arbiter import (
 from loopd.moa.context import Packed, pack_for_reducer, pack_for_role
 from loopd.moa.fanout import WORKER_TIMEOUT, Fanout
 from loopd.moa.knobs import REDUCER_SAMPLING, sampling_for, upstream_body
-from loopd.moa.normalize import normalize_reply
+from loopd.moa.normalize import ERROR_REASONING_ONLY, normalize_reply
 from loopd.moa.outcome import Kind, Outcome, Rule
 from loopd.moa.reducer import (
     HEDGE_DELAY_S,
@@ -213,7 +213,7 @@ class MeshTurn:
         """Dispatch every worker with its packing and arm the grace and patience timers."""
         self._assignments = assign_roles(self._pool)
         bodies = {
-            a.name: upstream_body(
+            a: upstream_body(
                 pack_for_role(self._turn, a.role),
                 model=None,
                 sampling=sampling_for(a.role),
@@ -224,7 +224,7 @@ class MeshTurn:
 
         def call(a: Assignment) -> Deferred[Outcome]:
             began = self._reactor.seconds()
-            d = self._call(a.name, bodies[a.name])
+            d = self._call(a.name, bodies[a])
             return d.addCallback(
                 lambda body: normalize_reply(
                     body,
@@ -242,6 +242,9 @@ class MeshTurn:
         patience = self._reactor.callLater(self._timings.strong_patience, self._patience_passed)
         self._timers.append(patience)
         self._fanout.start()
+        if not self._assignments:
+            # No worker will ever land to ask the arbiter: it fails the turn now.
+            self._arbitrate()
 
     def _worker_landed(
         self, a: Assignment, outcome: Outcome | None, failure: Failure | None
@@ -381,14 +384,16 @@ class MeshTurn:
 
         def landed(index: int, outcome: Outcome | None, failure: Failure | None) -> None:
             self._reducer_calls.pop(index, None)
-            if outcome is not None:
+            if outcome is not None and not outcome.failed:
                 self._apply(ladder.on_success(index, outcome))
+                return
+            if outcome is not None:
+                # An empty or reasoning-only reply is a failed call (v2), reported as one.
+                reason = outcome.error or ERROR_REASONING_ONLY
             else:
                 reason = failure.getErrorMessage() if failure is not None else "failed"
-                self._progress(
-                    {"event": "mesh_reducer_failed", "model": launch.name, "error": reason}
-                )
-                self._apply(ladder.on_failure(index, reason))
+            self._progress({"event": "mesh_reducer_failed", "model": launch.name, "error": reason})
+            self._apply(ladder.on_failure(index, reason))
 
         fanout = Fanout(self._reactor, [launch.index], call, landed, self._timings.reducer_timeout)
         self._reducer_calls[launch.index] = fanout
