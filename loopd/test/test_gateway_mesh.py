@@ -1,0 +1,423 @@
+"""
+Scenario tests of C{model: "mesh"} through the whole gateway (issue 6, "Tests"): answers,
+agreement, synthesis, failures, streaming, cancelling, the thinking knobs and 429.
+
+Each test runs the real gateway site over 2 or 3 scripted fake llama-servers on in-memory
+Unix sockets (L{MeshHarness}), with scripted latencies on a C{MemoryReactorClock}, and
+checks the HTTP status, the body and the C{x-moa-*} headers (reference/mesh-moa.md §1.12,
+DESIGN §3 decisions 28-33). The tool scenarios are in L{loopd.test.test_gateway_mesh_tools}.
+"""
+
+from __future__ import annotations
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from loopd.test.support.mesh_harness import (
+    ASK,
+    THREE,
+    TWO,
+    MeshHarness,
+    content_of,
+    fails,
+    mesh_config,
+    moa_headers,
+    says,
+    system_text,
+)
+from loopd.test.test_gateway_site import Response
+
+VERBOSE = "Paris is the capital of France."
+
+
+def moa(turn: str, workers: int, ok: int, reducer: bool, attempts: int) -> dict[str, str]:
+    """The expected x-moa-* headers but the elapsed time."""
+    return {
+        "x-moa-turn": turn,
+        "x-moa-workers": str(workers),
+        "x-moa-workers-ok": str(ok),
+        "x-moa-reducer": "true" if reducer else "false",
+        "x-moa-reducer-attempts": str(attempts),
+    }
+
+
+class MeshTestCase(SynchronousTestCase):
+    """Assertions the scenarios share."""
+
+    def assert_answer(self, response: Response, content: str, headers: dict[str, str]) -> None:
+        """A complete 200 chat.completion from model mesh with C{content} and C{headers}."""
+        self.assertEqual((response.status, response.complete), (200, True), response.body)
+        body = response.json()
+        self.assertEqual((body["object"], body["model"]), ("chat.completion", "mesh"))
+        self.assertEqual(content_of(body), content)
+        self.assertEqual(body["choices"][0]["finish_reason"], "stop")
+        got = moa_headers(response)
+        self.assertIn("x-moa-elapsed-ms", got)
+        del got["x-moa-elapsed-ms"]
+        self.assertEqual(got, headers)
+
+
+class AgreementTests(MeshTestCase):
+    """Early exit on agreement, and what blocks it (§1.10, decision 31)."""
+
+    def test_consensus_early_exit(self) -> None:
+        """Two equal answers (one big-tier) ship at once, the first of equals; the third is cut."""
+        harness = MeshHarness()
+        harness.script(
+            llama_70b=says("Paris.", 1.0), mistral_7b=says("Paris", 0.5), qwen3_8b=says("x", 30)
+        )
+        response = harness.ask(ASK, 1.0)
+        self.assert_answer(response, "Paris", moa("early-exit", 3, 2, False, 0))
+        self.assertEqual(response.headers["x-moa-elapsed-ms"], "1000")
+        (slow,) = harness.fakes["qwen3-8b"].connections
+        self.assertEqual((slow.closed_at, slow.client_closed), (1.0, True))
+        self.assertEqual(harness.open_upstream(), [])
+
+    def test_terse_and_verbose_agree(self) -> None:
+        """Terse "Paris" and "Paris is the capital of France" agree; the verbose one ships."""
+        harness = MeshHarness()
+        harness.script(
+            llama_70b=says(VERBOSE, 1.0), mistral_7b=says("Paris", 0.5), qwen3_8b=says("x", 30)
+        )
+        response = harness.ask(ASK, 1.0)
+        self.assert_answer(response, VERBOSE, moa("early-exit", 3, 2, False, 0))
+
+    def test_worker_counts_after_early_exit(self) -> None:
+        """After an early exit all dispatched workers count: workers 3, workers-ok 2."""
+        harness = MeshHarness()
+        harness.script(
+            llama_70b=says("42", 0.2),
+            mistral_7b=says("The answer is 42", 0.1),
+            qwen3_8b=says("42", 9),
+        )
+        response = harness.ask(ASK, 0.2)
+        self.assert_answer(response, "The answer is 42", moa("early-exit", 3, 2, False, 0))
+
+    def test_role_budgets(self) -> None:
+        """Each worker's upstream body has its role's max_tokens and worker sampling (d. 28)."""
+        harness = MeshHarness()
+        harness.script(
+            llama_70b=says("Paris.", 1.0), mistral_7b=says("Paris", 0.5), qwen3_8b=says("x", 30)
+        )
+        harness.ask(ASK, 1.0)
+        budgets = {
+            name: (body["max_tokens"], body["temperature"], body["top_p"])
+            for name in THREE
+            for body in harness.chat_bodies(name)
+        }
+        self.assertEqual(
+            budgets,
+            {
+                "mistral-7b": (256, 0.8, 0.95),
+                "qwen3-8b": (512, 0.8, 0.95),
+                "llama-70b": (1024, 0.8, 0.95),
+            },
+        )
+
+    def test_negation_blocks_agreement(self) -> None:
+        """The negation rule: "Use grep." and "Do not use grep." disagree; the reducer answers."""
+        harness = MeshHarness(mesh_config(TWO))
+        harness.script(
+            llama_70b=[says("Use grep.", 1.0), says("Use grep -r here.", 0.5)],
+            mistral_7b=says("Do not use grep.", 0.5),
+        )
+        response = harness.ask(ASK, 1.5)
+        self.assert_answer(response, "Use grep -r here.", moa("fanout", 2, 2, True, 1))
+        reducer = harness.chat_bodies("llama-70b")[1]
+        self.assertIn("disagreed", system_text(reducer))
+        self.assertIn("Do not use grep.", system_text(reducer))
+        self.assertEqual((reducer["max_tokens"], reducer["temperature"]), (2048, 0.3))
+
+    def test_disagreement_synthesis(self) -> None:
+        """Three disagreeing answers go to the reducer, whose answer ships (v2 §6)."""
+        harness = MeshHarness()
+        harness.script(
+            llama_70b=[says("The capital is Lyon.", 1.5), says(VERBOSE, 0.5)],
+            mistral_7b=says("The capital is Paris.", 0.5),
+            qwen3_8b=says("The capital is Berlin.", 1.0),
+        )
+        response = harness.ask(ASK, 2.0)
+        self.assert_answer(response, VERBOSE, moa("fanout", 3, 3, True, 1))
+        prompt = system_text(harness.chat_bodies("llama-70b")[1])
+        for draft in ("Lyon", "Paris", "Berlin"):
+            self.assertIn(f"The capital is {draft}.", prompt)
+        self.assertEqual(harness.served(), {"llama-70b": 2, "mistral-7b": 1, "qwen3-8b": 1})
+
+
+class PatienceTests(MeshTestCase):
+    """Strong patience: a small-tier consensus waits for a running big Strong worker."""
+
+    def harness(self, strong: str, after: float) -> MeshHarness:
+        """Two small workers agree by 1 s; the big Strong worker says C{strong} at C{after}."""
+        harness = MeshHarness(mesh_config(strong_patience_ms=10_000))
+        harness.script(
+            llama_70b=says(strong, after),
+            mistral_7b=says("Paris", 0.5),
+            qwen3_8b=says("Paris.", 1.0),
+        )
+        return harness
+
+    def test_waits_for_strong(self) -> None:
+        """The small consensus does not ship at 1 s nor at grace; Strong's answer at 6 s does."""
+        harness = self.harness(VERBOSE, 6.0)
+        connection = harness.post(ASK)
+        harness.advance(5.9)
+        self.assertEqual(connection.responses(), [])
+        harness.advance(0.1)
+        self.assert_answer(connection.response(), VERBOSE, moa("fanout", 3, 3, False, 0))
+
+    def test_patience_runs_out(self) -> None:
+        """Strong still running at strong_patience_ms: the small consensus ships, Strong is cut."""
+        harness = self.harness(VERBOSE, 60.0)
+        connection = harness.post(ASK)
+        harness.advance(9.9)
+        self.assertEqual(connection.responses(), [])
+        harness.advance(0.1)
+        response = connection.response()
+        self.assert_answer(response, "Paris", moa("early-exit", 3, 2, False, 0))
+        self.assertEqual(response.headers["x-moa-elapsed-ms"], "10000")
+        (strong,) = harness.fakes["llama-70b"].connections
+        self.assertEqual((strong.closed_at, strong.client_closed), (10.0, True))
+
+    def test_strong_dissent_reduces(self) -> None:
+        """Strong lands within patience and disagrees: the reducer synthesizes (decision 31)."""
+        harness = self.harness("Lyon is the capital.", 6.0)
+        harness.script(llama_70b=says(VERBOSE, 0.5))
+        response = harness.ask(ASK, 6.5)
+        self.assert_answer(response, VERBOSE, moa("fanout", 3, 3, True, 1))
+
+
+class FailureTests(MeshTestCase):
+    """Failed workers: 502 when none answered, no waiting on a dead one."""
+
+    def assert_all_failed(self, response: Response) -> None:
+        """A 502 JSON all_workers_failed body with its x-moa headers."""
+        self.assertEqual((response.status, response.complete), (502, True), response.body)
+        self.assertEqual(response.headers["content-type"], "application/json")
+        body = response.json()
+        self.assertEqual(body["model"], "mesh")
+        self.assertEqual(body["choices"][0]["finish_reason"], "error")
+        error = {"message": "All MoA workers failed", "type": "moa_failure"}
+        self.assertEqual(body["error"], {**error, "code": "all_workers_failed"})
+        got = moa_headers(response)
+        del got["x-moa-elapsed-ms"]
+        self.assertEqual(got, moa("failed", 3, 0, False, 0))
+
+    def script_failures(self, harness: MeshHarness) -> None:
+        """Every worker fails: HTTP 500, 503 and 500, at different times."""
+        harness.script(
+            llama_70b=fails(500, 0.5), mistral_7b=fails(503, 0.2), qwen3_8b=fails(500, 1.0)
+        )
+
+    def test_all_fail(self) -> None:
+        """Every worker fails: 502 with the error JSON and the headers, no reducer called."""
+        harness = MeshHarness()
+        self.script_failures(harness)
+        response = harness.ask(ASK, 1.0)
+        self.assert_all_failed(response)
+        self.assertEqual(harness.served(), {name: 1 for name in THREE})
+
+    def test_all_fail_stream(self) -> None:
+        """A streaming request whose workers all fail is a 502 JSON body too, no SSE."""
+        harness = MeshHarness()
+        self.script_failures(harness)
+        response = harness.ask({**ASK, "stream": True}, 1.0)
+        self.assert_all_failed(response)
+        self.assertNotIn(b"data:", response.body)
+
+    def test_one_dead_of_two(self) -> None:
+        """A dead worker of two: the other's answer ships when it lands, not after 60 s."""
+        harness = MeshHarness(mesh_config(TWO), dead=("mistral-7b",))
+        harness.script(llama_70b=[says(VERBOSE, 1.0), says("Still Paris.", 0.5)])
+        response = harness.ask(ASK, 1.0)
+        self.assert_answer(response, VERBOSE, moa("fanout", 2, 1, False, 0))
+        self.assertEqual(response.headers["x-moa-elapsed-ms"], "1000")
+
+    def test_dead_worker_next_turn_single(self) -> None:
+        """The turn after: the pool is one model, which serves the request alone."""
+        harness = MeshHarness(mesh_config(TWO), dead=("mistral-7b",))
+        harness.script(llama_70b=[says(VERBOSE, 1.0), says("Still Paris.", 0.5)])
+        harness.ask(ASK, 1.0)
+        response = harness.ask(ASK, 0.5)
+        self.assertEqual((response.status, response.complete), (200, True), response.body)
+        body = response.json()
+        self.assertEqual((body["model"], content_of(body)), ("llama-70b", "Still Paris."))
+        self.assertEqual(moa_headers(response), {})
+        self.assertEqual(harness.served(), {"llama-70b": 2, "mistral-7b": 0})
+
+
+class StreamTests(MeshTestCase):
+    """A streamed mesh turn, and a client that leaves."""
+
+    def test_stream_success(self) -> None:
+        """Progress comments, then chunks each with a real choices[0], then [DONE]."""
+        harness = MeshHarness()
+        harness.script(
+            llama_70b=says(VERBOSE, 1.0), mistral_7b=says("Paris", 0.5), qwen3_8b=says("x", 30)
+        )
+        response = harness.ask({**ASK, "stream": True}, 1.0)
+        self.assertEqual((response.status, response.complete), (200, True), response.body)
+        self.assertEqual(response.headers["content-type"], "text/event-stream")
+        events = response.events()
+        comments = response.comments()
+        self.assertEqual(
+            [(c["event"], c.get("worker")) for c in comments[:2]],
+            [("mesh_worker", "mistral-7b"), ("mesh_worker", "llama-70b")],
+        )
+        self.assertTrue(all(c["ok"] for c in comments[:2]))
+        first_data = next(i for i, e in enumerate(events) if e.startswith("data: "))
+        self.assertTrue(all(e.startswith(": loopd ") for e in events[:first_data]))
+        data = response.data()
+        self.assertEqual(data[-1], "[DONE]")
+        chunks = data[:-1]
+        self.assertTrue(chunks)
+        for chunk in chunks:
+            self.assertEqual((chunk["object"], chunk["model"]), ("chat.completion.chunk", "mesh"))
+            self.assertEqual(chunk["choices"][0]["index"], 0)
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        self.assertEqual(text, VERBOSE)
+        self.assertEqual(chunks[-1]["choices"][0]["finish_reason"], "stop")
+
+    def test_stream_fails_after_open(self) -> None:
+        """Every reducer fails after workers answered: one error event, no [DONE]."""
+        harness = MeshHarness()
+        harness.script(
+            llama_70b=[says("Lyon.", 1.0), fails(500)],
+            mistral_7b=[says("Berlin.", 0.5), fails(500)],
+            qwen3_8b=[says("Rome.", 0.7), fails(500)],
+        )
+        response = harness.ask({**ASK, "stream": True}, 1.0)
+        self.assertEqual((response.status, response.complete), (200, True), response.body)
+        (error,) = response.data()
+        self.assertEqual(error["error"]["code"], "all_reducers_failed")
+        self.assertEqual(error["error"]["type"], "moa_failure")
+        self.assertEqual(harness.served(), {name: 2 for name in THREE})
+
+    def test_client_gone_cancels(self) -> None:
+        """A client that disconnects mid-turn closes every upstream connection at once."""
+        harness = MeshHarness()
+        harness.script(
+            llama_70b=says(VERBOSE, 10), mistral_7b=says("Paris", 0.5), qwen3_8b=says("x", 10)
+        )
+        connection = harness.post({**ASK, "stream": True})
+        harness.advance(1.0)
+        self.assertEqual(sorted(harness.open_upstream()), ["llama-70b", "qwen3-8b"])
+        connection.drop()
+        self.assertEqual(harness.open_upstream(), [])
+        for name in ("llama-70b", "qwen3-8b"):
+            (record,) = harness.fakes[name].connections
+            self.assertEqual((record.closed_at, record.client_closed), (1.0, True))
+        harness.advance(20)
+        self.assertEqual(harness.served(), {name: 1 for name in THREE})
+        self.assertEqual(harness.gateway.in_flight, set())
+
+
+class KnobTests(MeshTestCase):
+    """What every upstream call carries: the thinking choice; a 429 retried once."""
+
+    def thinking_of(self, document: object) -> list[tuple[object, object]]:
+        """Run a disagreement turn for C{document}; each upstream body's thinking fields."""
+        harness = MeshHarness()
+        harness.script(
+            llama_70b=[says("Lyon.", 1.0), says(VERBOSE, 0.5)],
+            mistral_7b=says("Berlin.", 0.5),
+            qwen3_8b=says("Rome.", 0.7),
+        )
+        response = harness.ask(document, 1.5)
+        self.assert_answer(response, VERBOSE, moa("fanout", 3, 3, True, 1))
+        bodies = [body for name in THREE for body in harness.chat_bodies(name)]
+        self.assertEqual(len(bodies), 4)
+        return [
+            (body["chat_template_kwargs"]["enable_thinking"], body.get("reasoning_effort"))
+            for body in bodies
+        ]
+
+    def test_thinking_off_by_default(self) -> None:
+        """No knob: every worker and the reducer get enable_thinking false, effort none."""
+        self.assertEqual(self.thinking_of(ASK), [(False, "none")] * 4)
+
+    def test_thinking_kwarg_reaches_all(self) -> None:
+        """chat_template_kwargs.enable_thinking true reaches every worker and the reducer."""
+        document = {**ASK, "chat_template_kwargs": {"enable_thinking": True}}
+        self.assertEqual(self.thinking_of(document), [(True, None)] * 4)
+
+    def test_reasoning_effort_reaches_all(self) -> None:
+        """reasoning_effort "high" turns thinking on for every upstream call."""
+        document = {**ASK, "reasoning_effort": "high"}
+        self.assertEqual(self.thinking_of(document), [(True, None)] * 4)
+
+    def test_openai_endpoint_gets_template_kwarg(self) -> None:
+        """An openai-kind endpoint gets chat_template_kwargs.enable_thinking too."""
+        config = mesh_config(TWO, kinds={"mistral-7b": "openai"})
+        for enabled in (False, True):
+            harness = MeshHarness(config)
+            harness.script(llama_70b=says(VERBOSE, 0.5), mistral_7b=says("Paris", 0.2))
+            document = {**ASK, "chat_template_kwargs": {"enable_thinking": enabled}}
+            response = harness.ask(document, 0.5)
+            self.assert_answer(response, VERBOSE, moa("fanout", 2, 2, False, 0))
+            (body,) = harness.chat_bodies("mistral-7b")
+            self.assertEqual(body["chat_template_kwargs"], {"enable_thinking": enabled})
+            self.assertNotIn("id_slot", body)
+
+    def test_429_retried_once(self) -> None:
+        """A 429 with Retry-After: 1 is asked again once, 1 s later, and its answer counts."""
+        harness = MeshHarness(mesh_config(TWO))
+        harness.script(
+            llama_70b=says(VERBOSE, 0.5),
+            mistral_7b=[fails(429, Retry_After="1"), says("Paris", 0.0)],
+        )
+        response = harness.ask(ASK, 1.0)
+        self.assert_answer(response, VERBOSE, moa("fanout", 2, 2, False, 0))
+        self.assertEqual(harness.chat_times("mistral-7b"), [0.0, 1.0])
+        self.assertEqual(response.headers["x-moa-elapsed-ms"], "1000")
+
+
+class RouteTests(MeshTestCase):
+    """The routes around mesh: the model list and a refused request."""
+
+    def test_models_list_mesh(self) -> None:
+        """/v1/models lists every endpoint, then auto and mesh."""
+        harness = MeshHarness()
+        response = harness.get("/v1/models").response()
+        self.assertEqual(response.status, 200)
+        ids = [model["id"] for model in response.json()["data"]]
+        self.assertEqual(ids, [*THREE, "auto", "mesh"])
+
+    def test_bad_request_calls_nobody(self) -> None:
+        """A mesh request without messages is a 400 and no upstream is called."""
+        harness = MeshHarness()
+        response = harness.ask({"model": "mesh"}, 1.0)
+        self.assertEqual(response.status, 400)
+        self.assertEqual(response.json()["error"]["code"], "missing_messages")
+        self.assertEqual(harness.served(), {name: 0 for name in THREE})
+        self.assertEqual(moa_headers(response), {})
+
+
+class LeaseTests(MeshTestCase):
+    """Mesh calls under leases: each takes its endpoint's lease and gives it back."""
+
+    def test_leases_given_back(self) -> None:
+        """Workers and the reducer hold the session's leases, released after the grace."""
+        harness = MeshHarness(leases=True)
+        harness.script(
+            llama_70b=[says("Lyon.", 1.0), says(VERBOSE, 0.5)],
+            mistral_7b=says("Berlin.", 0.5),
+            qwen3_8b=says("Rome.", 0.7),
+        )
+        response = harness.ask(ASK, 1.5, session="s1")
+        self.assert_answer(response, VERBOSE, moa("fanout", 3, 3, True, 1))
+        self.assertEqual(harness.held(), {name: {"s1"} for name in THREE})
+        harness.advance(3.0)
+        self.assertEqual(harness.held(), {name: set() for name in THREE})
+
+    def test_client_gone_under_leases(self) -> None:
+        """A client that leaves mid-turn closes its calls; its leases go back after the grace."""
+        harness = MeshHarness(leases=True)
+        harness.script(
+            llama_70b=says(VERBOSE, 10), mistral_7b=says("Paris", 0.5), qwen3_8b=says("x", 10)
+        )
+        connection = harness.post(ASK, "s1")
+        harness.advance(1.0)
+        connection.drop()
+        self.assertEqual(harness.open_upstream(), [])
+        harness.advance(3.0)
+        self.assertEqual(harness.held(), {name: set() for name in THREE})
