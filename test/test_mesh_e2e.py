@@ -240,8 +240,8 @@ class MeshEndToEndTests(TestCase):
     @inlineCallbacks
     def test_auto_spreads(self) -> Any:
         """
-        auto: sequential requests reach both endpoints, each answer reports its server's
-        speed, and loopd's per-endpoint counters match the answers.
+        auto: sequential requests reach both endpoints, the router's measured speeds are the
+        mean of the speeds the answers report, and loopd's per-endpoint counters match.
         """
         yield self.start()
 
@@ -260,11 +260,24 @@ class MeshEndToEndTests(TestCase):
         answers, metrics = yield deferToThread(ask)
         served = Counter(a.model for a in answers)
         self.assertEqual(set(served), set(NAMES))
+        speeds: dict[str, list[float]] = {name: [] for name in NAMES}
         for answer in answers:
             self.assertEqual(answer.choices[0].message.content, ANSWER)
-            # The speed the router records for the endpoint (not exposed by loopd).
+            # The speed the server measured, which the router records for the endpoint.
             speed = (answer.model_extra or {})["timings"]["predicted_per_second"]
             self.assertGreater(speed, 0)
+            speeds[answer.model].append(speed)
+        measured = metric_values(metrics, "loopd_auto_speed_tokens_per_second")
+        samples = metric_values(metrics, "loopd_auto_samples")
+        weights = metric_values(metrics, "loopd_auto_weight")
+        for name in NAMES:
+            self.assertAlmostEqual(measured[(name,)], sum(speeds[name]) / len(speeds[name]))
+            self.assertEqual(samples[(name,)], len(speeds[name]))
+            # With 3 samples or more the weight is the mean speed clamped to 5-100 (the tiny
+            # model usually outruns the clamp, so both weigh 100); with fewer, 25.
+            mean = measured[(name,)]
+            expected = min(100.0, max(5.0, mean)) if len(speeds[name]) >= 3 else 25.0
+            self.assertAlmostEqual(weights[(name,)], expected)
         requests = metric_values(metrics, "loopd_requests_total")
         self.assertEqual(
             {name: requests.get((name, "ok"), 0.0) for name in NAMES},

@@ -22,7 +22,9 @@ from prometheus_client import (
 )
 from twisted.logger import Logger
 
+from loopd.gateway.auto import AutoRouter
 from loopd.gateway.queue_metrics import SchedulerCollector
+from loopd.gateway.router_metrics import RouterCollector
 from loopd.llama.types import Timings
 from loopd.queue.scheduler import Scheduler
 
@@ -144,6 +146,12 @@ class GatewayMetrics:
         Add the lease scheduler's metrics (C{loopd_lease_*}), read from it at every scrape.
         """
         self.registry.register(SchedulerCollector(scheduler))
+
+    def watch_router(self, router: AutoRouter, now: Callable[[], float]) -> None:
+        """
+        Add the C{auto} router's measurements (C{loopd_auto_*}), read at every scrape.
+        """
+        self.registry.register(RouterCollector(router, now))
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of every metric here, and its content type."""

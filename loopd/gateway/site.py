@@ -235,6 +235,7 @@ class Gateway:
         self._slot_counts = dict(slot_counts or {})
         self.router = AutoRouter(config.endpoints, props, rng)
         self.reachability = Reachability()
+        self.metrics.watch_router(self.router, reactor.seconds)
         for name, client in self.clients.items():
             waiting = getattr(client.gate, "waiting", None)
             # Gates other than SlotGate may not say how many requests wait.

@@ -185,6 +185,28 @@ class SpeedTests(AutoTestCase):
         self.ask(harness, {**HI, "model": "tiny"})
         self.assertEqual(harness.gateway.router.speeds["tiny"].samples, ())
 
+    def test_speeds_in_metrics(self) -> None:
+        """/metrics shows each endpoint's mean speed, its sample count and its weight."""
+        harness = AutoHarness(auto_config(), Scripted())
+        speeds = (40.0, 60.0, 80.0)
+        replies = [
+            answer({"content": "x"}, timings={**TIMINGS, "predicted_per_second": v}) for v in speeds
+        ]
+        harness.fake.script("POST", CHAT, *replies)
+        for _ in speeds:
+            self.ask(harness, {**HI, "model": "tiny"})
+        scraped = harness.scrape()
+
+        def gauge(name: str, endpoint: str) -> float | None:
+            return scraped.get((name, frozenset({("endpoint", endpoint)})))
+
+        self.assertEqual(gauge("loopd_auto_speed_tokens_per_second", "tiny"), 60.0)
+        self.assertEqual(gauge("loopd_auto_samples", "tiny"), 3)
+        self.assertEqual(gauge("loopd_auto_weight", "tiny"), 60.0)
+        self.assertIsNone(gauge("loopd_auto_speed_tokens_per_second", "big"))
+        self.assertEqual(gauge("loopd_auto_samples", "big"), 0)
+        self.assertEqual(gauge("loopd_auto_weight", "big"), 25.0)
+
     def test_speeds_change_the_pick(self) -> None:
         """Three fast answers from tiny (100 t/s vs neutral 25) turn a 0.7 draw to tiny."""
         fast = {**TIMINGS, "predicted_per_second": 100.0}
