@@ -5,7 +5,9 @@ endpoints, and one worker or reducer call (issue 6, DESIGN §3 decisions 28 and 
 
 Each call takes a C{child}-tier lease on its endpoint's queue for the session (when the
 gateway leases), picks the session's slot there, and goes through the endpoint's robust
-llama client (its slot gate, bounded waits and retries). The client streams upstream; the
+llama client (its slot gate, bounded waits and retries, but for a refused connection: a
+worker whose endpoint is down fails at once, DESIGN decision 29, rather than hold the turn
+through the client's backoff). The client streams upstream; the
 call's result is the finished reply as a C{chat.completion} body, which is what the mesh
 normalizer reads. An HTTP 429 fails the call with L{RateLimited} (and its C{Retry-After}),
 which the fan-out retries once. Cancelling a call withdraws its lease wait or aborts its
@@ -26,6 +28,7 @@ from twisted.python.failure import Failure
 from loopd.gateway.render import completion_json
 from loopd.gateway.slot_choice import pick_slot
 from loopd.gateway.translate import parse_document
+from loopd.llama.retry import is_retryable
 from loopd.llama.types import ChatEvent, Completion, Connect, Http
 from loopd.moa.fanout import RateLimited
 from loopd.moa.roles import Worker, build_pool
@@ -146,7 +149,7 @@ class _Call:
         self._slot = pick_slot(gateway, self._name, self._slot_session, self._lease_session)
         chat = replace(chat, slot=self._slot, template_thinking=True)
         client = gateway.clients[self._name]
-        self._step = client.chat_with_retry(chat, _ignore)
+        self._step = client.chat_with_retry(chat, _ignore, _retry_but_connect)
         self._step.addCallbacks(self._answered, self._failed)
 
     def _answered(self, completion: Completion) -> None:
@@ -186,6 +189,14 @@ class _Call:
         hold, self._hold = self._hold, None
         if hold is not None:
             self._gateway.leases.done(hold, self._final)
+
+
+def _retry_but_connect(error: BaseException) -> bool:
+    """
+    The robust client's retries, but for a refused connection: a worker whose endpoint is
+    down has failed at once (DESIGN decision 29), so the turn does not wait on its backoff.
+    """
+    return not isinstance(error, Connect) and is_retryable(error)
 
 
 def _ignore(event: ChatEvent) -> None:

@@ -17,7 +17,7 @@ from loopd.config import Config, Endpoint
 from loopd.llama.chat import ChatCall, EventSink
 from loopd.llama.gate import ISlotGate, SlotGate
 from loopd.llama.info import SlotState, get_json, parse_slots
-from loopd.llama.retry import with_retry
+from loopd.llama.retry import is_retryable, with_retry
 from loopd.llama.types import ChatRequest, Completion, Protocol
 
 __all__ = ["Client"]
@@ -85,10 +85,19 @@ class Client:
         outcome.chainDeferred(result)
         return result
 
-    def chat_with_retry(self, request: ChatRequest, on_event: EventSink) -> Deferred[Completion]:
+    def chat_with_retry(
+        self,
+        request: ChatRequest,
+        on_event: EventSink,
+        retryable: Callable[[BaseException], bool] = is_retryable,
+    ) -> Deferred[Completion]:
         """
         L{chat}, repeated after the failures worth repeating (seed §4 "Retry"); each
         attempt goes back through the gate and a L{Retrying} event precedes it.
+
+        @param retryable: which failures are worth repeating; L{is_retryable} unless the
+            caller narrows it (the mesh does not retry a refused connection: a dead worker
+            must fail at once, DESIGN decision 29).
         """
         return with_retry(
             lambda: self.chat(request, on_event),
@@ -96,6 +105,7 @@ class Client:
             policy=self.config.retry,
             on_event=on_event,
             random=self._random,
+            retryable=retryable,
         )
 
     def _get(self, method: str, path: str, body: object = None) -> Deferred[Any]:

@@ -89,6 +89,7 @@ def with_retry(
     policy: Retry,
     on_event: Callable[[ChatEvent], None],
     random: Callable[[], float] = _random.random,
+    retryable: Callable[[BaseException], bool] = is_retryable,
 ) -> Deferred[_T]:
     """
     Run C{attempt()} and, while it fails retryably, wait and run it again.
@@ -102,8 +103,9 @@ def with_retry(
     @return: a Deferred with the first success, or the failure of the last attempt (at once
         for one that is not retryable). Cancelling it cancels the running attempt or the
         pending wait and fails it with C{CancelledError}.
+    @param retryable: which failures are tried again (L{is_retryable} unless given).
     """
-    return _Retrier(attempt, clock, policy, on_event, random).start()
+    return _Retrier(attempt, clock, policy, on_event, random, retryable).start()
 
 
 class _Retrier(Generic[_T]):
@@ -116,8 +118,10 @@ class _Retrier(Generic[_T]):
         policy: Retry,
         on_event: Callable[[ChatEvent], None],
         random: Callable[[], float],
+        retryable: Callable[[BaseException], bool] = is_retryable,
     ) -> None:
         self._attempt = attempt
+        self._retryable = retryable
         self._clock = clock
         self._policy = policy
         self._on_event = on_event
@@ -155,7 +159,7 @@ class _Retrier(Generic[_T]):
         if self._cancelled:
             return
         error = failure.value
-        if error is None or not is_retryable(error) or self._tries >= self._policy.attempts:
+        if error is None or not self._retryable(error) or self._tries >= self._policy.attempts:
             self._result.errback(failure)
             return
         wait = backoff_wait(self._policy, self._tries - 1, self._random())

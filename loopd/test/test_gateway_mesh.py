@@ -10,8 +10,11 @@ DESIGN §3 decisions 28-33). The tool scenarios are in L{loopd.test.test_gateway
 
 from __future__ import annotations
 
+import dataclasses
+
 from twisted.trial.unittest import SynchronousTestCase
 
+from loopd.config import Retry
 from loopd.test.support.mesh_harness import (
     ASK,
     THREE,
@@ -231,6 +234,16 @@ class FailureTests(MeshTestCase):
         response = harness.ask(ASK, 1.0)
         self.assert_answer(response, VERBOSE, moa("fanout", 2, 1, False, 0))
         self.assertEqual(response.headers["x-moa-elapsed-ms"], "1000")
+
+    def test_dead_worker_not_retried(self) -> None:
+        """With client retries on, a refused worker still fails at once: no backoff waited."""
+        config = dataclasses.replace(mesh_config(TWO), retry=Retry(attempts=4))
+        harness = MeshHarness(config, dead=("mistral-7b",))
+        harness.script(llama_70b=says(VERBOSE, 1.0))
+        response = harness.ask(ASK, 1.0)
+        self.assert_answer(response, VERBOSE, moa("fanout", 2, 1, False, 0))
+        self.assertEqual(response.headers["x-moa-elapsed-ms"], "1000")
+        self.assertFalse(harness.gateway.reachability.up("mistral-7b", harness.reactor.seconds()))
 
     def test_dead_worker_next_turn_single(self) -> None:
         """The turn after: the pool is one model, which serves the request alone."""

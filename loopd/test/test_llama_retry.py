@@ -88,6 +88,7 @@ class Run:
         attempts: Attempts,
         policy: Retry = DEFAULT,
         r: float = 0.5,
+        retryable: Callable[[BaseException], bool] = is_retryable,
     ) -> None:
         self.clock = Clock()
         self.events: list[ChatEvent] = []
@@ -98,6 +99,7 @@ class Run:
             policy=policy,
             on_event=self.events.append,
             random=constant(r),
+            retryable=retryable,
         )
 
     @property
@@ -216,6 +218,13 @@ class WithRetryTests(SynchronousTestCase):
             self.assertEqual(len(run.attempts.calls), 1)
             self.assertEqual(run.events, [])
             self.assertEqual(run.clock.getDelayedCalls(), [])
+
+    def test_narrowed_retryable(self) -> None:
+        """A caller's retryable rule decides: a failure it refuses ends the run at once."""
+        refused = Connect("refused")
+        run = Run(Attempts([refused, "never"]), retryable=lambda e: not isinstance(e, Connect))
+        self.assertIs(self.failureResultOf(run.deferred).value, refused)
+        self.assertEqual((len(run.attempts.calls), run.events), (1, []))
 
     def test_attempt_raising_synchronously(self) -> None:
         """An attempt that raises instead of returning a Deferred counts as a failure."""
