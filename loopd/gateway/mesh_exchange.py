@@ -5,7 +5,7 @@ over the worker pool, its answer in the OpenAI shapes of reference C{mesh-moa.md
 C{x-moa-*} headers (DESIGN §3 decision 33).
 
 Not streaming: C{200} with the C{chat.completion} body, or C{502} with the error body, each
-with the C{x-moa-*} headers.
+with the C{x-moa-*} headers and a C{Content-Length}.
 
 Streaming: the turn's progress goes out as C{: loopd} comment lines while it runs. The
 stream opens (C{200}, C{text/event-stream}) at the first worker that answers, with the
@@ -204,7 +204,9 @@ class MeshExchange:
         request.setHeader(b"content-type", b"application/json")
         for name, value in headers:
             request.setHeader(name, value)
-        self._finish(_encode(body))
+        data = _encode(body)
+        request.setHeader(b"content-length", b"%d" % len(data))
+        self._finish(data)
 
     def _client_gone(self, reason: Failure) -> None:
         if self._finished:

@@ -53,6 +53,7 @@ class MeshTestCase(SynchronousTestCase):
         self.assertEqual((body["object"], body["model"]), ("chat.completion", "mesh"))
         self.assertEqual(content_of(body), content)
         self.assertEqual(body["choices"][0]["finish_reason"], "stop")
+        self.assertEqual(response.headers["content-length"], str(len(response.body)))
         got = moa_headers(response)
         self.assertIn("x-moa-elapsed-ms", got)
         del got["x-moa-elapsed-ms"]
