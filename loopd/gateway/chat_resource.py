@@ -13,7 +13,6 @@ the upstream request, and llama-server frees the slot.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -29,6 +28,12 @@ from loopd.gateway.mesh_calls import mesh_pool
 from loopd.gateway.mesh_exchange import MeshExchange
 from loopd.gateway.render import ChunkStream, completion_json, loopd_comment, new_completion_id
 from loopd.gateway.request_body import decode_request
+from loopd.gateway.responses import (
+    comment_line,
+    data_line,
+    open_event_stream,
+    write_json,
+)
 from loopd.gateway.slot_choice import pick_slot
 from loopd.gateway.translate import GatewayRequest, parse_document
 from loopd.llama.types import (
@@ -43,7 +48,7 @@ from loopd.llama.types import (
 )
 from loopd.moa.roles import VIRTUAL_MODEL_NAME as MESH_MODEL
 
-__all__ = ["ChatCompletions", "write_json"]
+__all__ = ["ChatCompletions", "session_end", "session_of", "session_role"]
 
 _log = Logger(namespace="loopd.gateway")
 
@@ -54,15 +59,6 @@ _ENDS = {b"true": True, b"1": True, b"false": False, b"0": False}
 T = TypeVar("T")
 _ROLES = {b"parent": "parent", b"child": "child"}
 _FIRST_TOKEN = (Content, Reasoning, ToolCallDelta)
-
-
-def write_json(request: Request, status: int, body: object) -> bytes:
-    """
-    Set C{status} and a JSON content type on C{request}; return the encoded C{body}.
-    """
-    request.setResponseCode(status)
-    request.setHeader(b"content-type", b"application/json")
-    return json.dumps(body, separators=(",", ":")).encode()
 
 
 class ChatCompletions(Resource):
@@ -283,7 +279,7 @@ class _Exchange:
             return
         self._start_stream()
         if comment is not None:
-            self._write(b": loopd " + _encode(comment) + b"\n\n")
+            self._write(comment_line(comment))
         for chunk in chunks:
             self._write_data(chunk)
 
@@ -291,15 +287,11 @@ class _Exchange:
         if self._streaming:
             return
         self._streaming = True
-        request = self._request
-        request.setResponseCode(200)
-        request.setHeader(b"content-type", b"text/event-stream")
-        request.setHeader(b"cache-control", b"no-cache")
-        request.setHeader(b"x-accel-buffering", b"no")
+        open_event_stream(self._request)
         self._write_data(self._chunks.role_chunk())
 
     def _write_data(self, payload: object) -> None:
-        self._write(b"data: " + _encode(payload) + b"\n\n")
+        self._write(data_line(payload))
 
     def _write(self, data: bytes) -> None:
         self._request.write(data)
@@ -428,7 +420,3 @@ def _lease_timeout(wait_ms: int) -> Any:
         return result
 
     return timed_out
-
-
-def _encode(payload: object) -> bytes:
-    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()

@@ -22,7 +22,6 @@ A client that goes away cancels the turn, which cancels every upstream call.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +30,7 @@ from twisted.python.failure import Failure
 from twisted.web.server import Request
 
 from loopd.gateway.mesh_calls import MeshCalls
+from loopd.gateway.responses import comment_line, data_line, encode_json, open_event_stream
 from loopd.moa.engine import MeshTimings, MeshTurn, TurnResult
 from loopd.moa.knobs import effective_enable_thinking
 from loopd.moa.response import (
@@ -47,10 +47,6 @@ from loopd.moa.roles import Worker
 from loopd.moa.turn import read_turn
 
 __all__ = ["MeshExchange"]
-
-
-def _encode(payload: object) -> bytes:
-    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 class MeshExchange:
@@ -117,7 +113,7 @@ class MeshExchange:
         error = {"message": "loopd is shutting down", "type": "server_error"}
         error["code"] = "shutting_down"
         if self._streaming:
-            self._write(b"data: " + _encode({"error": error}) + b"\n\n")
+            self._write(data_line({"error": error}))
             self._finish()
         else:
             self._respond(503, {"error": error}, [])
@@ -128,7 +124,7 @@ class MeshExchange:
     def _progress(self, event: Mapping[str, Any]) -> None:
         if not self._stream or self._finished:
             return
-        self._pending.append(b": loopd " + _encode(dict(event)) + b"\n\n")
+        self._pending.append(comment_line(dict(event)))
         if not self._streaming and event.get("event") == "mesh_worker" and event.get("ok"):
             self._open_stream([])
         if self._streaming:
@@ -136,13 +132,9 @@ class MeshExchange:
 
     def _open_stream(self, headers: list[tuple[bytes, bytes]]) -> None:
         self._streaming = True
-        request = self._request
-        request.setResponseCode(200)
-        request.setHeader(b"content-type", b"text/event-stream")
-        request.setHeader(b"cache-control", b"no-cache")
-        request.setHeader(b"x-accel-buffering", b"no")
+        open_event_stream(self._request)
         for name, value in headers:
-            request.setHeader(name, value)
+            self._request.setHeader(name, value)
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
@@ -169,7 +161,7 @@ class MeshExchange:
             )
             if self._streaming:
                 self._flush()
-                self._write(b"data: " + _encode({"error": body["error"]}) + b"\n\n")
+                self._write(data_line({"error": body["error"]}))
                 self._finish()
             else:
                 self._respond(502, body, headers)
@@ -194,7 +186,7 @@ class MeshExchange:
             self._open_stream(headers)
         self._flush()
         for chunk in stream_chunks(body):
-            self._write(b"data: " + _encode(chunk) + b"\n\n")
+            self._write(data_line(chunk))
         self._write(b"data: [DONE]\n\n")
         self._finish()
 
@@ -204,7 +196,7 @@ class MeshExchange:
         request.setHeader(b"content-type", b"application/json")
         for name, value in headers:
             request.setHeader(name, value)
-        data = _encode(body)
+        data = encode_json(body)
         request.setHeader(b"content-length", b"%d" % len(data))
         self._finish(data)
 

@@ -17,11 +17,12 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from loopd import http
 from loopd.gateway.auto import AUTO_MODEL, AutoRouter
-from loopd.gateway.chat_resource import ChatCompletions, write_json
+from loopd.gateway.chat_resource import ChatCompletions
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.leases import GatewayLeases, queue_status
 from loopd.gateway.mesh_calls import Reachability
 from loopd.gateway.metrics import GatewayMetrics
+from loopd.gateway.responses import write_json
 from loopd.gateway.router import RandomSource
 from loopd.gateway.sessions import Sessions
 from loopd.llama import Client
