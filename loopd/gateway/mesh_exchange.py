@@ -29,6 +29,7 @@ from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 from twisted.web.server import Request
 
+from loopd.gateway.errors import GatewayError
 from loopd.gateway.mesh_calls import MeshCalls
 from loopd.gateway.responses import comment_line, data_line, encode_json, open_event_stream
 from loopd.moa.engine import MeshTimings, MeshTurn, TurnResult
@@ -110,14 +111,13 @@ class MeshExchange:
         if self._finished:
             return
         self._cancel_turn()
-        error = {"message": "loopd is shutting down", "type": "server_error"}
-        error["code"] = "shutting_down"
+        error = GatewayError(503, "loopd is shutting down", "server_error", "shutting_down")
         if self._streaming:
-            self._write(data_line({"error": error}))
+            self._write(data_line(error.body()))
             self._finish()
         else:
-            self._respond(503, {"error": error}, [])
-        self._gateway.metrics.observe_request(MODEL, "shutting_down")
+            self._respond(error.status, error.body(), [])
+        self._gateway.metrics.observe_request(MODEL, error.code)
 
     # -- while it runs -------------------------------------------------------------------
 

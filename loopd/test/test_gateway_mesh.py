@@ -324,6 +324,29 @@ class StreamTests(MeshTestCase):
         self.assertEqual(harness.served(), {name: 1 for name in THREE})
         self.assertEqual(harness.gateway.in_flight, set())
 
+    def test_stop_mid_turn(self) -> None:
+        """Stopping the gateway answers a turn under way with 503 and closes its calls."""
+        for stream in (False, True):
+            harness = MeshHarness()
+            harness.script(
+                llama_70b=says(VERBOSE, 10), mistral_7b=says("Paris", 0.5), qwen3_8b=says("x", 10)
+            )
+            connection = harness.post({**ASK, "stream": stream})
+            harness.advance(1.0)
+            harness.gateway.stop()
+            harness.net.pump()
+            self.assertEqual(harness.open_upstream(), [])
+            self.assertEqual(harness.gateway.in_flight, set())
+            response = connection.response()
+            if stream:
+                # The stream had opened at the first answer: the error is its last event.
+                self.assertEqual(response.status, 200)
+                error = response.data()[-1]["error"]
+            else:
+                self.assertEqual(response.status, 503)
+                error = response.json()["error"]
+            self.assertEqual(error["code"], "shutting_down")
+
 
 class KnobTests(MeshTestCase):
     """What every upstream call carries: the thinking choice; a 429 retried once."""
