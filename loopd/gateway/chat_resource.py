@@ -1,7 +1,11 @@
-# -*- test-case-name: loopd.test.test_gateway_chat -*-
+# -*- test-case-name: loopd.test.test_gateway_chat,loopd.test.test_gateway_mesh -*-
 """
 C{POST /v1/chat/completions}: an OpenAI request in, the llama client in the middle, an
-OpenAI answer out (DESIGN.md §3, decisions 15 to 18).
+OpenAI answer out (DESIGN.md §3, decisions 15 to 19).
+
+The request's C{model} names an endpoint, or C{auto} (the router's candidates, in order),
+or C{mesh}: with two or more workers reachable a L{MeshExchange} serves it, else the one
+model does, as a request for it by name.
 
 A streaming answer starts lazily, at the first thing worth sending (a delta or one of
 loopd's own events), so that an error that comes before it (Busy, an upstream 400, ...)
