@@ -93,7 +93,7 @@ class ChatCompletions(Resource):
             routed = self._gateway.route_auto(document)
             parsed = parse_document(document)
             if parsed.model == MESH_MODEL:
-                pool = mesh_pool(self._gateway)
+                pool = mesh_pool(self._gateway, document)
                 if len(pool) >= 2:
                     session = session_of(self._gateway, request)
                     mesh = MeshExchange(

@@ -19,13 +19,16 @@ L{RECHECK_S} seconds, then tried again; any answer from it puts it back at once.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, Final
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.python.failure import Failure
 
+from loopd.gateway.classify import classify
 from loopd.gateway.render import completion_json
+from loopd.gateway.router import media_filter
 from loopd.gateway.slot_choice import pick_slot
 from loopd.gateway.translate import parse_document
 from loopd.llama.retry import is_retryable
@@ -69,13 +72,17 @@ class Reachability:
         return since is None or now - since >= self._recheck
 
 
-def mesh_pool(gateway: Any) -> tuple[Worker, ...]:
+def mesh_pool(gateway: Any, document: Mapping[str, object]) -> tuple[Worker, ...]:
     """
-    The mesh's workers now: every configured endpoint that counts as reachable,
-    deduplicated by canonical name (L{build_pool}). When none counts as reachable, every
-    endpoint is tried again rather than none.
+    The mesh's workers for the request C{document} now: every configured endpoint that
+    takes the request's images or audio (C{vision}, C{audio}, as for C{auto}) and counts
+    as reachable, deduplicated by canonical name (L{build_pool}). When none counts as
+    reachable, every endpoint that takes the media is tried again rather than none.
+
+    @raise loopd.gateway.router.MediaUnsupportedError: no endpoint takes the media (400).
     """
-    workers = [Worker(e.name, e.size_b) for e in gateway.config.endpoints]
+    takes = {c.name for c in media_filter(gateway.router.candidates, classify(document))}
+    workers = [Worker(e.name, e.size_b) for e in gateway.config.endpoints if e.name in takes]
     now = gateway.reactor.seconds()
     pool = build_pool(workers, reachable=lambda name: gateway.reachability.up(name, now))
     return pool if pool else build_pool(workers)
