@@ -31,7 +31,7 @@ from twisted.web.server import Request
 
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.mesh_calls import MeshCalls
-from loopd.gateway.responses import comment_line, data_line, encode_json, open_event_stream
+from loopd.gateway.responses import comment_line, data_line, open_event_stream, write_json
 from loopd.moa.engine import MeshTimings, MeshTurn, TurnResult
 from loopd.moa.knobs import effective_enable_thinking
 from loopd.moa.response import (
@@ -191,13 +191,10 @@ class MeshExchange:
         self._finish()
 
     def _respond(self, status: int, body: object, headers: list[tuple[bytes, bytes]]) -> None:
-        request = self._request
-        request.setResponseCode(status)
-        request.setHeader(b"content-type", b"application/json")
+        data = write_json(self._request, status, body)
         for name, value in headers:
-            request.setHeader(name, value)
-        data = encode_json(body)
-        request.setHeader(b"content-length", b"%d" % len(data))
+            self._request.setHeader(name, value)
+        self._request.setHeader(b"content-length", b"%d" % len(data))
         self._finish(data)
 
     def _client_gone(self, reason: Failure) -> None:
