@@ -81,7 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="loopd's socket (default: the default config's [server] listen, "
         f"else {default_socket_path()})",
     )
-    chat.add_argument("--model", metavar="NAME", help="the endpoint to talk to (default: first)")
+    chat.add_argument(
+        "--model",
+        metavar="NAME",
+        help="an endpoint's name, auto or mesh (default: auto, the router picks one per turn)",
+    )
     chat.add_argument("--no-think", action="store_true", help="ask the model not to think")
     queue = commands.add_parser("queue", help="the lease scheduler")
     queue_commands = queue.add_subparsers(dest="queue_command", metavar="COMMAND", required=True)
@@ -355,7 +359,7 @@ class ChatSession:
 
     def start(self) -> None:
         """Write the greeting and the first prompt."""
-        model = self.conversation.model or "the first endpoint"
+        model = self.conversation.model or "auto"
         self._write(f"loopd chat on {self._socket} with {model}; {QUIT} or Ctrl-D ends it.\n")
         self._write(PROMPT)
 
