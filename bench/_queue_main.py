@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import textwrap
 
@@ -27,7 +26,7 @@ from _queue_runs import (
 )
 from _queue_stack import DAEMON_CMD, PLACEMENTS, Daemon, Placement, start_daemon
 from _report import W, non_negative, percentile, positive, verdict
-from _servers import BenchError, Children, run_guarded
+from _servers import BenchError, Children, ignore_exit_signals, run_guarded
 
 RATIO_GOAL = 3.0
 """The hand-off p50 may be at most this many times the echo round trip's p50."""
@@ -168,8 +167,7 @@ def run(args: argparse.Namespace) -> None:
             print("  part 4: sessions taking turns on a one-slot server ...", file=sys.stderr)
             turns = measure_all(args.threads, args.sessions, args.turns, args.think)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_exit_signals()
         children.stop_all()
     if args.part != "turns":
         print(f"\nThe daemon under test: {args.daemon_cmd}")

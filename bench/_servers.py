@@ -55,6 +55,12 @@ def exit_on_signals() -> None:
     signal.signal(signal.SIGHUP, _terminate)
 
 
+def ignore_exit_signals() -> None:
+    """Ignore SIGINT, SIGTERM and SIGHUP from now on, so that cleanup runs to its end."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def run_guarded(work: Callable[[], None], errors: tuple[type[BaseException], ...]) -> int:
     """Run a benchmark's body: 0 when it ran, 1 (with the error on stderr) for one of
     errors, 130 on Ctrl-C; SIGTERM and SIGHUP stop it through its cleanup."""

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import os
-import signal
 import statistics
 import sys
 import textwrap
@@ -45,7 +44,7 @@ from importlib.metadata import version
 from _client_decode import DECODERS, build_stream, measure_mode, split_events, split_network
 from _client_e2e import PATHS, Samples, Setup, measure, run_reactor, start
 from _report import W, non_negative, percentile, positive, verdict
-from _servers import ROOT, BenchError, Children, run_guarded
+from _servers import ROOT, BenchError, Children, ignore_exit_signals, run_guarded
 
 MODES = ("network", "event")
 """How the stream is fed: 1-4 KiB pieces cut anywhere, or one event per piece."""
@@ -113,8 +112,7 @@ def run_e2e(args: argparse.Namespace) -> None:
             )
         )
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_exit_signals()
         children.stop_all()
     print_e2e(results, args)
 

@@ -36,7 +36,6 @@ import argparse
 import http.client
 import math
 import os
-import signal
 import sys
 import textwrap
 from collections.abc import Callable
@@ -45,7 +44,7 @@ from importlib.metadata import version
 from _gateway_runs import Samples, measure_long, measure_sessions
 from _gateway_stack import QUEUE_DEPTH, Stack, start
 from _report import W, non_negative, percentile, positive, verdict
-from _servers import BenchError, Children, run_guarded
+from _servers import BenchError, Children, ignore_exit_signals, run_guarded
 
 PATHS = ("loopd", "direct")
 """Both paths, in the order printed."""
@@ -152,8 +151,7 @@ def run(args: argparse.Namespace) -> None:
                     path, stack, args.sessions, args.turns, args.io_timeout
                 )
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_exit_signals()
         children.stop_all()
     if long_results is not None:
         print_long(long_results, args)

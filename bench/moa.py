@@ -40,7 +40,6 @@ import http.client
 import json
 import math
 import os
-import signal
 import socket
 import struct
 import subprocess
@@ -53,7 +52,7 @@ from dataclasses import dataclass, field
 from _client_e2e import UnixHTTPConnection
 from _moa_fakes import refusing_socket, start_fake
 from _report import W, non_negative, percentile, positive, verdict
-from _servers import BenchError, Children, run_guarded, wait_socket
+from _servers import BenchError, Children, ignore_exit_signals, run_guarded, wait_socket
 
 from loopd.gateway.mesh_calls import RECHECK_S
 from loopd.llama.chat import CHAT_PATH
@@ -334,8 +333,7 @@ def run(args: argparse.Namespace) -> None:
         for case in cases:
             results[case] = run_case(children, case, sockets, args)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_exit_signals()
         children.stop_all()
     print_report(results, args)
 

@@ -38,7 +38,6 @@ import gc
 import math
 import os
 import shutil
-import signal
 import socket
 import statistics
 import struct
@@ -49,7 +48,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from _servers import BenchError, Children, exit_on_signals, start_forwarder, start_upstream
+from _servers import (
+    BenchError,
+    Children,
+    exit_on_signals,
+    ignore_exit_signals,
+    start_forwarder,
+    start_upstream,
+)
 
 CHUNK = 256 * 1024
 """Bytes per send in the throughput test."""
@@ -457,8 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_exit_signals()
         for path in paths:
             if path.pinger is not None:
                 path.pinger.close()
