@@ -88,7 +88,6 @@ __all__ = [
     "MeshTurn",
     "TurnResult",
     "UpstreamCall",
-    "packed_body",
 ]
 
 GRACE_S: Final = 3.0
@@ -307,7 +306,7 @@ class MeshTurn:
             )
             self._label = TurnLabel.FANOUT
             packed = pack_for_reducer(self._turn, decision.outcomes, decision.reason)
-            self._start_ladder(packed_body(packed, self._thinking), self._turn.allowed_tools)
+            self._start_ladder(_reducer_request(packed, self._thinking), self._turn.allowed_tools)
         else:
             assert isinstance(decision, Fail)
             self._label = TurnLabel.FAILED
@@ -324,7 +323,7 @@ class MeshTurn:
             self._progress({"event": "mesh_loop_guard", "tool": loop.tool, "count": loop.count})
         packed = pack_tool_result_reducer(self._turn)
         allowed = reducer_allowed_tools(self._turn, loop)
-        self._start_ladder(packed_body(packed, self._thinking), allowed)
+        self._start_ladder(_reducer_request(packed, self._thinking), allowed)
 
     def _start_ladder(self, body: dict[str, Any], allowed: tuple[str, ...]) -> None:
         """Run the hedged ladder over the pool's reducer candidates with C{body}."""
@@ -458,7 +457,7 @@ class MeshTurn:
         return (self._reactor.seconds() - self._started_at) * 1000.0
 
 
-def packed_body(packed: Packed, enable_thinking: bool) -> dict[str, Any]:
+def _reducer_request(packed: Packed, enable_thinking: bool) -> dict[str, Any]:
     """The reducer's upstream body for C{packed}: reducer sampling, the thinking choice."""
     return upstream_body(
         packed, model=None, sampling=REDUCER_SAMPLING, enable_thinking=enable_thinking
