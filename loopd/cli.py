@@ -30,7 +30,7 @@ from zope.interface import implementer
 from loopd import http
 from loopd.chatui import QUIT, Conversation, TurnView, http_error_text
 from loopd.config import Config, ConfigError, load_config
-from loopd.llama.types import Connect
+from loopd.errors import Connect
 from loopd.selftest import SelftestFailed, SelftestReport, require_selftests
 from loopd.service import default_socket_path, listen_path, queue_socket_path
 from loopd.sse import SSEDecoder

@@ -13,17 +13,17 @@ Requests carry C{Host: llama} (llama-server ignores it), C{Connection: close}, C
 application/json} when there is a body (a caller's C{Content-Type} replaces it) and
 C{Content-Length} for a body (C{0} for a body-less POST or PUT, none for a body-less GET).
 
-Caps (L{HttpCaps}), each a L{loopd.llama.types.Protocol} error when exceeded:
+Caps (L{HttpCaps}), each a L{loopd.errors.Protocol} error when exceeded:
  - the header block: every byte from the first byte of the response up to and including the
    empty line that ends its headers (interim 1xx responses included). C{header_bytes} bytes
    exactly are accepted; one more and the connection is aborted.
  - a body that is not a stream (L{HttpResponse.read_body}): more than C{body_bytes} bytes, or
    a C{Content-Length} above it, aborts the connection.
 
-Failures: L{loopd.llama.types.Connect} when the socket is missing, refuses, or the connection
-is not made within C{connect_timeout} seconds; L{loopd.llama.types.StreamClosedEarly} when
+Failures: L{loopd.errors.Connect} when the socket is missing, refuses, or the connection
+is not made within C{connect_timeout} seconds; L{loopd.errors.StreamClosedEarly} when
 the connection closes before the header block is complete or cuts a body whose end is framed
-(chunked or C{Content-Length}); L{loopd.llama.types.Protocol} for a cap or anything that does
+(chunked or C{Content-Length}); L{loopd.errors.Protocol} for a cap or anything that does
 not parse. A body without framing ends at the close of the connection: a clean close is a
 clean end, a reset is C{StreamClosedEarly}.
 
@@ -61,7 +61,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IBodyProducer, IResponse
 from zope.interface import implementer
 
-from loopd.llama.types import Connect, InferError, Protocol, StreamClosedEarly
+from loopd.errors import Connect, InferError, Protocol, StreamClosedEarly
 
 __all__ = ["HOST", "HttpCaps", "HttpResponse", "request"]
 
@@ -75,7 +75,7 @@ _RESERVED = frozenset({"host", "connection", "content-length", "transfer-encodin
 @dataclass(frozen=True)
 class HttpCaps:
     """
-    Size caps of one exchange; exceeding one is L{loopd.llama.types.Protocol}.
+    Size caps of one exchange; exceeding one is L{loopd.errors.Protocol}.
 
     @ivar header_bytes: the header block, status line to the empty line, in bytes.
     @ivar body_bytes: a body read whole with L{HttpResponse.read_body}, in bytes.

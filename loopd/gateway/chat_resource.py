@@ -27,6 +27,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
+from loopd.errors import Connect, WaitTimeout
 from loopd.gateway.errors import GatewayError, error_for
 from loopd.gateway.mesh_calls import mesh_pool
 from loopd.gateway.mesh_exchange import MeshExchange
@@ -40,16 +41,7 @@ from loopd.gateway.responses import (
 )
 from loopd.gateway.slot_choice import pick_slot
 from loopd.gateway.translate import GatewayRequest, parse_document
-from loopd.llama.types import (
-    ChatEvent,
-    Completion,
-    Connect,
-    Content,
-    Queued,
-    Reasoning,
-    ToolCallDelta,
-    WaitTimeout,
-)
+from loopd.llama.types import ChatEvent, Completion, Content, Queued, Reasoning, ToolCallDelta
 from loopd.moa.roles import VIRTUAL_MODEL_NAME as MESH_MODEL
 
 __all__ = ["ChatCompletions", "session_end", "session_of", "session_role"]

@@ -8,11 +8,11 @@ Pure: no I/O, no twisted.web.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, TypeGuard
 
-from loopd.llama.types import (
+from loopd import strict_json
+from loopd.errors import (
     Busy,
     Connect,
     Http,
@@ -148,8 +148,8 @@ def _upstream_error(body: str) -> tuple[str, str | None]:
     body's own text.
     """
     try:
-        parsed = json.loads(body)
-    except (ValueError, RecursionError):
+        parsed = strict_json.decode(body)
+    except strict_json.JSONError:
         parsed = None
     if isinstance(parsed, dict):
         inner = parsed.get("error")

@@ -26,13 +26,14 @@ from typing import Any, Final
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.python.failure import Failure
 
+from loopd.errors import Connect, Http
 from loopd.gateway.classify import classify
 from loopd.gateway.render import completion_json
 from loopd.gateway.router import media_filter
 from loopd.gateway.slot_choice import pick_slot
 from loopd.gateway.translate import parse_document
 from loopd.llama.retry import is_retryable
-from loopd.llama.types import ChatEvent, Completion, Connect, Http
+from loopd.llama.types import ChatEvent, Completion
 from loopd.moa.fanout import RateLimited
 from loopd.moa.roles import Worker, build_pool
 

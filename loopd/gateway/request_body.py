@@ -6,21 +6,12 @@ once per request and then read by both the C{auto} router and the request check.
 
 from __future__ import annotations
 
-import json
-import math
 from typing import Any
 
+from loopd import strict_json
 from loopd.gateway.errors import GatewayError
 
 __all__ = ["decode_request"]
-
-
-def _finite(text: str) -> float:
-    """A float, not too large; also refuses Python's C{NaN} and C{Infinity} (not JSON)."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text[:20]} is not a finite number")
-    return value
 
 
 def _refuse(code: str, problem: str) -> GatewayError:
@@ -35,12 +26,8 @@ def decode_request(body: bytes) -> dict[str, Any]:
     @raise GatewayError: 400 C{invalid_json} or C{not_an_object}.
     """
     try:
-        text = body.decode("utf-8")
-        document = json.loads(text, parse_constant=_finite, parse_float=_finite)
-        if "\\u" in text:
-            # An escape can spell a lone surrogate ("\\ud800"), which UTF-8 cannot carry.
-            json.dumps(document, ensure_ascii=False).encode("utf-8")
-    except (ValueError, RecursionError) as error:
+        document = strict_json.decode(body, interoperable=True)
+    except strict_json.JSONError as error:
         raise _refuse("invalid_json", f"not valid UTF-8 JSON ({error})") from None
     if not isinstance(document, dict):
         raise _refuse("not_an_object", "expected a JSON object")

@@ -10,32 +10,35 @@ Everything public lives in the private-purpose modules beside this one and is re
 here; import from C{loopd.llama}.
 """
 
+from loopd.errors import (
+    Busy,
+    Connect,
+    Http,
+    InferError,
+    LoadTimeout,
+    Protocol,
+    Stalled,
+    StreamClosedEarly,
+    ThinkingOverrun,
+    WaitTimeout,
+)
 from loopd.llama.client import Client
 from loopd.llama.gate import ISlotGate, NoGate, SlotGate
 from loopd.llama.info import CacheOutcome, SlotState, cache_outcome
 from loopd.llama.types import (
     Assistant,
-    Busy,
     ChatEvent,
     ChatMessage,
     ChatRequest,
     Completion,
-    Connect,
     Content,
     FinishReason,
-    Http,
-    InferError,
-    LoadTimeout,
     Progress,
-    Protocol,
     Queued,
     Reasoning,
     Retrying,
-    Stalled,
-    StreamClosedEarly,
     System,
     ThinkingCapped,
-    ThinkingOverrun,
     Timings,
     Tool,
     ToolCall,
@@ -43,7 +46,6 @@ from loopd.llama.types import (
     ToolSchema,
     User,
     Waiting,
-    WaitTimeout,
 )
 
 __all__ = [

@@ -28,16 +28,15 @@ from __future__ import annotations
 import json
 from typing import Any, TypeGuard
 
+from loopd import strict_json
+from loopd.errors import Http, Protocol, StreamClosedEarly
 from loopd.llama.types import (
     ChatEvent,
     Completion,
     Content,
     FinishReason,
-    Http,
     Progress,
-    Protocol,
     Reasoning,
-    StreamClosedEarly,
     Timings,
     ToolCall,
     ToolCallDelta,
@@ -48,11 +47,6 @@ __all__ = ["Assembler", "parse_chunk"]
 _FINISH_REASONS = {reason.value: reason for reason in FinishReason}
 
 
-def _reject_constant(name: str) -> object:
-    """Refuse NaN and the infinities, which JSON does not have."""
-    raise ValueError(f"{name} is not JSON")
-
-
 def parse_chunk(data: str) -> dict[str, Any]:
     """
     Decode the data of one SSE event into a chunk.
@@ -60,8 +54,8 @@ def parse_chunk(data: str) -> dict[str, Any]:
     @raise Protocol: it is not JSON (C{NaN} and C{Infinity} included), or not an object.
     """
     try:
-        value = json.loads(data, parse_constant=_reject_constant)
-    except ValueError as error:
+        value = strict_json.decode(data)
+    except strict_json.JSONError as error:
         raise Protocol(f"chunk is not JSON: {error}: {data[:80]!r}") from None
     if not isinstance(value, dict):
         raise Protocol(f"chunk is not a JSON object: {data[:80]!r}")

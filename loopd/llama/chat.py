@@ -41,24 +41,20 @@ from twisted.python.failure import Failure
 
 from loopd import http
 from loopd.config import Config, Endpoint
-from loopd.llama.assemble import Assembler, parse_chunk
-from loopd.llama.info import get_json, parse_slots, slot_busy
-from loopd.llama.request import chat_body, encode
-from loopd.llama.types import (
-    ChatEvent,
-    ChatRequest,
-    Completion,
+from loopd.errors import (
     Http,
     InferError,
     LoadTimeout,
     Protocol,
     Stalled,
     StreamClosedEarly,
-    ThinkingCapped,
     ThinkingOverrun,
-    Waiting,
     WaitTimeout,
 )
+from loopd.llama.assemble import Assembler, parse_chunk
+from loopd.llama.info import get_json, parse_slots, slot_busy
+from loopd.llama.request import chat_body, encode
+from loopd.llama.types import ChatEvent, ChatRequest, Completion, ThinkingCapped, Waiting
 from loopd.sse import SSEDecoder, SSEError, SSEEvent
 
 __all__ = ["CHAT_PATH", "CONTROL_PATH", "ChatCall", "retry_after_seconds"]

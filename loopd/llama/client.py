@@ -14,11 +14,12 @@ from twisted.internet.defer import Deferred
 
 from loopd import http
 from loopd.config import Config, Endpoint
+from loopd.errors import Protocol
 from loopd.llama.chat import ChatCall, EventSink
 from loopd.llama.gate import ISlotGate, SlotGate
 from loopd.llama.info import SlotState, get_json, parse_slots
 from loopd.llama.retry import is_retryable, with_retry
-from loopd.llama.types import ChatRequest, Completion, Protocol
+from loopd.llama.types import ChatRequest, Completion
 
 __all__ = ["Client"]
 

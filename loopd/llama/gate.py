@@ -23,7 +23,8 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.logger import Logger
 from zope.interface import Interface, implementer
 
-from loopd.llama.types import Busy, ChatEvent, Queued
+from loopd.errors import Busy
+from loopd.llama.types import ChatEvent, Queued
 
 __all__ = ["IGrant", "ISlotGate", "NoGate", "SlotGate"]
 

@@ -13,8 +13,9 @@ from typing import Any
 
 from twisted.internet.defer import Deferred
 
-from loopd import http
-from loopd.llama.types import Http, Protocol, Timings
+from loopd import http, strict_json
+from loopd.errors import Http, Protocol
+from loopd.llama.types import Timings
 
 __all__ = [
     "CacheOutcome",
@@ -126,8 +127,8 @@ def get_json(
         if status != 200:
             raise Http(status, text)
         try:
-            return json.loads(text)
-        except ValueError:
+            return strict_json.decode(text)
+        except strict_json.JSONError:
             raise Protocol(f"{path} answered with a body that is not JSON") from None
 
     answer = http.request(

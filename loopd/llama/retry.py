@@ -26,15 +26,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from loopd.config import Retry
-from loopd.llama.types import (
-    ChatEvent,
-    Connect,
-    Http,
-    LoadTimeout,
-    Retrying,
-    Stalled,
-    StreamClosedEarly,
-)
+from loopd.errors import Connect, Http, LoadTimeout, Stalled, StreamClosedEarly
+from loopd.llama.types import ChatEvent, Retrying
 
 __all__ = ["backoff_schedule", "backoff_wait", "is_retryable", "with_retry"]
 

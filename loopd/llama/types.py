@@ -1,7 +1,8 @@
 # -*- test-case-name: loopd.test.test_llama_types -*-
 """
 The llama client's values: what goes in (messages, tools, a request), what comes back while
-it runs (events), what comes back at the end (a completion) and how it fails (errors).
+it runs (events) and what comes back at the end (a completion). How it fails is
+L{loopd.errors}.
 
 All values are frozen dataclasses. Messages are the four kinds a chat template knows; an
 assistant message has the same three fields as a recorded one (content, reasoning_content,
@@ -11,46 +12,31 @@ tool_calls), so a session log can be replayed without conversion.
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 __all__ = [
     "Assistant",
-    "Busy",
     "ChatEvent",
     "ChatMessage",
     "ChatRequest",
     "Completion",
-    "Connect",
     "Content",
     "FinishReason",
-    "Http",
-    "InferError",
-    "LoadTimeout",
     "Progress",
-    "Protocol",
     "Queued",
     "Reasoning",
     "Retrying",
-    "Stalled",
-    "StreamClosedEarly",
     "System",
     "ThinkingCapped",
-    "ThinkingOverrun",
     "Timings",
     "Tool",
     "ToolCall",
     "ToolCallDelta",
     "ToolSchema",
     "User",
-    "WaitTimeout",
     "Waiting",
 ]
-
-#: How much of an error body an L{Http} error keeps.
-HTTP_BODY_CAP = 4096
-
 
 # ---------------------------------------------------------------------------------------
 # What goes in
@@ -318,131 +304,3 @@ class Completion:
         This completion as the assistant message of the next request.
         """
         return Assistant(self.content, self.reasoning_content, self.tool_calls)
-
-
-# ---------------------------------------------------------------------------------------
-# How it fails
-
-
-class InferError(Exception):
-    """
-    Base of every llama client failure. The kinds are reachable as attributes too
-    (C{InferError.Http}), as the design names them.
-    """
-
-    Busy: ClassVar[type[Busy]]
-    Connect: ClassVar[type[Connect]]
-    WaitTimeout: ClassVar[type[WaitTimeout]]
-    LoadTimeout: ClassVar[type[LoadTimeout]]
-    Stalled: ClassVar[type[Stalled]]
-    StreamClosedEarly: ClassVar[type[StreamClosedEarly]]
-    ThinkingOverrun: ClassVar[type[ThinkingOverrun]]
-    Http: ClassVar[type[Http]]
-    Protocol: ClassVar[type[Protocol]]
-
-
-class Busy(InferError):
-    """
-    loopd's queue for the slot is full.
-    """
-
-
-class Connect(InferError):
-    """
-    The server's socket could not be connected to; C{reason} says why.
-    """
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class WaitTimeout(InferError):
-    """
-    The slot stayed busy past C{busy_wait_ms}.
-    """
-
-
-class LoadTimeout(InferError):
-    """
-    The server stayed unavailable (loading or restarting) past C{load_wait_ms}.
-    """
-
-
-class Stalled(InferError):
-    """
-    Silence past the liveness limit (or past the idle grace on an idle slot).
-    """
-
-
-class StreamClosedEarly(InferError):
-    """
-    The stream ended before a chunk carried a C{finish_reason}.
-    """
-
-
-class ThinkingOverrun(InferError):
-    """
-    Thinking went on past the cap and the overrun allowance, or the server refused to end
-    it; the request was cancelled.
-    """
-
-
-class Http(InferError):
-    """
-    The server answered with an error status, or sent an error event mid-stream.
-
-    @ivar status: the HTTP status (for a mid-stream error event, the event's C{code}, or
-        500 when it has none).
-    @ivar body: the error body, at most 4 KiB of it.
-    @ivar context_exceeded: the prompt does not fit the slot's context (400 with
-        C{exceed_context_size_error}); the caller may compact and try again.
-    @ivar retry_after: the response's C{Retry-After} in seconds, when it gave one as a
-        number (the mesh retries a 429 after it).
-    """
-
-    def __init__(self, status: int, body: str, retry_after: float | None = None) -> None:
-        body = _cap_text(body, HTTP_BODY_CAP)
-        super().__init__(f"HTTP {status}: {body}")
-        self.status = status
-        self.body = body
-        self.retry_after = retry_after
-        self.context_exceeded = _is_context_exceeded(status, body)
-
-
-class Protocol(InferError):
-    """
-    The server broke the protocol or a size cap: an over-long header block or SSE line, an
-    oversized body, or JSON that is not what llama-server sends.
-    """
-
-
-for _kind in (
-    Busy,
-    Connect,
-    WaitTimeout,
-    LoadTimeout,
-    Stalled,
-    StreamClosedEarly,
-    ThinkingOverrun,
-    Http,
-    Protocol,
-):
-    setattr(InferError, _kind.__name__, _kind)
-
-
-def _cap_text(text: str, limit: int) -> str:
-    encoded = text.encode("utf-8")
-    if len(encoded) <= limit:
-        return text
-    return encoded[:limit].decode("utf-8", "ignore")
-
-
-def _is_context_exceeded(status: int, body: str) -> bool:
-    if status != 400:
-        return False
-    try:
-        error = json.loads(body).get("error")
-    except (ValueError, AttributeError):
-        return False
-    return isinstance(error, dict) and error.get("type") == "exceed_context_size_error"

@@ -11,9 +11,9 @@ exception that escapes.
 
 from __future__ import annotations
 
-import json
-import math
 from typing import Any
+
+from loopd import strict_json
 
 __all__ = [
     "balanced_spans",
@@ -31,36 +31,14 @@ __all__ = [
 FENCE = "```"
 
 
-def _reject_constant(name: str) -> Any:
-    """
-    Refuse C{NaN}, C{Infinity} and C{-Infinity}, which strict JSON does not have.
-    """
-    raise ValueError(f"not JSON: {name}")
-
-
-def _finite_float(literal: str) -> float:
-    """
-    Read a JSON number with a fraction or exponent; one that overflows is not JSON.
-    """
-    number = float(literal)
-    if not math.isfinite(number):
-        raise ValueError(f"number out of range: {literal}")
-    return number
-
-
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
-
-
 def loads_strict(text: str) -> Any:
     """
-    Parse C{text} as one strict JSON document (surrounding whitespace allowed).
+    Parse C{text} as one strict JSON document (surrounding whitespace allowed), as
+    L{loopd.strict_json} reads interoperable JSON.
 
     @raise ValueError: C{text} is not JSON, or nests too deeply to parse.
     """
-    try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
-    except RecursionError as error:
-        raise ValueError("JSON nests too deeply") from error
+    return strict_json.decode(text, interoperable=True)
 
 
 def decode_prefix(text: str, start: int) -> tuple[Any, int]:
@@ -70,11 +48,7 @@ def decode_prefix(text: str, start: int) -> tuple[Any, int]:
     @return: the value and the index just past it.
     @raise ValueError: no JSON value begins there.
     """
-    try:
-        value, end = _DECODER.raw_decode(text, start)
-    except RecursionError as error:
-        raise ValueError("JSON nests too deeply") from error
-    return value, end
+    return strict_json.decode_prefix(text, start, interoperable=True)
 
 
 def fenced_blocks(text: str) -> list[str]:

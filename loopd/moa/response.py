@@ -64,6 +64,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Final
 
+from loopd import strict_json
+
 __all__ = [
     "ERROR_TYPE",
     "MODEL",
@@ -156,20 +158,13 @@ def usage_for(text: str) -> dict[str, int]:
     return {"prompt_tokens": 0, "completion_tokens": tokens, "total_tokens": tokens}
 
 
-def _reject_constant(name: str) -> Any:
-    """
-    Refuse C{NaN}, C{Infinity} and C{-Infinity}, which strict JSON does not have.
-    """
-    raise ValueError(f"not JSON: {name}")
-
-
 def _is_json_object_text(text: str) -> bool:
     """
     Whether C{text} parses, as strict JSON, to an object.
     """
     try:
-        parsed = json.loads(text, parse_constant=_reject_constant)
-    except (ValueError, RecursionError):
+        parsed = strict_json.decode(text, interoperable=True)
+    except strict_json.JSONError:
         return False
     return isinstance(parsed, dict)
 

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Final
 
+from loopd import strict_json
 from loopd._validate import ABSENT
 
 CURRENT_SCHEMA_VERSION: Final = 1
@@ -162,15 +163,6 @@ def _render(value: object) -> str:
     return text if len(text) <= _RENDER_LIMIT else text[: _RENDER_LIMIT - 3] + "..."
 
 
-def _reject_constant(name: str) -> object:
-    """NaN and Infinity are not JSON (JavaScript's JSON.parse refuses them)."""
-    raise ValueError(f"{name} is not valid JSON")
-
-
-# One decoder for every message: json.loads with options builds a new one per call.
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
-
-
 def decode_json(text: str | bytes) -> object:
     """
     Decode JSON text as JavaScript's C{JSON.parse} would (UTF-8 bytes accepted).
@@ -178,10 +170,8 @@ def decode_json(text: str | bytes) -> object:
     @raise PolicySyntaxError: for anything C{JSON.parse} refuses.
     """
     try:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8")
-        return _DECODER.decode(text)
-    except (ValueError, RecursionError) as error:
+        return strict_json.decode(text)
+    except strict_json.JSONError as error:
         raise PolicySyntaxError((f"not valid JSON: {error}",)) from None
 
 

@@ -14,9 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.gateway.errors import GatewayError, error_for
-from loopd.gateway.translate import GatewayRequest, parse_request
-from loopd.llama.types import (
+from loopd.errors import (
     Busy,
     Connect,
     Http,
@@ -28,6 +26,8 @@ from loopd.llama.types import (
     ThinkingOverrun,
     WaitTimeout,
 )
+from loopd.gateway.errors import GatewayError, error_for
+from loopd.gateway.translate import GatewayRequest, parse_request
 
 CONTEXT_MESSAGE = "request (9000 tokens) exceeds the available context size (8192 tokens)"
 CONTEXT_BODY = (

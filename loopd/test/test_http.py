@@ -27,9 +27,9 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 import loopd
+from loopd.errors import Connect, StreamClosedEarly
+from loopd.errors import Protocol as ProtocolError
 from loopd.http import HttpCaps, HttpResponse, request
-from loopd.llama.types import Connect, StreamClosedEarly
-from loopd.llama.types import Protocol as ProtocolError
 from loopd.test.support.peers import Peer, UpstreamFactory, real_reactor
 
 SOCKET = "/tmp/ld-nowhere/infer.sock"

@@ -19,18 +19,15 @@ from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 import loopd
+from loopd.errors import Http, InferError, Protocol, StreamClosedEarly
 from loopd.llama.assemble import Assembler, parse_chunk
 from loopd.llama.types import (
     ChatEvent,
     Completion,
     Content,
     FinishReason,
-    Http,
-    InferError,
     Progress,
-    Protocol,
     Reasoning,
-    StreamClosedEarly,
     Timings,
     ToolCall,
     ToolCallDelta,

@@ -23,6 +23,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 import loopd
 from loopd.config import Caps, Config, Endpoint, Limits
+from loopd.errors import Http, LoadTimeout, Protocol, Stalled, StreamClosedEarly, WaitTimeout
 from loopd.llama.chat import ChatCall
 from loopd.llama.types import (
     ChatEvent,
@@ -30,19 +31,13 @@ from loopd.llama.types import (
     Completion,
     Content,
     FinishReason,
-    Http,
-    LoadTimeout,
     Progress,
-    Protocol,
     Reasoning,
-    Stalled,
-    StreamClosedEarly,
     Timings,
     ToolCall,
     ToolCallDelta,
     User,
     Waiting,
-    WaitTimeout,
 )
 from loopd.test.support.fake_llama import (
     CHAT,

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from loopd.llama.types import Http, Stalled, Waiting, WaitTimeout
+from loopd.errors import Http, Stalled, WaitTimeout
+from loopd.llama.types import Waiting
 from loopd.test.support.fake_llama import (
     JSON_HEADERS,
     LOADING,

@@ -20,17 +20,9 @@ from hypothesis import strategies as st
 from twisted.internet.defer import CancelledError
 
 from loopd.config import Thinking
+from loopd.errors import ThinkingOverrun, WaitTimeout
 from loopd.llama.request import LLAMA_ONLY_FIELDS
-from loopd.llama.types import (
-    ChatRequest,
-    Content,
-    Reasoning,
-    ThinkingCapped,
-    ThinkingOverrun,
-    User,
-    Waiting,
-    WaitTimeout,
-)
+from loopd.llama.types import ChatRequest, Content, Reasoning, ThinkingCapped, User, Waiting
 from loopd.test.support.fake_llama import (
     CHAT,
     CONTROL,

@@ -18,8 +18,9 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
+from loopd.errors import Busy, InferError
 from loopd.llama.gate import IGrant, ISlotGate, NoGate, SlotGate
-from loopd.llama.types import Busy, ChatEvent, InferError, Queued
+from loopd.llama.types import ChatEvent, Queued
 
 
 class Request:

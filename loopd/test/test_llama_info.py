@@ -11,8 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
+from loopd.errors import InferError, Protocol
 from loopd.llama.info import CacheOutcome, SlotState, cache_outcome, parse_slots, slot_busy
-from loopd.llama.types import InferError, Protocol, Timings
+from loopd.llama.types import Timings
 
 #: A previous turn whose whole context is 1000 tokens (cache_n + prompt_n + predicted_n).
 PREVIOUS = Timings(cache_n=600, prompt_n=300, predicted_n=100)

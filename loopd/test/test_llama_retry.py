@@ -12,23 +12,21 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.config import Retry
-from loopd.llama.gate import IGrant, SlotGate
-from loopd.llama.retry import backoff_schedule, backoff_wait, is_retryable, with_retry
-from loopd.llama.types import (
+from loopd.errors import (
     Busy,
-    ChatEvent,
     Connect,
     Http,
     InferError,
     LoadTimeout,
     Protocol,
-    Queued,
-    Retrying,
     Stalled,
     StreamClosedEarly,
     ThinkingOverrun,
     WaitTimeout,
 )
+from loopd.llama.gate import IGrant, SlotGate
+from loopd.llama.retry import backoff_schedule, backoff_wait, is_retryable, with_retry
+from loopd.llama.types import ChatEvent, Queued, Retrying
 
 DEFAULT = Retry()
 
