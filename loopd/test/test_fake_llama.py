@@ -1,6 +1,6 @@
 """
-The scripted fake llama-server (L{loopd.test.support.fake_llama}) and the in-memory Unix
-network (L{loopd.test.support.memory_net}): over a real socket with real clients, and in
+The scripted fake llama-server (L{loopd.testing.fake_llama}) and the in-memory Unix
+network (L{loopd.testing.memory_net}): over a real socket with real clients, and in
 memory on a C{MemoryReactorClock}, where every byte arrives at an exact clock time.
 """
 
@@ -36,7 +36,8 @@ from twisted.web.client import Agent, ResponseFailed, readBody
 from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
 
-from loopd.test.support.fake_llama import (
+from loopd.test.support.peers import real_reactor
+from loopd.testing.fake_llama import (
     CHAT,
     CONTROL,
     LOADING,
@@ -46,16 +47,13 @@ from loopd.test.support.fake_llama import (
     Piece,
     Reply,
     RequestParser,
-    control_reply,
     error_reply,
     event_bytes,
     json_reply,
-    props_reply,
-    slots_reply,
     sse_reply,
 )
-from loopd.test.support.memory_net import MemoryNet, connect_pending
-from loopd.test.support.peers import real_reactor
+from loopd.testing.llama_replies import control_reply, props_reply, slots_reply
+from loopd.testing.memory_net import MemoryNet, connect_pending
 
 PATH = "/tmp/ld-memory/llama.sock"
 NOT_FOUND_BODY = {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}

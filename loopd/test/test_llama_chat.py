@@ -39,7 +39,7 @@ from loopd.llama.types import (
     User,
     Waiting,
 )
-from loopd.test.support.fake_llama import (
+from loopd.testing.fake_llama import (
     CHAT,
     LOADING,
     SLOTS,
@@ -51,10 +51,10 @@ from loopd.test.support.fake_llama import (
     ReplySource,
     error_reply,
     event_bytes,
-    slots_reply,
     sse_reply,
 )
-from loopd.test.support.memory_net import MemoryNet
+from loopd.testing.llama_replies import slots_reply
+from loopd.testing.memory_net import MemoryNet
 
 FIXTURES = Path(loopd.__file__).resolve().parent.parent / "fixtures" / "transcripts"
 #: The fake's socket path: in memory only, nothing is created on disk.

@@ -9,15 +9,6 @@ import dataclasses
 
 from loopd.errors import Http, Stalled, WaitTimeout
 from loopd.llama.types import Waiting
-from loopd.test.support.fake_llama import (
-    JSON_HEADERS,
-    LOADING,
-    Piece,
-    Reply,
-    error_reply,
-    json_reply,
-    slots_reply,
-)
 from loopd.test.test_llama_chat import (
     ANSWER,
     UNANSWERED,
@@ -26,6 +17,8 @@ from loopd.test.test_llama_chat import (
     stream,
     transcript_events,
 )
+from loopd.testing.fake_llama import JSON_HEADERS, LOADING, Piece, Reply, error_reply, json_reply
+from loopd.testing.llama_replies import slots_reply
 
 
 class ChatEdgeTests(ChatTestCase):

@@ -23,16 +23,6 @@ from loopd.config import Thinking
 from loopd.errors import ThinkingOverrun, WaitTimeout
 from loopd.llama.request import LLAMA_ONLY_FIELDS
 from loopd.llama.types import ChatRequest, Content, Reasoning, ThinkingCapped, User, Waiting
-from loopd.test.support.fake_llama import (
-    CHAT,
-    CONTROL,
-    NOT_FOUND,
-    SLOTS,
-    Reply,
-    control_reply,
-    error_reply,
-    slots_reply,
-)
 from loopd.test.test_llama_chat import (
     ANSWER,
     HELLO,
@@ -48,6 +38,8 @@ from loopd.test.test_llama_chat import (
     transcript_chunks,
     transcript_events,
 )
+from loopd.testing.fake_llama import CHAT, CONTROL, NOT_FOUND, SLOTS, Reply, error_reply
+from loopd.testing.llama_replies import control_reply, slots_reply
 
 #: The last reasoning token count of reasoning-end.sse; the answer follows.
 LAST_REASONING = 13

@@ -39,7 +39,7 @@ from loopd.llama import (
     StreamClosedEarly,
     User,
 )
-from loopd.test.support.fake_llama import (
+from loopd.testing.fake_llama import (
     CHAT,
     LOADING,
     PROPS,
@@ -52,11 +52,10 @@ from loopd.test.support.fake_llama import (
     Reply,
     error_reply,
     json_reply,
-    props_reply,
-    slots_reply,
     sse_reply,
 )
-from loopd.test.support.memory_net import MemoryNet
+from loopd.testing.llama_replies import props_reply, slots_reply
+from loopd.testing.memory_net import MemoryNet
 
 #: Where the fake listens; MemoryNet never touches the file system.
 PATH = "/tmp/ld-memory/llama.sock"

@@ -26,7 +26,7 @@ from loopd.queue.client import (
     QueueReplyError,
 )
 from loopd.queue.terms import LeaseTerms
-from loopd.test.support.memory_net import MemoryNet
+from loopd.testing.memory_net import MemoryNet
 
 PATH = "/tmp/ld-memory/llm-queue.sock"
 KEY = "http://gpu:8001/v1"

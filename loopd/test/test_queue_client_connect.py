@@ -23,8 +23,8 @@ from loopd.queue.protocol import LeaseFactory, deliver_grant
 from loopd.queue.scheduler import Scheduler
 from loopd.queue.scheduler_types import QueuePolicy, StaticRouter
 from loopd.queue.terms import LeaseTerms
-from loopd.test.support.memory_net import MemoryNet
 from loopd.test.test_queue_client import KEY, PATH, Harness
+from loopd.testing.memory_net import MemoryNet
 
 
 class Spawner:

@@ -26,7 +26,7 @@ from loopd.selftest import (
     require_selftests,
     run_selftest,
 )
-from loopd.test.support.fake_llama import (
+from loopd.testing.fake_llama import (
     CHAT,
     LOADING,
     PROPS,
@@ -37,11 +37,10 @@ from loopd.test.support.fake_llama import (
     Reply,
     error_reply,
     json_reply,
-    props_reply,
-    slots_reply,
     sse_reply,
 )
-from loopd.test.support.memory_net import MemoryNet
+from loopd.testing.llama_replies import props_reply, slots_reply
+from loopd.testing.memory_net import MemoryNet
 
 PATH = "/tmp/ld-memory/selftest.sock"
 OTHER = "/tmp/ld-memory/other.sock"
