@@ -12,7 +12,7 @@ from loopd import cli
 from loopd.chatui import Conversation
 from loopd.test.support.fake_llama import CHAT, FakeLlama, sse_reply
 from loopd.test.support.memory_net import MemoryNet
-from loopd.test.test_gateway_site import chunk
+from loopd.testing.llama_replies import chunk
 
 GATEWAY = "/tmp/ld-greeting/loopd.sock"
 

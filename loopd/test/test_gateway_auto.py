@@ -16,19 +16,9 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.config import Config
-from loopd.gateway.leases import GatewayLeases
-from loopd.gateway.site import Gateway
-from loopd.queue.host import QueueHost
-from loopd.test.support.fake_llama import CHAT, FakeLlama
-from loopd.test.test_gateway_site import (
-    HI,
-    NOW,
-    OTHER_PATH,
-    TIMINGS,
-    Harness,
-    answer,
-    make_config,
-)
+from loopd.testing.fake_llama import CHAT
+from loopd.testing.gateway import HI, GatewayHarness, make_config
+from loopd.testing.llama_replies import TIMINGS, answer
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
 IMAGE = {
@@ -66,10 +56,11 @@ def auto_config(**endpoint_changes: Mapping[str, Any]) -> Config:
     return dataclasses.replace(config, endpoints=endpoints)
 
 
-class AutoHarness(Harness):
+class AutoHarness(GatewayHarness):
     """
-    L{Harness} with a second fake (C{big}, unless C{big_listens} is false), the router's
-    random source scripted, C{/props} bodies given, and leases when asked for.
+    L{GatewayHarness} with C{tiny} and C{big} (the second listening unless C{big_listens} is
+    false), the router's random source scripted, C{/props} bodies given, and leases when
+    asked for.
     """
 
     def __init__(
@@ -82,26 +73,15 @@ class AutoHarness(Harness):
         leases: bool = False,
     ) -> None:
         """A gateway over C{config} routing with C{rng}."""
-        super().__init__(config)
-        self.big = FakeLlama(self.reactor)
-        if big_listens:
-            self.net.listen(OTHER_PATH, self.big)
-        self.leases = None
-        if leases:
-            self.leases = GatewayLeases(self.reactor, 60_000)
-            counts = {e.name: e.expect.total_slots or 1 for e in self.config.endpoints}
-            self.host = QueueHost(self.reactor, self.leases.on_grant, slot_counts=counts)
-            self.leases.bind(self.host.scheduler)
-        self.gateway = Gateway(
-            self.reactor,
-            self.config,
-            self.gateway.clients,
-            wall_clock=lambda: NOW,
+        super().__init__(
+            config,
+            dead=() if big_listens else ("big",),
+            leases=leases,
+            grace_ms=60_000,
             props=props,
             rng=rng,
-            leases=self.leases,
         )
-        self.site = self.gateway.site()
+        self.big = self.fakes["big"]
 
     def served(self) -> tuple[int, int]:
         """How many chat requests C{tiny} and C{big} received."""

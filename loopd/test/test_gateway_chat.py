@@ -1,7 +1,7 @@
 """
 Tests for L{loopd.gateway.chat_resource}: C{POST /v1/chat/completions} through the gateway's
 site with real HTTP parsing, against the scripted fake llama-server in memory on a
-C{MemoryReactorClock} (L{loopd.test.test_gateway_site.Harness}). Nothing sleeps: the clock
+C{MemoryReactorClock} (L{loopd.testing.gateway.GatewayHarness}). Nothing sleeps: the clock
 jumps from one scheduled call to the next.
 """
 
@@ -14,26 +14,17 @@ from typing import Any
 from twisted.logger import capturedLogs, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.test.support.fake_llama import (
-    CHAT,
-    LOADING,
-    SLOTS,
-    error_reply,
-    slots_reply,
-    sse_reply,
-)
-from loopd.test.test_gateway_site import (
+from loopd.testing.fake_llama import CHAT, LOADING, SLOTS, error_reply, sse_reply
+from loopd.testing.gateway import (
     HI,
     NOW,
-    TIMINGS,
     ClientConnection,
-    Harness,
+    GatewayHarness,
     Response,
-    answer,
-    chunk,
     make_config,
     outcome,
 )
+from loopd.testing.llama_replies import TIMINGS, answer, chunk, slots_reply
 
 STREAM = {**HI, "stream": True}
 #: An upstream reply that never comes, not even its headers: a slot that never frees.
@@ -78,7 +69,7 @@ class ChatTestCase(SynchronousTestCase):
     config = make_config()
 
     def setUp(self) -> None:
-        self.harness = Harness(self.config)
+        self.harness = GatewayHarness(self.config)
         self.fake = self.harness.fake
 
     def script(self, *replies: Any) -> None:

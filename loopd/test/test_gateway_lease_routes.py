@@ -15,21 +15,17 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.config import Config
-from loopd.gateway.leases import GatewayLeases
-from loopd.gateway.site import Gateway
-from loopd.queue.host import QueueHost
-from loopd.test.support.fake_llama import CHAT
-from loopd.test.test_gateway_site import (
+from loopd.testing.fake_llama import CHAT
+from loopd.testing.gateway import (
     HI,
     LIMITS,
-    NOW,
     ClientConnection,
-    Harness,
+    GatewayHarness,
     Response,
-    answer,
     make_config,
     outcome,
 )
+from loopd.testing.llama_replies import answer
 
 STREAM = {**HI, "stream": True}
 #: Limits under which a lease wait never times out in these tests.
@@ -41,21 +37,12 @@ def long_answer(seconds: float) -> Any:
     return answer(*[{"content": "x"}] * round(seconds / 0.05 - 1))
 
 
-class LeaseHarness(Harness):
-    """L{Harness} whose gateway takes leases, as C{twist loopd} wires them."""
+class LeaseHarness(GatewayHarness):
+    """L{GatewayHarness} whose gateway takes leases, as C{twist loopd} wires them."""
 
     def __init__(self, config: Config, grace_ms: int = 1000) -> None:
         """A gateway over C{config} with a lease scheduler and a grace of C{grace_ms}."""
-        super().__init__(config)
-        self.leases = GatewayLeases(self.reactor, grace_ms)
-        counts = {e.name: e.expect.total_slots or 1 for e in self.config.endpoints}
-        self.host = QueueHost(self.reactor, self.leases.on_grant, slot_counts=counts)
-        self.leases.bind(self.host.scheduler)
-        clients = self.gateway.clients
-        self.gateway = Gateway(
-            self.reactor, self.config, clients, wall_clock=lambda: NOW, leases=self.leases
-        )
-        self.site = self.gateway.site()
+        super().__init__(config, leases=True, grace_ms=grace_ms)
 
     def chat(
         self,
@@ -316,7 +303,7 @@ class QueueRouteTests(LeaseTestCase):
 
     def test_absent_without_leases(self) -> None:
         """A gateway without leases answers 404 not_found for /v1/queue."""
-        self.error_status(Harness(self.config).get("/v1/queue"), 404, "not_found")
+        self.error_status(GatewayHarness(self.config).get("/v1/queue"), 404, "not_found")
 
     def test_status(self) -> None:
         """The status reply: op status and each queue's streams, switches, holders, waiters."""

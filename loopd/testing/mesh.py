@@ -1,13 +1,23 @@
+# -*- test-case-name: loopd.test.test_gateway_mesh -*-
 """
-A gateway over several scripted fake llama-servers, for scenario tests of C{model: "mesh"}
-(L{loopd.test.test_gateway_mesh}, L{loopd.test.test_gateway_mesh_tools}).
+A gateway over several scripted fake llama-servers, for scenario tests of C{model: "mesh"}.
 
-L{MeshHarness} is L{loopd.test.test_gateway_site.Harness} with one L{FakeLlama} per named
-endpoint, each at its own in-memory socket path, and limits generous enough for scripted
-latencies of many seconds: no C{/slots} poll, no liveness or wait limit and no client retry
-gets in the way, so a worker's time is exactly what its script says. The helpers build
-the replies a worker gives (L{says}, L{calls_tool}, L{fails}) and read what the fakes
-received (L{MeshHarness.chat_bodies}).
+Public test kit (L{loopd.testing}): L{MeshHarness} is L{loopd.testing.gateway.GatewayHarness}
+over a mesh config (L{mesh_config}): one L{FakeLlama} per named endpoint, each at its own
+in-memory socket path, and limits generous enough for scripted latencies of many seconds: no
+C{/slots} poll, no liveness or wait limit and no client retry gets in the way, so a worker's
+time is exactly what its script says. The helpers build the replies a worker gives
+(L{says}, L{calls_tool}, L{fails}) and read what the fakes received
+(L{MeshHarness.chat_bodies}, L{moa_headers}).
+
+Typical use::
+
+    harness = MeshHarness()
+    harness.script(
+        llama_70b=says("Paris.", 1.0), mistral_7b=says("Paris", 0.5), qwen3_8b=says("Paris", 0.7)
+    )
+    response = harness.ask(ASK, 2.0)
+    assert content_of(response.json()) == "Paris."
 """
 
 from __future__ import annotations
@@ -17,17 +27,29 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from twisted.internet.testing import MemoryReactorClock
-
 from loopd.config import Config, Endpoint, Expect, Limits, Mesh, Retry, Server
-from loopd.gateway.leases import GatewayLeases
-from loopd.gateway.site import Gateway
-from loopd.llama import Client
-from loopd.queue.host import QueueHost
 from loopd.settings import EndpointKind
-from loopd.test.support.fake_llama import CHAT, FakeLlama, Reply, error_reply, sse_reply
-from loopd.test.support.memory_net import MemoryNet
-from loopd.test.test_gateway_site import NOW, TIMINGS, Harness, Response, chunk
+from loopd.testing.fake_llama import CHAT, Reply, error_reply, sse_reply
+from loopd.testing.gateway import GatewayHarness, Response
+from loopd.testing.llama_replies import TIMINGS, chunk
+
+__all__ = [
+    "ASK",
+    "LIMITS",
+    "MOA_HEADERS",
+    "QUESTION",
+    "THREE",
+    "TWO",
+    "MeshHarness",
+    "calls_tool",
+    "content_of",
+    "fails",
+    "mesh_config",
+    "moa_headers",
+    "says",
+    "socket_path",
+    "system_text",
+]
 
 #: A pool of two small-tier workers and one big-tier worker: the roles are mistral-7b
 #: Fast, qwen3-8b Specialist and llama-70b Strong; the reducer ladder starts at llama-70b.
@@ -135,15 +157,12 @@ def fails(status: int = 500, after: float = 0.0, **headers: str) -> Reply:
     return dataclasses.replace(reply, headers=(*reply.headers, *extra), headers_delay=after)
 
 
-class MeshHarness(Harness):
+class MeshHarness(GatewayHarness):
     """
-    A gateway over one L{FakeLlama} per endpoint of C{config} (L{mesh_config}), each
-    listening at its path unless named in C{dead}; with C{leases}, every upstream call
-    takes a lease from an in-process scheduler (one slot per endpoint, a grace of
-    C{grace_ms}).
-
-    @ivar fakes: the fake server of each endpoint, by name.
-    @ivar leases: the gateway's lease side, or None.
+    A L{GatewayHarness} over one L{FakeLlama} per endpoint of a mesh config
+    (L{mesh_config}), with the helpers of mesh scenarios: script each worker by name, read
+    what each received. With C{leases}, every upstream call takes a lease from an in-process
+    scheduler with one slot per endpoint and a grace of C{grace_ms}.
     """
 
     def __init__(
@@ -154,28 +173,19 @@ class MeshHarness(Harness):
         leases: bool = False,
         grace_ms: int = 3000,
     ) -> None:
-        """A fresh clock, network, fakes and gateway for C{config}."""
-        self.reactor = MemoryReactorClock()
-        self.net = MemoryNet(self.reactor)
-        self.config = config or mesh_config()
-        self.fakes: dict[str, FakeLlama] = {}
-        for endpoint in self.config.endpoints:
-            fake = FakeLlama(self.reactor)
-            self.fakes[endpoint.name] = fake
-            if endpoint.name not in dead:
-                self.net.listen(endpoint.socket, fake)
-        self.fake = self.fakes[self.config.endpoints[0].name]
-        clients = {e.name: Client(self.reactor, self.config, e) for e in self.config.endpoints}
-        self.leases: GatewayLeases | None = None
-        if leases:
-            self.leases = GatewayLeases(self.reactor, grace_ms)
-            counts = {e.name: 1 for e in self.config.endpoints}
-            self.host = QueueHost(self.reactor, self.leases.on_grant, slot_counts=counts)
-            self.leases.bind(self.host.scheduler)
-        self.gateway = Gateway(
-            self.reactor, self.config, clients, wall_clock=lambda: NOW, leases=self.leases
+        """
+        A fresh clock, network, fakes and gateway for C{config} (default: L{mesh_config}'s).
+
+        @param dead: endpoints whose fake does not listen.
+        """
+        config = config or mesh_config()
+        super().__init__(
+            config,
+            dead=dead,
+            leases=leases,
+            grace_ms=grace_ms,
+            slot_counts={e.name: 1 for e in config.endpoints},
         )
-        self.site = self.gateway.site()
 
     def script(self, **replies: Reply | Sequence[Reply]) -> None:
         """Queue each endpoint's chat replies (an endpoint name with C{-} spelled C{_})."""
