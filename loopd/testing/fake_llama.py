@@ -271,6 +271,7 @@ class RequestParser:
     """
 
     def __init__(self) -> None:
+        """Nothing collected yet."""
         self._buffer = b""
 
     def feed(self, data: bytes) -> _Parsed | None:
@@ -305,6 +306,7 @@ class FakeLlamaProtocol(Protocol):
     """One connection of the fake: parse the request, then play its L{Reply} on the clock."""
 
     def __init__(self, fake: FakeLlama) -> None:
+        """A connection of C{fake}, not yet recorded (that happens when it is made)."""
         self._fake = fake
         self._parser = RequestParser()
         self._timer: IDelayedCall | None = None
@@ -400,6 +402,9 @@ class FakeLlama(Factory):
     noisy = False
 
     def __init__(self, clock: IReactorTime) -> None:
+        """
+        @param clock: the clock every reply plays on and every record is stamped with.
+        """
         self.clock = clock
         self.requests: list[RecordedRequest] = []
         self.connections: list[ConnectionRecord] = []

@@ -212,6 +212,10 @@ class MemoryNet:
     """
 
     def __init__(self, reactor: MemoryReactorClock) -> None:
+        """
+        @param reactor: where clients' C{connectUNIX} attempts are recorded, and the clock
+            L{advance} moves.
+        """
         self.reactor = reactor
         self.connections: list[MemoryConnection] = []
         self._listeners: dict[str, IProtocolFactory] = {}

@@ -14,7 +14,7 @@ Typical use::
 
     harness = MeshHarness()
     harness.script(
-        llama_70b=says("Paris.", 1.0), mistral_7b=says("Paris", 0.5), qwen3_8b=says("Paris", 0.7)
+        llama_70b=says("Paris.", 1.0), mistral_7b=says("Paris.", 0.5), qwen3_8b=says("Paris.", 0.7)
     )
     response = harness.ask(ASK, 2.0)
     assert content_of(response.json()) == "Paris."
