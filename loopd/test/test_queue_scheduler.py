@@ -1,15 +1,20 @@
 """
 Tests for L{loopd.queue.scheduler}: one test per rule of the lease protocol seed, on
-C{task.Clock}.
+C{task.Clock}; then random operation sequences from a hypothesis state machine
+(L{loopd.test.support.scheduler_machine.SchedulerMachine}), with the scheduler's invariants
+checked after every step.
 """
 
 from __future__ import annotations
 
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.queue.scheduler import Scheduler
 from loopd.queue.scheduler_types import Grant, QueueEvent, QueuePolicy, StaticRouter
+from loopd.test.support.scheduler_machine import SchedulerMachine
 
 ONE = QueuePolicy(max_streams=1, lease_ttl_ms=10_000, idle_yield_ms=4_000)
 
@@ -458,3 +463,13 @@ class ReloadTests(SynchronousTestCase):
         h.sched.reload(StaticRouter(defaults=ONE))
         self.assertEqual((h.holders("u1"), h.holders("u2")), (["a"], ["b"]))
         self.assertEqual(h.sessions(), ["a", "b"])
+
+
+class SchedulerMachineTests(SynchronousTestCase):
+    """Runs the state machine."""
+
+    def test_machine(self) -> None:
+        """Random operation sequences keep every scheduler invariant."""
+        run_state_machine_as_test(
+            SchedulerMachine, settings=settings(max_examples=150, stateful_step_count=60)
+        )

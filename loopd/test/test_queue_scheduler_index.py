@@ -23,7 +23,7 @@ from loopd.queue.scheduler_types import (
     StaticRouter,
     Waiter,
 )
-from loopd.test.test_queue_scheduler_machine import SchedulerMachine
+from loopd.test.support.scheduler_machine import SchedulerMachine
 
 ONE = QueuePolicy(max_streams=1, lease_ttl_ms=10_000, idle_yield_ms=4_000)
 

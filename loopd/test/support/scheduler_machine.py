@@ -1,21 +1,19 @@
 """
 A hypothesis state machine over L{loopd.queue.scheduler.Scheduler}: random acquire, release,
 cancel, role, renew, beat, disconnect, reload, sweep and clock steps, with the scheduler's
-invariants checked after every step.
+invariants checked after every step. L{loopd.test.test_queue_scheduler} runs it, and
+L{loopd.test.test_queue_scheduler_index} runs a subclass that also checks the indexes.
 """
 
 from __future__ import annotations
 
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     invariant,
     rule,
-    run_state_machine_as_test,
 )
 from twisted.internet.task import Clock
-from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.queue.scheduler import Scheduler
 from loopd.queue.scheduler_queue import aged
@@ -216,13 +214,3 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.clock.advance(10)
             self.sched.sweep()
         assert all(q["waiting"] == [] for q in self.sched.status()), "waiter starved"
-
-
-class SchedulerMachineTests(SynchronousTestCase):
-    """Runs the state machine."""
-
-    def test_machine(self) -> None:
-        """Random operation sequences keep every scheduler invariant."""
-        run_state_machine_as_test(
-            SchedulerMachine, settings=settings(max_examples=150, stateful_step_count=60)
-        )
