@@ -31,7 +31,7 @@ from loopd.queue.policy import DEFAULT_POLICY
 from loopd.queue.protocol import LeaseProtocol
 from loopd.queue.watch import IN_CLOSE_WRITE
 from loopd.tap.llmqueue import Options, makeService
-from loopd.test.test_queue_watch import FakeNotifier
+from loopd.test.support.notifier import FakeNotifier
 
 KEY = "http://gpu:8001/v1"
 OTHER = "http://gpu:8002/v1"

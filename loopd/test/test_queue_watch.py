@@ -28,37 +28,12 @@ from loopd.queue.watch import (
     IN_MOVED_TO,
     WATCH_MASK,
     ConfigWatcher,
-    EventCallback,
     NotifierUnavailableError,
 )
+from loopd.test.support.notifier import FakeNotifier
 from loopd.test.support.peers import real_reactor
 
 NAME = "llm-queue.json"
-
-
-class FakeNotifier:
-    """
-    A notifier whose events the test sends; it can be told to refuse the watch.
-    """
-
-    def __init__(self, refuse: Exception | None) -> None:
-        self.refuse = refuse
-        self.watched: list[tuple[str, int]] = []
-        self.callback: EventCallback | None = None
-        self.closed = False
-
-    def watch(self, directory: str, mask: int, callback: EventCallback) -> None:
-        if self.refuse is not None:
-            raise self.refuse
-        self.watched.append((directory, mask))
-        self.callback = callback
-
-    def close(self) -> None:
-        self.closed = True
-
-    def send(self, name: str | None, mask: int) -> None:
-        assert self.callback is not None
-        self.callback(name, mask)
 
 
 class Fixture:
