@@ -28,6 +28,7 @@ from loopd.errors import (
 )
 from loopd.gateway.errors import GatewayError, error_for
 from loopd.gateway.translate import GatewayRequest, parse_request
+from loopd.test.support.json_paths import paths
 
 CONTEXT_MESSAGE = "request (9000 tokens) exceeds the available context size (8192 tokens)"
 CONTEXT_BODY = (
@@ -449,17 +450,6 @@ RICH: dict[str, Any] = {
     "chat_template_kwargs": {"enable_thinking": True},
 }
 WRONG: list[object] = [None, True, False, 0, -1, 1.5, "", "x", [], ["x"], {}, {"x": 1}]
-
-
-def paths(value: object, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    """The path of every value inside C{value}, as keys and indexes from the top."""
-    if isinstance(value, dict):
-        items = list(value.items())
-    elif isinstance(value, list):
-        items = list(enumerate(value))
-    else:
-        return [prefix]
-    return [prefix] + [path for key, child in items for path in paths(child, (*prefix, key))]
 
 
 class WrongTypeTests(SynchronousTestCase):

@@ -33,7 +33,7 @@ from loopd.llama.types import (
     User,
     Waiting,
 )
-from loopd.test.test_gateway_errors import paths
+from loopd.test.support.json_paths import paths
 
 USER = {"role": "user", "content": "Hi"}
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
