@@ -1,7 +1,8 @@
 """
-The scripted fake llama-server (L{loopd.testing.fake_llama}) and the in-memory Unix
-network (L{loopd.testing.memory_net}): over a real socket with real clients, and in
-memory on a C{MemoryReactorClock}, where every byte arrives at an exact clock time.
+The scripted fake llama-server (L{loopd.testing.fake_llama}, with the answers of
+L{loopd.testing.llama_replies}) and the in-memory Unix network (L{loopd.testing.memory_net}):
+over a real socket with real clients, and in memory on a C{MemoryReactorClock}, where every
+byte arrives at an exact clock time.
 """
 
 from __future__ import annotations
