@@ -1,6 +1,6 @@
 """
-Tests for L{loopd.chatloop}: the chat session, against a scripted fake gateway
-(L{FakeLlama}) on a L{MemoryNet}, in memory.
+Tests for L{loopd.chatloop}: one streamed turn, the chat session and the terminal line
+reader, against a scripted fake gateway (L{FakeLlama}) on a L{MemoryNet}, in memory.
 """
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from twisted.internet.testing import MemoryReactorClock
+from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.chatloop import ChatSession
-from loopd.chatui import Conversation
+from loopd.chatloop import ChatSession, _TerminalLines, stream_turn
+from loopd.chatui import Conversation, TurnView
 from loopd.test.support.fake_llama import CHAT, FakeLlama, Piece, Reply, json_reply, sse_reply
 from loopd.test.support.memory_net import MemoryNet
 
@@ -138,3 +138,118 @@ class ChatSessionTests(SynchronousTestCase):
         self.net.advance(1)
         self.assertEqual(len(self.gateway.requests_to("POST", CHAT)), 2)
         self.assertIn("A.\nyou> B.\nyou> ", "".join(self.output))
+
+
+class StreamTurnTests(SynchronousTestCase):
+    """
+    L{stream_turn} sends one streaming request and fires with its view, failed or not.
+    """
+
+    def setUp(self) -> None:
+        self.reactor = MemoryReactorClock()
+        self.net = MemoryNet(self.reactor)
+        self.gateway = FakeLlama(self.reactor)
+        self.net.listen(GATEWAY, self.gateway)
+        self.output: list[str] = []
+
+    def turn(self, body: dict[str, Any]) -> TurnView:
+        """Stream one turn of C{body} to its end; return the view it fired with."""
+        view = TurnView()
+        d = stream_turn(self.reactor, GATEWAY, body, view, self.output.append, session_id="demo")
+        self.net.advance(1)
+        self.assertIs(self.successResultOf(d), view)
+        return view
+
+    def test_request(self) -> None:
+        """The body goes as JSON, with the session id and an event-stream Accept."""
+        self.gateway.script("POST", CHAT, sse_reply([chunk({"content": "Hi"}), chunk({}, "stop")]))
+        body = Conversation(model="tiny").ask("Hello")
+        view = self.turn(body)
+        self.assertTrue(view.succeeded)
+        self.assertEqual(view.content, "Hi")
+        self.assertEqual("".join(self.output), "Hi\n")
+        (request,) = self.gateway.requests_to("POST", CHAT)
+        self.assertEqual(request.json, body)
+        self.assertEqual(request.header("X-Session-Id"), "demo")
+        self.assertEqual(request.header("Accept"), "text/event-stream")
+
+    def test_refused(self) -> None:
+        """An error answer fires with a failed view, its error the status and message."""
+        error = {"message": "all slots busy", "type": "server_error", "code": "busy"}
+        self.gateway.script("POST", CHAT, json_reply(429, {"error": error}))
+        view = self.turn(Conversation().ask("Hello"))
+        self.assertFalse(view.succeeded)
+        self.assertEqual(view.error, "HTTP 429: all slots busy (busy)")
+        self.assertEqual("".join(self.output), f"error: {view.error}\n")
+
+
+class TerminalLinesTests(SynchronousTestCase):
+    """
+    L{_TerminalLines} feeds typed lines to a L{ChatSession} and writes its text out; the
+    end of input waits for the answer under way, and the session's end closes the terminal.
+    """
+
+    def setUp(self) -> None:
+        self.reactor = MemoryReactorClock()
+        self.net = MemoryNet(self.reactor)
+        self.gateway = FakeLlama(self.reactor)
+        self.net.listen(GATEWAY, self.gateway)
+        self.terminal = _TerminalLines(
+            lambda write: ChatSession(self.reactor, GATEWAY, Conversation(), write, session_id="t")
+        )
+        self.transport = StringTransport()
+        self.terminal.makeConnection(self.transport)
+
+    def written(self) -> str:
+        """Everything written to standard output so far."""
+        data: bytes = self.transport.value()
+        return data.decode("utf-8")
+
+    def test_greeting(self) -> None:
+        """The session starts at once: the greeting and the prompt are written."""
+        self.assertEqual(
+            self.written(), f"loopd chat on {GATEWAY} with auto; /quit or Ctrl-D ends it.\nyou> "
+        )
+
+    def test_line_is_asked(self) -> None:
+        """A typed line (CR LF ending too) is a turn whose answer is written."""
+        self.gateway.script(
+            "POST", CHAT, sse_reply([chunk({"content": "Yes."}), chunk({}, "stop")])
+        )
+        self.terminal.dataReceived(b"Are you there?\r\n")
+        self.net.advance(1)
+        (request,) = self.gateway.requests_to("POST", CHAT)
+        self.assertEqual(request.json["messages"][-1]["content"], "Are you there?")
+        self.assertTrue(self.written().endswith("you> Yes.\nyou> "))
+
+    def test_quit_closes(self) -> None:
+        """/quit ends the session and closes the terminal; closed fires once it is lost."""
+        self.terminal.dataReceived(b"/quit\n")
+        self.assertTrue(self.transport.disconnecting)
+        self.assertNoResult(self.terminal.closed)
+        self.terminal.connectionLost()
+        self.successResultOf(self.terminal.closed)
+
+    def test_end_of_input_waits(self) -> None:
+        """Input ending during a turn closes the terminal only after the answer."""
+        self.gateway.script(
+            "POST", CHAT, sse_reply([chunk({"content": "Bye."}), chunk({}, "stop")])
+        )
+        self.terminal.dataReceived(b"One\n")
+        self.terminal.readConnectionLost()
+        self.assertFalse(self.transport.disconnecting)
+        self.net.advance(1)
+        self.assertTrue(self.transport.disconnecting)
+        self.assertTrue(self.written().endswith("Bye.\n\n"))
+
+    def test_output_gone(self) -> None:
+        """Standard output going away closes the terminal and fires closed."""
+        self.terminal.writeConnectionLost()
+        self.assertTrue(self.transport.disconnecting)
+        self.successResultOf(self.terminal.closed)
+
+    def test_overlong_line(self) -> None:
+        """A line over C{MAX_LENGTH} closes the terminal without asking anything."""
+        self.terminal.dataReceived(b"x" * (_TerminalLines.MAX_LENGTH + 1))
+        self.assertTrue(self.transport.disconnecting)
+        self.assertEqual(self.gateway.requests, [])
