@@ -1,16 +1,19 @@
 """
 Tests for L{loopd.cli} and the demo's pure and process-handling parts, in memory: commands
 run on a C{MemoryReactorClock} whose Unix connections reach a scripted fake llama-server
-(L{FakeLlama}) on a L{MemoryNet}. The chat's own tests are in L{loopd.test.test_chatloop}.
+(L{FakeLlama}) on a L{MemoryNet}; and the command's place in the package, read from the
+source (nothing imports it). The chat's own tests are in L{loopd.test.test_chatloop}.
 """
 
 from __future__ import annotations
 
+import ast
 import io
 import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 from twisted.internet.error import ProcessDone, ProcessTerminated
@@ -21,6 +24,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
 
+import loopd
 from loopd import cli
 from loopd.config import parse_config
 from loopd.demo.children import Child, ChildFailed, spawn_twist, stop_child
@@ -373,3 +377,63 @@ class DemoConfigTests(SynchronousTestCase):
             selftest_lines_from_log(log),
             ["tiny: PASS props: ok", "a:b: FAIL cache: expected 1 got 0"],
         )
+
+
+def package_imports() -> dict[str, set[str]]:
+    """
+    Every module of the package outside C{loopd.test}, with the package's modules it
+    imports anywhere in its code (at module level or inside a function).
+    """
+    root = Path(loopd.__file__).parent
+    names = {}
+    for path in root.rglob("*.py"):
+        parts = ("loopd", *path.relative_to(root).with_suffix("").parts)
+        if parts[1:2] != ("test",):
+            names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                found.add(base)
+                found.update(f"{base}.{alias.name}" for alias in node.names)
+        graph[name] = {m for m in found if m in names and m != name}
+    return graph
+
+
+class LayeringTests(SynchronousTestCase):
+    """
+    L{loopd.cli} is the top of the package, and the command's own modules (the chat loop,
+    its rendering, the demo) import each other in one direction only.
+    """
+
+    def test_nothing_imports_cli(self) -> None:
+        """No module of the package imports L{loopd.cli}, even inside a function."""
+        graph = package_imports()
+        self.assertIn("loopd.cli", graph)
+        self.assertEqual(sorted(name for name, deps in graph.items() if "loopd.cli" in deps), [])
+
+    def test_no_circle(self) -> None:
+        """Among cli, chatloop, chatui and loopd.demo, no import leads back to its module."""
+        graph = package_imports()
+        command = {"loopd.cli", "loopd.chatloop", "loopd.chatui"}
+        command.update(name for name in graph if name.split(".")[:2] == ["loopd", "demo"])
+
+        def reachable(start: str) -> set[str]:
+            seen: set[str] = set()
+            todo = [start]
+            while todo:
+                for dep in graph[todo.pop()] & command:
+                    if dep not in seen:
+                        seen.add(dep)
+                        todo.append(dep)
+            return seen
+
+        self.assertEqual(sorted(name for name in command if name in reachable(name)), [])
