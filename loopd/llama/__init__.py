@@ -28,7 +28,7 @@ from loopd.errors import (
 from loopd.llama.client import Client
 from loopd.llama.flow import Flow
 from loopd.llama.gate import ISlotGate, NoGate, SlotGate
-from loopd.llama.info import CacheOutcome, SlotState, cache_outcome
+from loopd.llama.info import CacheOutcome, Health, SlotState, cache_outcome
 from loopd.llama.types import (
     Assistant,
     ChatEvent,
@@ -65,6 +65,7 @@ __all__ = [
     "Content",
     "FinishReason",
     "Flow",
+    "Health",
     "Http",
     "ISlotGate",
     "InferError",

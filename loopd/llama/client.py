@@ -1,7 +1,8 @@
 # -*- test-case-name: loopd.test.test_llama_client -*-
 """
 L{Client}: the llama client's front, one per endpoint. A chat goes through the slot gate,
-then L{ChatCall}; C{chat_with_retry} repeats what is worth repeating.
+then L{ChatCall}; C{chat_with_retry} repeats what is worth repeating. C{health}, C{props},
+C{slots} and C{tokenize} ask the server about itself.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from loopd.errors import Protocol
 from loopd.llama.chat import ChatCall, EventSink
 from loopd.llama.flow import Flow
 from loopd.llama.gate import ISlotGate, SlotGate
-from loopd.llama.info import SlotState, get_json, parse_slots
+from loopd.llama.info import Health, SlotState, check_health, get_json, parse_slots
 from loopd.llama.retry import is_retryable, with_retry
 from loopd.llama.types import ChatRequest, Completion
 
@@ -132,6 +133,17 @@ class Client:
             caps=self._caps,
             connect_timeout=self.config.limits.poll_ms / 1000.0,
         )
+
+    def health(self) -> Deferred[Health]:
+        """
+        Whether the server is up: its C{GET /health}, within C{limits.poll_ms} for the
+        connection and for the answer. A 200 is L{Health}C{(True, "ok")}, as is any answer
+        of an C{openai}-kind endpoint; another status is C{(False, "HTTP <status>")}; no
+        connection or no answer in time is C{(False, "unreachable: <why>")}. The Deferred
+        never fails, except with C{CancelledError} when cancelled.
+        """
+        seconds = self.config.limits.poll_ms / 1000.0
+        return check_health(self._reactor, self.endpoint, caps=self._caps, timeout=seconds)
 
     def props(self) -> Deferred[dict[str, Any]]:
         """
