@@ -1,6 +1,6 @@
 # -*- test-case-name: loopd.test.test_queue_policy -*-
 """
-llm-queue.json into a validated, frozen L{Policy}; models.json into a L{ModelsCatalog}.
+llm-queue.json into a validated, frozen L{Policy}.
 
 The fields, defaults and messages are the lease protocol seed's: every violation is one line
 C{<path> must be <what> (got <value as JSON>)}, all reported at once in a L{PolicyError}.
@@ -8,9 +8,11 @@ JSON follows JavaScript semantics (DESIGN §12): C{NaN}/C{Infinity} are not JSON
 are not numbers and C{2.0} is the integer 2. Keys the seed does not read (unknown ones,
 C{enabled}/C{match} in C{defaults}, defaults-only fields in a queue entry) are not errors,
 since the seed names no error for them: they are left unread and listed in L{Policy.ignored}.
+The checks are L{loopd._validate}'s, worded in its C{JSON_STYLE}.
 
-L{address_endpoint} and L{address_model} are the one addressing rule for the daemon and the
-client (DESIGN §24). Pure apart from the C{load_*} functions reading their files.
+Which queue a key leads to is L{loopd.queue.routing}'s; models.json is
+L{loopd.queue.catalog}'s. Pure apart from L{load_policy} and L{reload_policy} reading the
+file.
 """
 
 from __future__ import annotations
@@ -310,107 +312,3 @@ def reload_policy(
         return current, () if quiet_syntax else _named(source, error.problems)
     except PolicyError as error:
         return current, _named(source, error.problems)
-
-
-@dataclass(frozen=True)
-class ModelsCatalog:
-    """models.json's providers and their baseUrls, in file order."""
-
-    providers: tuple[tuple[str, str], ...] = ()
-
-    def base_url(self, provider: str) -> str | None:
-        """The baseUrl of C{provider}, or None when the catalog does not list it."""
-        return next((url for name, url in self.providers if name == provider), None)
-
-    def providers_at(self, base_url: str) -> tuple[str, ...]:
-        """The providers serving C{base_url}, in file order."""
-        return tuple(name for name, url in self.providers if url == base_url)
-
-
-EMPTY_CATALOG: Final = ModelsCatalog()
-"""The catalog without C{--models-json}: no provider name reaches an endpoint."""
-
-_PROVIDER_RULES: Final[Mapping[str, Rule]] = {"baseUrl": string()}
-
-
-def parse_models_catalog(document: object) -> tuple[ModelsCatalog, tuple[str, ...]]:
-    """
-    The catalog in a decoded models.json, C{{"providers": {name: {"baseUrl": url}}}}.
-
-    A provider without a baseUrl (an override of a built-in one) is left out silently, a
-    malformed one is left out with a problem line. Never raises.
-    """
-    problems = Problems(JSON_STYLE)
-    root = as_table(document, "models.json", problems)
-    found = []
-    for name, value in as_table(root.get("providers", {}), "providers", problems).items():
-        path = json_member_path("providers", name)
-        url = read_fields(as_table(value, path, problems), path, _PROVIDER_RULES, problems)
-        if "baseUrl" in url:
-            found.append((name, url["baseUrl"]))
-    return ModelsCatalog(tuple(found)), problems.lines()
-
-
-def load_models_catalog(path: str | os.PathLike[str]) -> tuple[ModelsCatalog, tuple[str, ...]]:
-    """
-    Read the catalog passed as C{--models-json}: a missing file is an empty catalog, and an
-    unreadable or invalid one is an empty catalog plus its problems, never a crash.
-    """
-    source = os.fspath(path)
-    raw = _read_file(source)
-    if raw is None or isinstance(raw, str):
-        return EMPTY_CATALOG, () if raw is None else (raw,)
-    try:
-        catalog, problems = parse_models_catalog(decode_json(raw))
-    except PolicyError as error:
-        return EMPTY_CATALOG, _named(source, error.problems)
-    return catalog, _named(source, problems)
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where a queue key leads: the queue that owns its slots, and that queue's settings."""
-
-    queue_key: str
-    settings: QueueSettings
-
-
-def _group_naming(policy: Policy, name: str) -> QueueEntry | None:
-    """The first enabled group whose C{match} names C{name} exactly."""
-    return next((e for e in policy.queues if e.is_group and name in (e.match or ())), None)
-
-
-def address_model(policy: Policy, provider: str, base_url: str) -> str:
-    """
-    The queue key a client acquires with for a model: the group naming its provider
-    (split), else the group naming its endpoint (merge), else its baseUrl.
-    """
-    group = _group_naming(policy, provider) or _group_naming(policy, base_url)
-    return group.key if group is not None else base_url
-
-
-def address_endpoint(policy: Policy, key: str, catalog: ModelsCatalog = EMPTY_CATALOG) -> Route:
-    """
-    The queue a daemon client's C{queueKey} names (DESIGN §24).
-
-    A group's own name is that group; a key that a group's C{match} names exactly belongs
-    to the first such group, ahead of the key's own entry. A provider name reaches its
-    endpoint only through C{catalog}, and the endpoint then belongs to the group naming
-    it, else to its own queue. An endpoint's queue takes its own entry's settings, else
-    those of the first entry of a provider serving it (a baseUrl key wins), else the
-    defaults; a key nothing names is a queue of its own with the defaults.
-    """
-    base = policy.defaults.queue
-    own = policy.entry(key)
-    group = own if own is not None and own.match is not None else _group_naming(policy, key)
-    url = catalog.base_url(key)
-    if group is None and url is not None:
-        group = _group_naming(policy, url)
-    if group is not None:
-        return Route(group.key, group.settings(base))
-    endpoint = key if url is None else url
-    serving = set(catalog.providers_at(endpoint))
-    entry = policy.entry(endpoint) or next(
-        (e for e in policy.queues if e.match is None and e.key in serving), None
-    )
-    return Route(endpoint, base if entry is None else entry.settings(base))
