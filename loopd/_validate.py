@@ -84,8 +84,8 @@ Rule = Callable[[object], Any]
 
 class Problems:
     """
-    An ordered collection of violations, one line each in the words of a L{MessageStyle}, and the
-    paths of the keys that style left unread.
+    An ordered collection of violations, one line each in the words of a L{MessageStyle},
+    and the paths of the keys that style left unread.
     """
 
     def __init__(self, style: MessageStyle) -> None:

@@ -8,7 +8,7 @@ JSON follows JavaScript semantics (DESIGN §12): C{NaN}/C{Infinity} are not JSON
 are not numbers and C{2.0} is the integer 2. Keys the seed does not read (unknown ones,
 C{enabled}/C{match} in C{defaults}, defaults-only fields in a queue entry) are not errors,
 since the seed names no error for them: they are left unread and listed in L{Policy.ignored}.
-The checks are L{loopd._validate}'s, worded in its C{JSON_STYLE}.
+The checks are L{loopd._validate}'s, worded in L{loopd._message_style.JSON_STYLE}.
 
 Which queue a key leads to is L{loopd.queue.routing}'s; models.json is
 L{loopd.queue.catalog}'s. Pure apart from L{load_policy} and L{reload_policy} reading the
