@@ -54,7 +54,7 @@ from _moa_fakes import refusing_socket, start_fake
 from _report import W, non_negative, percentile, positive, verdict
 from _servers import BenchError, Children, ignore_exit_signals, run_guarded, wait_socket
 
-from loopd.gateway.mesh_calls import RECHECK_S
+from loopd.gateway.mesh import RECHECK_S
 from loopd.llama.chat import CHAT_PATH
 from loopd.moa.fanout import WORKER_TIMEOUT
 

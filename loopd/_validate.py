@@ -1,25 +1,29 @@
-# -*- test-case-name: loopd.test.test_config -*-
+# -*- test-case-name: loopd.test.test_validate -*-
 """
-Generic checks for strict configuration tables.
+Generic checks for strict configuration files: loopd.toml and the lease protocol's JSON files.
 
 A configuration section is a table of known keys, each checked by a L{Rule}. The checks
 collect every violation in a L{Problems} list, each line naming the dotted path of the
-offending value (C{limits.poll_ms}, C{endpoint[0].expect.n_ctx}), so a user sees all of
-them at once. Pure code: no I/O.
+offending value (C{limits.poll_ms}, C{endpoint[0].expect.n_ctx}, C{queues.zen.maxStreams}),
+so a user sees all of them at once. Pure code: no I/O.
 
-A L{Rule} is a callable that returns the checked (possibly normalised) value or
-raises L{RuleError} with a phrase saying what was expected; L{read_fields} turns that
-phrase into C{<path>: expected <phrase>, got <value>}. L{table_parser} and
-L{scalar_parser} build the parsers of whole top-level sections from rules.
+A L{Rule} is a callable that returns the checked (possibly normalised) value or raises
+L{RuleError} with a phrase saying what was expected; L{read_fields} turns that phrase into a
+line worded in the L{MessageStyle} of the file (L{loopd._message_style}): C{TOML_STYLE}
+reads C{<path>: expected <phrase>, got <value>} and rejects unknown keys, C{JSON_STYLE}
+reads C{<path> must be <phrase> (got <value>)} and lists unknown keys as ignored.
+L{table_parser} and L{scalar_parser} build the parsers of whole top-level sections from
+rules.
 """
 
 from __future__ import annotations
 
 import difflib
 import math
-import re
-from collections.abc import Callable, Collection, Iterator, Mapping
-from typing import Any, Final
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from typing import Any, Final, TypeGuard
+
+from loopd._message_style import MessageStyle, index_path, toml_string
 
 __all__ = [
     "ABSENT",
@@ -27,17 +31,17 @@ __all__ = [
     "Rule",
     "RuleError",
     "SectionParser",
+    "array_of",
     "as_table",
     "boolean",
-    "index_path",
     "integer",
     "integer_list",
     "is_integer",
-    "key_path",
+    "js_integer",
     "number",
     "one_of",
+    "predicate",
     "read_fields",
-    "render",
     "scalar_parser",
     "string",
     "table_parser",
@@ -56,21 +60,22 @@ class _Absent:
 ABSENT: Final = _Absent()
 """Stands for a key that is not in its table (distinct from any value, even None)."""
 
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-_RENDER_LIMIT = 60
-
 
 class RuleError(Exception):
     """
     A value broke a L{Rule}.
 
     @ivar expected: what the rule wanted, as a phrase ("a positive integer").
+    @ivar items: for an array whose own shape is right, each wrong item as
+        C{(index, item, error)}: each is reported at its own path (C{match[1]}), not the
+        array as a whole.
     """
 
-    def __init__(self, expected: str) -> None:
-        """Record what was expected."""
+    def __init__(self, expected: str, items: Sequence[tuple[int, object, RuleError]] = ()) -> None:
+        """Record what was expected, and which items broke their own rule."""
         super().__init__(expected)
         self.expected = expected
+        self.items = tuple(items)
 
 
 Rule = Callable[[object], Any]
@@ -78,90 +83,57 @@ Rule = Callable[[object], Any]
 
 
 class Problems:
-    """An ordered collection of violations, one line each: C{<path>: <message>}."""
+    """
+    An ordered collection of violations, one line each in the words of a L{MessageStyle},
+    and the paths of the keys that style left unread.
+    """
 
-    def __init__(self) -> None:
-        """Start with no problems."""
+    def __init__(self, style: MessageStyle) -> None:
+        """Start with no problems, wording them in C{style}."""
+        self.style = style
         self._lines: list[str] = []
+        self._ignored: list[str] = []
 
     def add(self, path: str, message: str) -> None:
         """Record that the value at C{path} is wrong in the way C{message} says."""
-        self._lines.append(f"{path}: {message}")
+        self._lines.append(self.style.note.format(path=path, message=message))
+
+    def expected(self, path: str, expected: str, value: object, *, suffix: str = "") -> None:
+        """
+        Record that the value at C{path} is C{value} where C{expected} (a phrase) was due.
+
+        @param suffix: appended to the line as it is (the seed's C{": upgrade pi-llm-queue"}).
+        """
+        got = self.style.render(value)
+        line = self.style.expected.format(path=path, expected=expected, got=got)
+        self._lines.append(line + suffix)
+
+    def broken(self, path: str, error: RuleError, value: object) -> None:
+        """Record that C{value} at C{path} broke a rule; wrong items at their own paths."""
+        if not error.items:
+            self.expected(path, error.expected, value)
+        for index, item, item_error in error.items:
+            self.broken(index_path(path, index), item_error, item)
+
+    def ignore(self, path: str) -> None:
+        """Record that the key at C{path} is not read (not a violation)."""
+        self._ignored.append(path)
 
     def lines(self) -> tuple[str, ...]:
         """Return every recorded violation, in the order found."""
         return tuple(self._lines)
 
+    def ignored(self) -> tuple[str, ...]:
+        """Return the paths of the keys left unread, in the order found."""
+        return tuple(self._ignored)
+
     def __bool__(self) -> bool:
-        """True when at least one violation was recorded."""
+        """True when at least one violation was recorded (ignored keys are none)."""
         return bool(self._lines)
 
     def __iter__(self) -> Iterator[str]:
         """Iterate over the recorded lines."""
         return iter(self._lines)
-
-
-def key_path(parent: str, key: object) -> str:
-    """
-    Append C{key} to a dotted path; keys that are not bare TOML keys are quoted.
-    """
-    text = key if isinstance(key, str) else str(key)
-    if not _BARE_KEY.fullmatch(text):
-        text = _quote(text)
-    return f"{parent}.{text}" if parent else text
-
-
-def index_path(parent: str, index: int) -> str:
-    """Append an array index to a dotted path: C{endpoint[2]}."""
-    return f"{parent}[{index}]"
-
-
-def _quote(text: str) -> str:
-    """Quote a string as a TOML basic string, escaping what TOML would."""
-    out = []
-    for char in text:
-        if char in '"\\':
-            out.append("\\" + char)
-        elif ord(char) < 0x20 or ord(char) == 0x7F:
-            out.append(f"\\u{ord(char):04x}")
-        else:
-            out.append(char)
-    return '"' + "".join(out) + '"'
-
-
-def render(value: object) -> str:
-    """
-    Show a configuration value the way the file spells it, shortened if long.
-
-    Booleans read C{true}/C{false}, strings are quoted, a table reads C{a table}.
-    """
-    if isinstance(value, Mapping):
-        return "a table"
-    text = _render(value)
-    if len(text) > _RENDER_LIMIT:
-        text = text[: _RENDER_LIMIT - 3] + "..."
-    return text
-
-
-def _render(value: object) -> str:
-    """Render without the length limit; nested tables are shown as C{{...}}."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return _quote(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_render(item) for item in value) + "]"
-    if isinstance(value, Mapping):
-        return "{...}"
-    if value is None:
-        return "null"
-    return str(value)
 
 
 def unknown_key(key: object, known: Collection[str]) -> str:
@@ -179,7 +151,7 @@ def as_table(value: object, path: str, problems: Problems) -> Mapping[str, objec
     """
     if isinstance(value, Mapping):
         return value
-    problems.add(path, f"expected a table, got {render(value)}")
+    problems.expected(path, problems.style.table, value)
     return {}
 
 
@@ -195,30 +167,53 @@ def read_fields(
     """
     Check every key of C{table} against C{rules}; return the valid values by key.
 
-    Keys in neither C{rules} nor C{handled} are unknown. Keys in C{handled} are known
-    but left to the caller (nested tables). RuleError and unknown keys are recorded in
-    C{problems} and left out of the result, so absent keys keep their defaults.
+    Keys in neither C{rules} nor C{handled} are unknown: a problem, or ignored, as the style
+    of C{problems} says. Keys in C{handled} are known but left to the caller (nested tables).
+    Values that break their rule are recorded in C{problems} and left out of the result, so
+    absent keys keep their defaults.
     """
+    style = problems.style
     known = set(rules) | set(handled)
     values: dict[str, Any] = {}
     for key, value in table.items():
-        where = key_path(path, key)
+        where = style.member(path, key)
         if key not in known:
-            problems.add(where, unknown_key(key, known))
+            if style.reject_unknown:
+                problems.add(where, unknown_key(key, known))
+            else:
+                problems.ignore(where)
         elif key in rules:
             try:
                 values[key] = rules[key](value)
             except RuleError as error:
-                problems.add(where, f"expected {error.expected}, got {render(value)}")
+                problems.broken(where, error, value)
     for key in required:
         if key not in table:
-            problems.add(key_path(path, key), "missing (this key is required)")
+            problems.add(style.member(path, key), "missing (this key is required)")
     return values
 
 
-def is_integer(value: object) -> bool:
+def is_integer(value: object) -> TypeGuard[int]:
     """True for an int that is not a bool (booleans are not integers here)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def js_integer(value: object) -> int | None:
+    """
+    The value as an integer if JavaScript's C{Number.isInteger} holds for it, else None.
+
+    C{2.0} is 2; a boolean is no number; an int too large for a double is none either,
+    since C{JSON.parse} reads it as C{Infinity}.
+    """
+    if is_integer(value):
+        try:
+            float(value)
+        except OverflowError:
+            return None
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return None
 
 
 def _integer_phrase(minimum: int, maximum: int | None) -> str:
@@ -229,19 +224,23 @@ def _integer_phrase(minimum: int, maximum: int | None) -> str:
         return "a positive integer"
     if minimum == 0:
         return "a non-negative integer"
-    return f"an integer >= {minimum}"
+    return f"an integer of at least {minimum}"
 
 
-def integer(minimum: int, maximum: int | None = None) -> Rule:
-    """A rule for an integer in C{[minimum, maximum]}; floats and booleans fail it."""
+def integer(minimum: int, maximum: int | None = None, *, javascript: bool = False) -> Rule:
+    """
+    A rule for an integer in C{[minimum, maximum]}; booleans fail it.
+
+    @param javascript: take numbers as JavaScript does (L{js_integer}): C{2.0} is 2.
+        Otherwise only an int is an integer, and every float fails.
+    """
     phrase = _integer_phrase(minimum, maximum)
 
     def check(value: object) -> int:
-        if not isinstance(value, int) or isinstance(value, bool):
+        number = js_integer(value) if javascript else value if is_integer(value) else None
+        if number is None or number < minimum or (maximum is not None and number > maximum):
             raise RuleError(phrase)
-        if value < minimum or (maximum is not None and value > maximum):
-            raise RuleError(phrase)
-        return value
+        return number
 
     return check
 
@@ -311,6 +310,17 @@ def boolean(value: object) -> bool:
     return value
 
 
+def predicate(phrase: str, test: Callable[[object], bool]) -> Rule:
+    """A rule that keeps a value passing C{test} as it is; C{phrase} says what passes."""
+
+    def check(value: object) -> object:
+        if not test(value):
+            raise RuleError(phrase)
+        return value
+
+    return check
+
+
 def string(*, non_empty: bool = True) -> Rule:
     """A rule for a string, by default a non-empty one."""
     phrase = "a non-empty string" if non_empty else "a string"
@@ -325,12 +335,38 @@ def string(*, non_empty: bool = True) -> Rule:
 
 def one_of(*choices: str) -> Rule:
     """A rule for one string out of a fixed set."""
-    phrase = "one of " + ", ".join(_quote(choice) for choice in choices)
+    phrase = "one of " + ", ".join(toml_string(choice) for choice in choices)
 
     def check(value: object) -> str:
         if not isinstance(value, str) or value not in choices:
             raise RuleError(phrase)
         return value
+
+    return check
+
+
+def array_of(item: Rule, phrase: str, *, non_empty: bool = False) -> Rule:
+    """
+    A rule for an array (a non-empty one if C{non_empty}) whose every item passes C{item};
+    returns the checked items as a tuple.
+
+    @param phrase: what the array must be; a wrong item is reported at its own index, in
+        the words of C{item}.
+    """
+
+    def check(value: object) -> tuple[object, ...]:
+        if not isinstance(value, (list, tuple)) or (non_empty and not value):
+            raise RuleError(phrase)
+        checked: list[object] = []
+        wrong: list[tuple[int, object, RuleError]] = []
+        for index, each in enumerate(value):
+            try:
+                checked.append(item(each))
+            except RuleError as error:
+                wrong.append((index, each, error))
+        if wrong:
+            raise RuleError(phrase, wrong)
+        return tuple(checked)
 
     return check
 
@@ -363,7 +399,7 @@ def scalar_parser(rule: Rule) -> SectionParser:
         try:
             return rule(value)
         except RuleError as error:
-            problems.add(path, f"expected {error.expected}, got {render(value)}")
+            problems.broken(path, error, value)
             return ABSENT
 
     return parse

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from loopd._message_style import TOML_STYLE, index_path, key_path, render
 from loopd._validate import (
     ABSENT,
     Problems,
@@ -32,14 +33,11 @@ from loopd._validate import (
     SectionParser,
     as_table,
     boolean,
-    index_path,
     integer,
     integer_list,
-    key_path,
     number,
     one_of,
     read_fields,
-    render,
     scalar_parser,
     string,
     table_parser,
@@ -231,7 +229,7 @@ def _parse_endpoint(
     @param first_use: the path of the endpoint that first used each name so far.
     """
     if not isinstance(value, Mapping):
-        problems.add(path, f"expected a table, got {render(value)}")
+        problems.expected(path, "a table", value)
         return None
     table: Mapping[str, object] = value
     values = read_fields(
@@ -271,8 +269,7 @@ def _parse_endpoints(value: object, path: str, problems: Problems) -> Any:
         problems.add(path, "at least one [[endpoint]] table is required")
         return ABSENT
     if not isinstance(value, (list, tuple)):
-        got = render(value)
-        problems.add(path, f"expected an array of tables ([[endpoint]]), got {got}")
+        problems.expected(path, "an array of tables ([[endpoint]])", value)
         return ABSENT
     endpoints: list[Endpoint] = []
     first_use: dict[str, str] = {}
@@ -312,7 +309,7 @@ def config_from_mapping(data: Mapping[str, object], source: str | None = None) -
 
     @raise ConfigError: listing every violation, in document order.
     """
-    problems = Problems()
+    problems = Problems(TOML_STYLE)
     values: dict[str, Any] = {}
     table = as_table(data, "(top level)", problems)
     if problems:

@@ -25,6 +25,7 @@ from twisted.internet.defer import Deferred, DeferredList, inlineCallbacks, mayb
 from twisted.python.failure import Failure
 
 from loopd import http
+from loopd.chatloop import stream_turn
 from loopd.chatui import Conversation, TurnView
 from loopd.config import load_config
 from loopd.demo.children import Child, ChildFailed, spawn_twist, stop_child
@@ -225,8 +226,6 @@ class DemoStack:
 
     def chat(self, question: str, *, tty: bool = False) -> Deferred[TurnView]:
         """Step 6: ask C{question} through loopd.sock, the answer streamed as it comes."""
-        from loopd.cli import stream_turn
-
         self._write(f"6/{STEPS} one streamed chat through loopd.sock\n")
         self._write(f"you> {question}\n")
         body = Conversation(model=MODEL).ask(question)

@@ -1,21 +1,26 @@
-# -*- test-case-name: loopd.test.test_gateway_router_classify -*-
+# -*- test-case-name: loopd.test.test_gateway_classify -*-
 """
 The C{auto} router's request classifier (reference/mesh-moa.md §5): a category, a
 complexity, whether the request needs tools, and which media it carries, by heuristics on
 its text. The signal words are loopd's own (the reference gives only how many each category
-has); a C{developer} message counts as system prompt. Malformed parts are skipped, never
-raised on. Also L{wants_auto}: whether a request is the router's at all.
+has); a C{developer} message counts as system prompt (the front door made it one).
+
+It reads the checked request (L{GatewayRequest}), so nothing malformed reaches it; a
+request's media are the image and audio parts of its user turns.
 
 Pure: no reactor, no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Category", "Classification", "Complexity", "classify", "wants_auto"]
+from loopd.gateway.request import GatewayRequest
+from loopd.llama.types import Assistant, ChatMessage, System, Tool, User
+
+__all__ = ["Category", "Classification", "Complexity", "classify"]
 
 Category = Literal["code", "reasoning", "creative", "image", "tool_call", "info", "chat"]
 """What a request is about; the first matching rule of L{classify} wins."""
@@ -58,12 +63,6 @@ _DEEP_SIGNALS = (
 # The system prompt alone makes a request code when it names one of these.
 _CODE_SYSTEM_SIGNALS = ("developer", "coding", "programmer")
 
-_VISION_BLOCKS = frozenset({"image_url", "input_image", "image"})
-_AUDIO_BLOCKS = frozenset({"audio_url", "input_audio", "audio"})
-_FILE_BLOCKS = frozenset({"file", "input_file"})
-_TOOL_BLOCKS = frozenset({"tool_use", "tool_result"})
-_SYSTEM_ROLES = frozenset({"system", "developer"})
-
 
 @dataclass(frozen=True)
 class Classification:
@@ -74,32 +73,18 @@ class Classification:
     complexity: Complexity
     """Deep, quick or moderate."""
     needs_tools: bool
-    """A non-empty C{tools} array, or a C{tool_use}/C{tool_result} content block."""
+    """The request offers tools."""
     needs_vision: bool = False
-    """An image content block (or a block with an image field)."""
+    """A user turn carries an image."""
     needs_audio: bool = False
-    """An audio content block (or a block with an audio field)."""
+    """A user turn carries audio."""
     has_media: bool = False
-    """Any media block at all, files included."""
+    """It carries any media at all."""
 
 
-def wants_auto(body: Mapping[str, object]) -> bool:
+def classify(request: GatewayRequest) -> Classification:
     """
-    Whether the C{auto} router serves a request: its C{model} is C{"auto"}, or missing,
-    C{null} or empty (no model named).
-    """
-    model = body.get("model")
-    return model is None or model == "" or model == "auto"
-
-
-def _named(value: object, names: frozenset[str]) -> bool:
-    """Whether C{value} is one of the strings C{names} (a list or dict never is)."""
-    return isinstance(value, str) and value in names
-
-
-def classify(body: Mapping[str, object]) -> Classification:
-    """
-    Classify an OpenAI (or Anthropic-style) chat request by heuristics on its text (§5).
+    Classify a chat request by heuristics on its text (§5).
 
     Category, first match wins: code (the system prompt names developer, coding or
     programmer; or code score ≥ 2; or code ≥ 1 with no reasoning and no creative signal),
@@ -107,29 +92,14 @@ def classify(body: Mapping[str, object]) -> Classification:
     tool_call (tools needed, no code, reasoning or creative signal), info (score ≥ 2 and
     no code signal), else chat. Complexity: deep (a deep signal, a last user message over
     500 bytes, or over 10 messages), quick (last user message under 60 bytes, at most 2
-    messages, no reasoning or deep signal), else moderate. Malformed parts are skipped.
+    messages, no reasoning or deep signal), else moderate.
     """
-    raw = body.get("messages")
-    messages = [m for m in raw if isinstance(m, Mapping)] if isinstance(raw, list) else []
-    text = "\n".join(t for m in messages for t in _texts(m.get("content"))).lower()
-    system = "\n".join(
-        t
-        for m in messages
-        if _named(m.get("role"), _SYSTEM_ROLES)
-        for t in _texts(m.get("content"))
-    ).lower()
-    blocks = [b for m in messages for b in _blocks(m.get("content"))]
-    tools = body.get("tools")
-    needs_tools = (isinstance(tools, list) and len(tools) > 0) or any(
-        _named(b.get("type"), _TOOL_BLOCKS) for b in blocks
-    )
-    vision = any(
-        _named(b.get("type"), _VISION_BLOCKS) or "image_url" in b or "image" in b for b in blocks
-    )
-    audio = any(
-        _named(b.get("type"), _AUDIO_BLOCKS) or "audio_url" in b or "audio" in b for b in blocks
-    )
-    has_media = vision or audio or any(_named(b.get("type"), _FILE_BLOCKS) for b in blocks)
+    messages = request.messages
+    text = "\n".join(t for m in messages for t in _texts(m)).lower()
+    system = "\n".join(t for m in messages if isinstance(m, System) for t in _texts(m)).lower()
+    needs_tools = bool(request.tools)
+    modalities = request.modalities
+    vision, audio = "vision" in modalities, "audio" in modalities
 
     code, reasoning, creative = (_score(text, s) for s in _SIGNAL_SETS[:3])
     info, image, deep = (_score(text, s) for s in _SIGNAL_SETS[3:])
@@ -151,8 +121,8 @@ def classify(body: Mapping[str, object]) -> Classification:
     else:
         category = "chat"
 
-    users = [m for m in messages if m.get("role") == "user"]
-    last_user = len("".join(_texts(users[-1].get("content"))).encode()) if users else 0
+    users = [m for m in messages if isinstance(m, User)]
+    last_user = len(users[-1].content.encode()) if users else 0
     complexity: Complexity
     if deep >= 1 or last_user > 500 or len(messages) > 10:
         complexity = "deep"
@@ -160,7 +130,7 @@ def classify(body: Mapping[str, object]) -> Classification:
         complexity = "quick"
     else:
         complexity = "moderate"
-    return Classification(category, complexity, needs_tools, vision, audio, has_media)
+    return Classification(category, complexity, needs_tools, vision, audio, vision or audio)
 
 
 _SIGNAL_SETS = tuple(
@@ -177,18 +147,17 @@ def _score(text: str, signals: frozenset[str]) -> int:
     return sum(1 for signal in signals if signal in text)
 
 
-def _blocks(content: object) -> Iterator[Mapping[str, object]]:
-    """The content blocks of a message's content (none for string content)."""
-    if isinstance(content, list):
-        yield from (block for block in content if isinstance(block, Mapping))
-
-
-def _texts(content: object) -> Iterator[str]:
-    """The text parts of a message's content: the string itself, or each block's C{text}."""
-    if isinstance(content, str):
-        yield content
-        return
-    for block in _blocks(content):
-        text = block.get("text")
-        if isinstance(text, str):
-            yield text
+def _texts(message: ChatMessage) -> Iterator[str]:
+    """
+    The texts of a message: its content, or for a user turn with media each text part as
+    sent; an assistant turn without content has none.
+    """
+    if isinstance(message, User) and message.parts:
+        for part in message.parts:
+            text = part.get("text")
+            if part.get("type") == "text" and isinstance(text, str):
+                yield text
+    elif isinstance(message, (System, User, Tool)):
+        yield message.content
+    elif isinstance(message, Assistant) and message.content is not None:
+        yield message.content

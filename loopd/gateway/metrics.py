@@ -1,16 +1,19 @@
 # -*- test-case-name: loopd.test.test_gateway_metrics -*-
 """
-The gateway's Prometheus metrics, served at C{GET /metrics}.
+The gateway's Prometheus metrics, served at C{GET /metrics}: its own counters, histogram and
+gauge (L{GatewayMetrics}), and two collectors read at every scrape, the lease scheduler's
+numbers (L{SchedulerCollector}) and what the C{auto} router has measured
+(L{RouterCollector}).
 
 Each L{GatewayMetrics} owns its own C{CollectorRegistry}, never the process-wide default, so
 several gateways (or tests) in one process keep separate counts. Every metric is labelled by
-the endpoint's name.
+the endpoint's name (or the lease queue's).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -20,15 +23,15 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 from twisted.logger import Logger
 
-from loopd.gateway.auto import AutoRouter
-from loopd.gateway.queue_metrics import SchedulerCollector
-from loopd.gateway.router_metrics import RouterCollector
+from loopd.gateway.router import AutoRouter, SpeedStats
 from loopd.llama.types import Timings
 from loopd.queue.scheduler import Scheduler
 
-__all__ = ["TTFT_BUCKETS", "GatewayMetrics"]
+__all__ = ["TTFT_BUCKETS", "GatewayMetrics", "RouterCollector", "SchedulerCollector"]
 
 _log = Logger(namespace="loopd.gateway.metrics")
 
@@ -169,3 +172,106 @@ def _guarded(endpoint: str, source: Callable[[], int]) -> Callable[[], float]:
             return math.nan
 
     return read
+
+
+class SchedulerCollector(Collector):
+    """
+    A collector over one L{Scheduler}; it keeps no numbers of its own.
+    """
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        """
+        @param scheduler: the scheduler to read at each scrape.
+        """
+        self._scheduler = scheduler
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """
+        Yield the scheduler's totals and its per-queue gauges.
+        """
+        counters = self._scheduler.counters()
+        status = self._scheduler.status()
+        totals = (
+            (
+                "loopd_lease_grants",
+                "Leases granted (a direct grant or a queued waiter's).",
+                counters.grants,
+            ),
+            (
+                "loopd_lease_releases",
+                "Leases given back (release, cancel, disconnect, idle yield).",
+                counters.releases,
+            ),
+            (
+                "loopd_lease_evictions",
+                "Leases reclaimed because their TTL lapsed.",
+                counters.evictions,
+            ),
+        )
+        for name, documentation, value in totals:
+            yield CounterMetricFamily(name, documentation, value=value)
+        switches = CounterMetricFamily(
+            "loopd_lease_switches",
+            "Session switches: grants of a queued waiter, each a KV-cache re-prefill.",
+            labels=["queue"],
+        )
+        holders = GaugeMetricFamily(
+            "loopd_lease_holders", "Sessions holding a lease now.", labels=["queue"]
+        )
+        waiters = GaugeMetricFamily(
+            "loopd_lease_waiters", "Sessions waiting for a lease now.", labels=["queue"]
+        )
+        for queue in status:
+            key = [queue["queueKey"]]
+            switches.add_metric(key, queue["switches"])
+            holders.add_metric(key, len(queue["holders"]))
+            waiters.add_metric(key, len(queue["waiting"]))
+        yield switches
+        yield holders
+        yield waiters
+
+
+class RouterCollector(Collector):
+    """
+    A collector over one L{AutoRouter}; it keeps no numbers of its own.
+    """
+
+    def __init__(self, router: AutoRouter, now: Callable[[], float]) -> None:
+        """
+        @param router: the router to read at each scrape.
+        @param now: the clock the router's samples are stamped with.
+        """
+        self._router = router
+        self._now = now
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """
+        Yield C{loopd_auto_speed_tokens_per_second} (endpoints with a current sample
+        only), C{loopd_auto_samples} and C{loopd_auto_weight}, per endpoint.
+        """
+        now = self._now()
+        speed = GaugeMetricFamily(
+            "loopd_auto_speed_tokens_per_second",
+            "Mean predicted_per_second of the endpoint's current samples.",
+            labels=["endpoint"],
+        )
+        samples = GaugeMetricFamily(
+            "loopd_auto_samples",
+            "Speed samples that count now (3 are needed before the speed weighs).",
+            labels=["endpoint"],
+        )
+        weight = GaugeMetricFamily(
+            "loopd_auto_weight",
+            "The weight the auto router draws the endpoint with now, before exploration.",
+            labels=["endpoint"],
+        )
+        for candidate in self._router.candidates:
+            stats = self._router.speeds.get(candidate.name, SpeedStats())
+            current = stats.current(now)
+            if current:
+                speed.add_metric([candidate.name], math.fsum(current) / len(current))
+            samples.add_metric([candidate.name], len(current))
+            weight.add_metric([candidate.name], stats.weight(now))
+        yield speed
+        yield samples
+        yield weight

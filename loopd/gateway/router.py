@@ -1,7 +1,8 @@
 # -*- test-case-name: loopd.test.test_gateway_router -*-
 """
 The C{auto} router: which endpoint serves a request whose C{model} is C{auto} or missing
-(reference/mesh-moa.md §5).
+(reference/mesh-moa.md §5), and L{AutoRouter}, the router's state in one gateway (the
+candidates, the speeds measured, the random source).
 
   1. L{classify} (L{loopd.gateway.classify}) reads the request: a category, a complexity,
      whether it needs tools, and which media it carries.
@@ -29,15 +30,19 @@ Pure: no reactor, no I/O; time comes in as a number of seconds from the caller's
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
 
-from loopd.gateway.classify import Category, Classification, Complexity, classify, wants_auto
+from loopd.gateway.classify import Classification, classify
 from loopd.gateway.errors import GatewayError
+from loopd.gateway.request import GatewayRequest
 from loopd.moa.roles import Tier, tier_of
+from loopd.settings import Endpoint
 
 __all__ = [
+    "AUTO_MODEL",
     "EXPLORATION_PROBABILITY",
     "MAX_SAMPLES",
     "MIN_SAMPLES",
@@ -45,10 +50,8 @@ __all__ = [
     "SAMPLE_TTL",
     "WEIGHT_MAX",
     "WEIGHT_MIN",
+    "AutoRouter",
     "Candidate",
-    "Category",
-    "Classification",
-    "Complexity",
     "MediaUnsupportedError",
     "NoEndpointError",
     "RandomSource",
@@ -56,7 +59,6 @@ __all__ = [
     "SpeedStats",
     "candidate_weight",
     "capability_filter",
-    "classify",
     "make_candidate",
     "media_filter",
     "pick_weighted",
@@ -64,6 +66,9 @@ __all__ = [
     "tools_from_props",
     "wants_auto",
 ]
+
+AUTO_MODEL: Final = "auto"
+"""The virtual model that asks for the router."""
 
 #: A speed counts once an endpoint has at least this many samples; before, it weighs neutral.
 MIN_SAMPLES = 3
@@ -288,18 +293,27 @@ def _uniform(count: int, rng: RandomSource) -> int:
     return min(int(rng.random() * count), count - 1)
 
 
+def wants_auto(request: GatewayRequest) -> bool:
+    """
+    Whether the C{auto} router serves a request: its C{model} is C{"auto"}, or missing,
+    C{null} or empty (no model named).
+    """
+    return request.model is None or request.model in ("", AUTO_MODEL)
+
+
 def route(
-    body: Mapping[str, object],
+    classification: Classification,
     endpoints: Sequence[Candidate],
     speeds: Mapping[str, SpeedStats],
     now: float,
     rng: RandomSource,
 ) -> Route:
     """
-    Route one C{auto} request (§5): classify it, apply the media filter, then (with more than
-    one candidate) the capability filter, and order what is left: the big tier before the
-    small tier, and within a tier repeated L{pick_weighted} draws by each endpoint's
-    L{SpeedStats} weight at C{now} (an endpoint missing from C{speeds} weighs neutral).
+    Route one C{auto} request (§5) by its L{classify}: apply the media filter, then (with
+    more than one candidate) the capability filter, and order what is left: the big tier
+    before the small tier, and within a tier repeated L{pick_weighted} draws by each
+    endpoint's L{SpeedStats} weight at C{now} (an endpoint missing from C{speeds} weighs
+    neutral).
 
     The order is a permutation of the filtered endpoints: the gateway tries them in turn when
     a connection fails. Nothing about earlier requests or the session takes part.
@@ -309,7 +323,6 @@ def route(
     """
     if not endpoints:
         raise NoEndpointError()
-    classification = classify(body)
     kept = media_filter(endpoints, classification)
     if len(kept) == 1:
         return Route(kept, classification, False)
@@ -325,3 +338,64 @@ def route(
                 explored = exploring
             ordered.append(rest.pop(index))
     return Route(tuple(ordered), classification, explored)
+
+
+class AutoRouter:
+    """
+    The router's state for one gateway: the candidates, their speeds, the random source.
+
+    Each request is routed on its own (DESIGN §3 decision 34): nothing of a session carries
+    over from one endpoint to another; the session's slot affinity inside the chosen
+    endpoint stays.
+
+    @ivar candidates: one L{Candidate} per configured endpoint, in config order.
+    @ivar speeds: each endpoint's L{SpeedStats}, by name (an endpoint with no completion yet
+        is missing and weighs neutral).
+    @ivar rng: where the router's random numbers come from.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[Endpoint],
+        props: Mapping[str, object] | None = None,
+        rng: RandomSource | None = None,
+    ) -> None:
+        """
+        @param endpoints: the configured endpoints (their C{size_b}, C{vision}, C{audio}).
+        @param props: each endpoint's C{GET /props} body, by name; an endpoint not named
+            gets L{make_candidate}'s defaults.
+        @param rng: the random source; a fresh C{random.Random()} when not given.
+        """
+        known = dict(props or {})
+        self.candidates: tuple[Candidate, ...] = tuple(
+            make_candidate(
+                e.name, size_b=e.size_b, props=known.get(e.name), vision=e.vision, audio=e.audio
+            )
+            for e in endpoints
+        )
+        self.speeds: dict[str, SpeedStats] = {}
+        self.rng: RandomSource = rng if rng is not None else random.Random()
+
+    def route(self, request: GatewayRequest, now: float) -> Route | None:
+        """
+        Route one request at time C{now}: C{None} when it is not the router's (its model
+        names an endpoint or C{mesh}).
+
+        @raise NoEndpointError: no endpoint is configured.
+        @raise MediaUnsupportedError: no endpoint takes its media.
+        """
+        if not wants_auto(request):
+            return None
+        return route(classify(request), self.candidates, self.speeds, now, self.rng)
+
+    def takes_media(self, request: GatewayRequest) -> tuple[Candidate, ...]:
+        """
+        The candidates that take every modality of C{request} (L{media_filter}).
+
+        @raise MediaUnsupportedError: none does, and the request carries images or audio.
+        """
+        return media_filter(self.candidates, classify(request))
+
+    def record(self, name: str, tokens_per_second: float | None, now: float) -> None:
+        """Record the generation speed of a completion endpoint C{name} finished at C{now}."""
+        self.speeds[name] = self.speeds.get(name, SpeedStats()).record(tokens_per_second, now)

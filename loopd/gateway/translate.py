@@ -1,22 +1,22 @@
 # -*- test-case-name: loopd.test.test_gateway_translate,loopd.test.test_gateway_errors -*-
 """
-Translation of an OpenAI chat-completions request into the llama client's values:
-L{parse_request}, a request body to a L{GatewayRequest}, or a 400 L{GatewayError} naming the
-field. The way back out is L{loopd.gateway.render}. Pure: no I/O, no reactor, no twisted.web.
+The chat-completions front door's reader: L{parse_request} decodes and checks a
+C{POST /v1/chat/completions} body once and makes it the gateway's one request model, a
+L{GatewayRequest}, or raises a 400 L{GatewayError} naming the field. The way back out is
+L{loopd.gateway.render}. Pure: no I/O, no reactor, no twisted.web.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, Final, NoReturn
 
+from loopd import strict_json
 from loopd.gateway.errors import GatewayError
-from loopd.gateway.request_body import decode_request
+from loopd.gateway.request import NO_SESSION, GatewayRequest, SessionRef, ThinkingSwitch
 from loopd.llama.types import (
     Assistant,
     ChatMessage,
-    ChatRequest,
     System,
     Tool,
     ToolCall,
@@ -24,7 +24,7 @@ from loopd.llama.types import (
     User,
 )
 
-__all__ = ["GatewayRequest", "parse_document", "parse_request"]
+__all__ = ["THINKING_ALIASES", "parse_request"]
 
 MAX_STOP = 4
 """The most stop strings a request may give, as in OpenAI's API."""
@@ -41,77 +41,115 @@ _PARAM = "invalid_parameter"
 _TOOLS = "invalid_tools"
 
 
-@dataclass(frozen=True)
-class GatewayRequest:
+THINKING_ALIASES: Final = (
+    "enable_thinking",
+    "enableThinking",
+    "enable_reasoning",
+    "use_reasoning",
+    "reasoning_enabled",
+    "use_thinking",
+    "thinking_enabled",
+    "enable_think",
+    "think_enabled",
+)
+"""The boolean spellings of "thinking on", in the order they are read (reference §1.6)."""
+
+#: The top-level fields this reader models; every other one is kept in C{extras}.
+_MODELLED: Final = frozenset(
+    {
+        "model",
+        "messages",
+        "tools",
+        "tool_choice",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "stop",
+        "stream",
+        "stream_options",
+        "n",
+        "reasoning",
+        "reasoning_effort",
+        "thinking_budget",
+        "chat_template_kwargs",
+        *THINKING_ALIASES,
+    }
+)
+
+
+def parse_request(body: bytes, session: SessionRef = NO_SESSION) -> GatewayRequest:
     """
-    An OpenAI chat request, checked and translated.
+    Decode, check and translate a C{POST /v1/chat/completions} body for C{session}.
 
-    @ivar model: the request's C{model}, or None when it names none.
-    @ivar stream: answer with server-sent events.
-    @ivar include_usage: a streamed answer ends with a usage chunk
-        (C{stream_options.include_usage}).
-    @ivar chat: the llama client request, with C{slot} C{-1}: the gateway picks the slot.
-    """
-
-    model: str | None
-    stream: bool
-    include_usage: bool
-    chat: ChatRequest
-
-
-def parse_request(body: bytes) -> GatewayRequest:
-    """
-    Check and translate a C{POST /v1/chat/completions} body.
-
-    Unknown keys are ignored and C{null} reads as absent. C{developer} messages are system
-    messages; content may be a string or an array of text parts (joined); an assistant's
-    content may be C{null} when it has C{tool_calls} or C{reasoning_content}. The object
-    form of C{tool_choice} becomes C{"required"} with the tools narrowed to the one named.
-    Thinking is on unless C{reasoning_effort} is C{"none"} or
-    C{chat_template_kwargs.enable_thinking} is false. Of C{max_tokens} and
-    C{max_completion_tokens}, the lower counts; C{stop} is one string or up to four, none
-    empty. Booleans are not numbers; an integral number such as C{2.0} is an integer.
+    The body is UTF-8 JSON in the interoperable profile of L{loopd.strict_json} (no
+    C{NaN}, no number too large for a double, no lone surrogate) and an object. Unknown keys
+    are kept in C{extras} and otherwise ignored; C{null} reads as absent. C{developer}
+    messages are system messages; content may be a string or an array of text parts
+    (joined); a user turn may also carry C{image_url} and C{input_audio} parts, kept as
+    sent; an assistant's content may be C{null} when it has C{tool_calls} or
+    C{reasoning_content}. The object form of C{tool_choice} becomes C{"required"} with the
+    tools narrowed to the one named. Of C{max_tokens} and C{max_completion_tokens}, the
+    lower counts; C{stop} is one string or up to four, none empty. Booleans are not numbers;
+    an integral number such as C{2.0} is an integer. The thinking switches are read as
+    L{GatewayRequest.thinking_switches} says; C{reasoning_effort} must be a string and
+    C{chat_template_kwargs.enable_thinking} a boolean.
 
     @raise GatewayError: 400 C{invalid_request_error}, the message naming the field; codes
         C{invalid_json}, C{not_an_object}, C{missing_messages}, C{invalid_message},
         C{unsupported_content}, C{invalid_tools}, C{invalid_parameter},
         C{unsupported_parameter} (C{n} other than 1).
     """
-    return parse_document(decode_request(body))
-
-
-def parse_document(document: dict[str, Any]) -> GatewayRequest:
-    """
-    Check and translate a decoded request object, as L{parse_request} does for its body.
-
-    @raise GatewayError: as L{parse_request}, but for the body's decoding.
-    """
+    document = _decode(body)
     n = document.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
         _fail("unsupported_parameter", "n", "only 1 choice is supported")
     messages = _messages(document.get("messages"))
     tool_choice, tools = _tool_choice(document.get("tool_choice"), _tools(document.get("tools")))
-    chat = ChatRequest(
-        slot=-1,
-        messages=messages,
-        tools=tools,
-        thinking=_thinking(document),
-        max_tokens=_max_tokens(document),
-        temperature=_number(document.get("temperature"), "temperature", 2),
-        top_p=_number(document.get("top_p"), "top_p", 1),
-        stop=_stop(document.get("stop")),
-        tool_choice=tool_choice,
-    )
+    # Checked in this order, so that of two bad fields the same one is named as ever.
+    switches = _thinking_switches(document)
+    max_tokens = _max_tokens(document)
+    temperature = _number(document.get("temperature"), "temperature", 2)
+    top_p = _number(document.get("top_p"), "top_p", 1)
+    stop = _stop(document.get("stop"))
     model = document.get("model")
     if model is not None and not isinstance(model, str):
         _fail(_PARAM, "model", "expected a string")
     options = _object(document.get("stream_options"), "stream_options", _PARAM, optional=True)
     return GatewayRequest(
         model=model,
+        messages=messages,
+        tools=tools,
+        tool_choice=tool_choice,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop=stop,
+        thinking_switches=switches,
         stream=_flag(document.get("stream"), "stream"),
         include_usage=_flag(options.get("include_usage"), "stream_options.include_usage"),
-        chat=chat,
+        session=session,
+        extras={key: value for key, value in document.items() if key not in _MODELLED},
     )
+
+
+def _decode(body: bytes) -> dict[str, Any]:
+    """
+    The body's JSON object.
+
+    @raise GatewayError: 400 C{invalid_json} or C{not_an_object}.
+    """
+    try:
+        document = strict_json.decode(body, interoperable=True)
+    except strict_json.JSONError as error:
+        raise GatewayError(
+            400, f"body: not valid UTF-8 JSON ({error})", "invalid_request_error", "invalid_json"
+        ) from None
+    if not isinstance(document, dict):
+        raise GatewayError(
+            400, "body: expected a JSON object", "invalid_request_error", "not_an_object"
+        )
+    return document
 
 
 def _fail(code: str, path: str, problem: str) -> NoReturn:
@@ -310,17 +348,56 @@ def _tool_choice(
     _fail(_PARAM, "tool_choice", _CHOICES)
 
 
-def _thinking(document: dict[str, Any]) -> bool:
-    """On, unless C{reasoning_effort} is C{"none"} or C{enable_thinking} is false."""
-    thinking = True
+def _thinking_switches(document: dict[str, Any]) -> tuple[ThinkingSwitch, ...]:
+    """
+    Every thinking switch of the body, in the order of reference C{mesh-moa.md} §1.6:
+
+      1. C{reasoning}, when an object: off when C{enabled} is false, C{effort} is
+         C{"none"} or C{max_tokens} is 0; else on when C{enabled} is true or C{effort} or
+         C{max_tokens} is present (any value).
+      2. C{reasoning_effort} (a string, else 400): on unless it is C{"none"}.
+      3. Each of L{THINKING_ALIASES} at the top level that is a boolean, in that order.
+      4. C{thinking_budget} of 0: off (another value sets nothing).
+      5. Each of L{THINKING_ALIASES} in C{chat_template_kwargs} (an object, else 400) that is
+         a boolean, in that order; C{enable_thinking} there must be a boolean (else 400).
+    """
+    switches: list[ThinkingSwitch] = []
+    reasoning = document.get("reasoning")
+    if isinstance(reasoning, dict):
+        if (
+            reasoning.get("enabled") is False
+            or reasoning.get("effort") == "none"
+            or _is_zero(reasoning.get("max_tokens"))
+        ):
+            switches.append(ThinkingSwitch("reasoning", False))
+        elif reasoning.get("enabled") is True or "effort" in reasoning or "max_tokens" in reasoning:
+            switches.append(ThinkingSwitch("reasoning", True))
     effort = document.get("reasoning_effort")
     if effort is not None:
-        thinking = _string(effort, "reasoning_effort", _PARAM) != "none"
+        on = _string(effort, "reasoning_effort", _PARAM) != "none"
+        switches.append(ThinkingSwitch("reasoning_effort", on))
+    switches.extend(_aliases(document, ""))
+    if _is_zero(document.get("thinking_budget")):
+        switches.append(ThinkingSwitch("thinking_budget", False))
     kwargs = _object(document.get("chat_template_kwargs"), "chat_template_kwargs", _PARAM, True)
     if kwargs.get("enable_thinking") is not None:
-        enable = _flag(kwargs["enable_thinking"], "chat_template_kwargs.enable_thinking")
-        thinking = thinking and enable
-    return thinking
+        _flag(kwargs["enable_thinking"], "chat_template_kwargs.enable_thinking")
+    switches.extend(_aliases(kwargs, "chat_template_kwargs."))
+    return tuple(switches)
+
+
+def _aliases(fields: dict[str, Any], prefix: str) -> list[ThinkingSwitch]:
+    """The L{THINKING_ALIASES} of C{fields} that are booleans, in alias order."""
+    return [
+        ThinkingSwitch(prefix + alias, value)
+        for alias in THINKING_ALIASES
+        if isinstance(value := fields.get(alias), bool)
+    ]
+
+
+def _is_zero(value: object) -> bool:
+    """Whether a JSON value is the number 0 (C{0.0} too; C{false} is not a number)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == 0
 
 
 def _max_tokens(document: dict[str, Any]) -> int | None:

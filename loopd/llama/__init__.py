@@ -6,6 +6,9 @@ Twisted program.
     client = Client(reactor, config, config.endpoints[0])
     d = client.chat_with_retry(ChatRequest(slot=0, messages=(User("Hi"),)), print)
 
+A consumer that streams the answer on registers a L{Flow} as its producer and passes it as
+C{flow=}, so that a reader who falls behind pauses the read from the server.
+
 Everything public lives in the private-purpose modules beside this one and is re-exported
 here; import from C{loopd.llama}.
 """
@@ -23,8 +26,9 @@ from loopd.errors import (
     WaitTimeout,
 )
 from loopd.llama.client import Client
+from loopd.llama.flow import Flow
 from loopd.llama.gate import ISlotGate, NoGate, SlotGate
-from loopd.llama.info import CacheOutcome, SlotState, cache_outcome
+from loopd.llama.info import CacheOutcome, Health, SlotState, cache_outcome
 from loopd.llama.types import (
     Assistant,
     ChatEvent,
@@ -60,6 +64,8 @@ __all__ = [
     "Connect",
     "Content",
     "FinishReason",
+    "Flow",
+    "Health",
     "Http",
     "ISlotGate",
     "InferError",

@@ -27,6 +27,12 @@ thinking (DESIGN.md §3.6).
 
 Cancelling the returned Deferred closes every connection of the call, which makes
 llama-server stop generating.
+
+Backpressure. Given a L{Flow}, the call attaches to it when a stream's headers arrive
+(an error body is read whole under its cap: nothing of it reaches the consumer) and
+detaches when the call ends, however it ends. While the flow is paused the call stops
+reading its socket and its liveness limit is suspended: a consumer that reads slowly never
+makes the call L{Stalled}, and liveness counts afresh from the resume.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from typing import Any
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IDelayedCall
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from loopd import http
 from loopd.config import Config, Endpoint
@@ -52,6 +59,7 @@ from loopd.errors import (
     WaitTimeout,
 )
 from loopd.llama.assemble import Assembler, parse_chunk
+from loopd.llama.flow import Flow, IFlowReader
 from loopd.llama.info import get_json, parse_slots, slot_busy
 from loopd.llama.request import chat_body, encode
 from loopd.llama.types import ChatEvent, ChatRequest, Completion, ThinkingCapped, Waiting
@@ -65,9 +73,11 @@ CONTROL_PATH = "/v1/chat/completions/control"
 EventSink = Callable[[ChatEvent], None]
 
 
+@implementer(IFlowReader)
 class ChatCall:
     """
-    One request's life; L{run} starts it once.
+    One request's life; L{run} starts it once. As an L{IFlowReader} it is paused, resumed
+    and cancelled by the L{Flow} it was given, if any.
     """
 
     def __init__(
@@ -77,6 +87,7 @@ class ChatCall:
         endpoint: Endpoint,
         request: ChatRequest,
         on_event: EventSink,
+        flow: Flow | None = None,
     ) -> None:
         """
         @param reactor: provides IReactorTime and IReactorUNIX.
@@ -84,12 +95,16 @@ class ChatCall:
         @param endpoint: the server to ask.
         @param request: what to ask.
         @param on_event: receives the call's events as they happen.
+        @param flow: the consumer's flow control, which the stream attaches to; C{None}
+            reads as fast as the server sends.
         """
         self._reactor = reactor
         self._config = config
         self._endpoint = endpoint
         self._request = request
         self._on_event = on_event
+        self._flow = flow
+        self._paused = False
         self._llama = endpoint.kind == "llama-server"
         self._caps = http.HttpCaps(config.caps.header_bytes, config.caps.body_bytes)
         self._decoder = SSEDecoder(config.caps.sse_line_bytes)
@@ -115,8 +130,12 @@ class ChatCall:
     def run(self) -> Deferred[Completion]:
         """
         Send the request; the Deferred fires with the completion or fails with an
-        L{InferError} (or C{CancelledError} when cancelled).
+        L{InferError} (or C{CancelledError} when cancelled, or when the flow was already
+        stopped: then nothing is sent).
         """
+        if self._flow is not None and self._flow.stopped:
+            self._fail(CancelledError())
+            return self._result
         body = encode(chat_body(self._request, self._config, self._endpoint))
         sending = self._track(
             http.request(
@@ -141,6 +160,8 @@ class ChatCall:
             return
         self._finished = True
         self._disarm()
+        if self._flow is not None:
+            self._flow.detach(self)
         response, self._response = self._response, None
         if response is not None:
             response.abort()
@@ -259,10 +280,16 @@ class ChatCall:
             response.abort()
             return
         self._response = response
-        self._arm(self._config.limits.liveness_ms, self._silent)
         if response.status != 200:
+            self._alive()
             self._read_error(response)
             return
+        if self._flow is not None:
+            # Attaching pauses the call at once if the flow is paused, or ends it if stopped.
+            self._flow.attach(self)
+            if self._result.called:
+                return
+        self._alive()
         streaming = self._track(response.deliver(self._data_received))
         streaming.addCallbacks(self._body_ended, self._fail)
 
@@ -277,7 +304,7 @@ class ChatCall:
 
         def collect(data: bytes) -> None:
             nonlocal received
-            self._arm(self._config.limits.liveness_ms, self._silent)
+            self._alive()
             received += len(data)
             if received > cap:
                 raise Protocol(f"error body over {cap} bytes")
@@ -290,6 +317,14 @@ class ChatCall:
         reading = self._track(response.deliver(collect))
         reading.addCallbacks(failed, self._fail)
 
+    def _alive(self) -> None:
+        """
+        A sign of life: the liveness limit counts from now, unless the flow has paused the
+        call (then it counts from the resume).
+        """
+        if not self._paused:
+            self._arm(self._config.limits.liveness_ms, self._silent)
+
     def _silent(self) -> None:
         self._timer = None
         self._fail(Stalled(f"no data for {self._config.limits.liveness_ms} ms"))
@@ -297,7 +332,7 @@ class ChatCall:
     def _data_received(self, data: bytes) -> None:
         if self._finished:
             return
-        self._arm(self._config.limits.liveness_ms, self._silent)
+        self._alive()
         try:
             items = self._decoder.feed(data)
         except SSEError as e:
@@ -333,6 +368,37 @@ class ChatCall:
             self._fail(e)
             return
         self._end(completion)
+
+    # -- flow control (IFlowReader) ------------------------------------------------------
+
+    def pause(self) -> None:
+        """
+        Stop reading the answer and suspend the liveness limit, until L{resume}.
+        """
+        if self._finished or self._paused:
+            return
+        self._paused = True
+        self._disarm()
+        if self._response is not None:
+            self._response.pause()
+
+    def resume(self) -> None:
+        """
+        Read the answer again; the liveness limit counts from now.
+        """
+        if self._finished or not self._paused:
+            return
+        self._paused = False
+        # Armed before reading resumes, so that an end reached at once also disarms it.
+        self._alive()
+        if self._response is not None:
+            self._response.resume()
+
+    def cancel(self) -> None:
+        """
+        End the call as cancelling its Deferred does.
+        """
+        self._result.cancel()
 
     # -- the thinking cap ----------------------------------------------------------------
 

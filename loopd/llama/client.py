@@ -1,7 +1,8 @@
 # -*- test-case-name: loopd.test.test_llama_client -*-
 """
 L{Client}: the llama client's front, one per endpoint. A chat goes through the slot gate,
-then L{ChatCall}; C{chat_with_retry} repeats what is worth repeating.
+then L{ChatCall}; C{chat_with_retry} repeats what is worth repeating. C{health}, C{props},
+C{slots} and C{tokenize} ask the server about itself.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from loopd import http
 from loopd.config import Config, Endpoint
 from loopd.errors import Protocol
 from loopd.llama.chat import ChatCall, EventSink
+from loopd.llama.flow import Flow
 from loopd.llama.gate import ISlotGate, SlotGate
-from loopd.llama.info import SlotState, get_json, parse_slots
+from loopd.llama.info import Health, SlotState, check_health, get_json, parse_slots
 from loopd.llama.retry import is_retryable, with_retry
 from loopd.llama.types import ChatRequest, Completion
 
@@ -56,16 +58,24 @@ class Client:
         self._random = random
         self._caps = http.HttpCaps(config.caps.header_bytes, config.caps.body_bytes)
 
-    def chat(self, request: ChatRequest, on_event: EventSink) -> Deferred[Completion]:
+    def chat(
+        self, request: ChatRequest, on_event: EventSink, *, flow: Flow | None = None
+    ) -> Deferred[Completion]:
         """
         One attempt: wait for the slot gate, then run the request. Cancelling the Deferred
         leaves the gate's queue or aborts the request.
+
+        @param flow: the consumer's flow control (L{Flow}): its stream attaches to it, so
+            that pausing the flow pauses reading the answer and suspends the liveness limit.
+            Without one the answer is read as fast as the server sends it.
         """
         waiting = self.gate.acquire(request.slot, on_event)
         running: list[Deferred[Completion]] = []
 
         def go(grant: Any) -> Deferred[Completion]:
-            call = ChatCall(self._reactor, self.config, self.endpoint, request, on_event).run()
+            call = ChatCall(
+                self._reactor, self.config, self.endpoint, request, on_event, flow
+            ).run()
             running.append(call)
 
             def release(result: object) -> object:
@@ -91,6 +101,8 @@ class Client:
         request: ChatRequest,
         on_event: EventSink,
         retryable: Callable[[BaseException], bool] = is_retryable,
+        *,
+        flow: Flow | None = None,
     ) -> Deferred[Completion]:
         """
         L{chat}, repeated after the failures worth repeating (seed §4 "Retry"); each
@@ -99,9 +111,11 @@ class Client:
         @param retryable: which failures are worth repeating; L{is_retryable} unless the
             caller narrows it (the mesh does not retry a refused connection: a dead worker
             must fail at once, DESIGN decision 29).
+        @param flow: passed to every attempt (see L{chat}); each attempt's stream attaches
+            to it in the state the flow is in at that time, paused or not.
         """
         return with_retry(
-            lambda: self.chat(request, on_event),
+            lambda: self.chat(request, on_event, flow=flow),
             clock=self._reactor,
             policy=self.config.retry,
             on_event=on_event,
@@ -119,6 +133,17 @@ class Client:
             caps=self._caps,
             connect_timeout=self.config.limits.poll_ms / 1000.0,
         )
+
+    def health(self) -> Deferred[Health]:
+        """
+        Whether the server is up: its C{GET /health}, within C{limits.poll_ms} for the
+        connection and for the answer. A 200 is L{Health}C{(True, "ok")}, as is any answer
+        of an C{openai}-kind endpoint; another status is C{(False, "HTTP <status>")}; no
+        connection or no answer in time is C{(False, "unreachable: <why>")}. The Deferred
+        never fails, except with C{CancelledError} when cancelled.
+        """
+        seconds = self.config.limits.poll_ms / 1000.0
+        return check_health(self._reactor, self.endpoint, caps=self._caps, timeout=seconds)
 
     def props(self) -> Deferred[dict[str, Any]]:
         """

@@ -10,7 +10,10 @@ shrinks. Cancelling a waiter's Deferred takes it out of the queue.
 
 L{ISlotGate} is the seam: L{SlotGate} is loopd's own gate, L{NoGate} lets every request go at
 once for callers that schedule elsewhere, and a lease scheduler can stand behind the same
-interface later. Pure: Deferreds only, no reactor, no I/O.
+interface later. Besides C{acquire}, a gate answers what its callers ask of it (the
+gateway's slot choice and metrics): whether a slot is in flight (L{ISlotGate.in_flight}) and
+how many requests wait for it (L{ISlotGate.waiting}). Pure: Deferreds only, no reactor, no
+I/O.
 """
 
 from __future__ import annotations
@@ -59,6 +62,16 @@ class ISlotGate(Interface):
             C{CancelledError}.
         """
 
+    def in_flight(slot: int) -> bool:  # noqa: N805
+        """
+        Whether a request holds C{slot} now: a grant given and not yet released.
+        """
+
+    def waiting(slot: int) -> int:  # noqa: N805
+        """
+        How many requests wait for C{slot} now.
+        """
+
 
 def _emit(on_event: Callable[[ChatEvent], None], event: ChatEvent) -> None:
     """Deliver an event; a listener that raises is logged, never allowed to wedge the gate."""
@@ -85,6 +98,14 @@ class NoGate:
     def acquire(self, slot: int, on_event: Callable[[ChatEvent], None]) -> Deferred[IGrant]:
         """Fire at once with a grant whose release does nothing; never emits an event."""
         return succeed(_NoGrant())
+
+    def in_flight(self, slot: int) -> bool:
+        """Always false: this gate holds nothing for anyone."""
+        return False
+
+    def waiting(self, slot: int) -> int:
+        """Always 0: nobody waits at this gate."""
+        return 0
 
 
 @implementer(IGrant)

@@ -1,7 +1,7 @@
 # -*- test-case-name: loopd.test.test_llama_info -*-
 """
-What the server says about itself (C{/props}, C{/slots}, C{/tokenize}) and the pure
-cache-loss judgement between two requests of a session.
+What the server says about itself (C{/health}, C{/props}, C{/slots}, C{/tokenize}) and the
+pure cache-loss judgement between two requests of a session.
 """
 
 from __future__ import annotations
@@ -12,15 +12,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from twisted.internet.defer import Deferred
+from twisted.python.failure import Failure
 
 from loopd import http, strict_json
+from loopd.config import Endpoint
 from loopd.errors import Http, Protocol
 from loopd.llama.types import Timings
 
 __all__ = [
     "CacheOutcome",
+    "Health",
     "SlotState",
     "cache_outcome",
+    "check_health",
     "get_json",
     "parse_slots",
     "slot_busy",
@@ -142,3 +146,65 @@ def get_json(
     )
     answer.addCallback(read)
     return answer
+
+
+@dataclass(frozen=True)
+class Health:
+    """
+    How a server answered C{GET /health}.
+
+    @ivar ok: whether it is fit to take requests.
+    @ivar detail: C{"ok"}; C{"HTTP <status>"} for a llama-server answering anything but 200;
+        C{"unreachable: <why>"} when there was no answer in time or no connection.
+    """
+
+    ok: bool
+    detail: str
+
+
+def check_health(
+    reactor: Any, endpoint: Endpoint, *, caps: http.HttpCaps, timeout: float
+) -> Deferred[Health]:
+    """
+    Ask C{endpoint}'s C{/health}, reading no body: a 200 is healthy, and so is any answer of
+    an C{openai}-kind endpoint, which need not have C{/health} at all.
+
+    @param reactor: provides IReactorTime and IReactorUNIX; the timeout runs on it.
+    @param timeout: seconds for the connection, and for the headers of the answer.
+    @return: fires with a L{Health}, never fails, except with C{CancelledError} when
+        cancelled (which closes the connection).
+    """
+    probe = http.request(
+        reactor, endpoint.socket, "GET", "/health", caps=caps, connect_timeout=timeout
+    )
+    probe.addTimeout(timeout, reactor)
+    cancelled = False
+
+    def cancel(result: Deferred[Health]) -> None:
+        nonlocal cancelled
+        cancelled = True
+        probe.cancel()
+
+    result: Deferred[Health] = Deferred(cancel)
+
+    def answered(response: http.HttpResponse) -> Health:
+        response.abort()
+        if response.status == 200 or endpoint.kind == "openai":
+            return Health(True, "ok")
+        return Health(False, f"HTTP {response.status}")
+
+    def failed(reason: Failure) -> Health | Failure:
+        if cancelled:
+            return reason
+        return Health(False, f"unreachable: {reason.getErrorMessage()}")
+
+    def settle(outcome: Health | Failure) -> None:
+        if result.called:
+            return
+        if isinstance(outcome, Failure):
+            result.errback(outcome)
+        else:
+            result.callback(outcome)
+
+    probe.addCallbacks(answered, failed).addBoth(settle)
+    return result

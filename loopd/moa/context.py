@@ -15,18 +15,20 @@ byte cuts are v1's, with two changes the issue adopts from v2 (§6):
   - The loop guard (DESIGN decision 32): given a L{ToolLoop}, the tool-result reducer gets
     no tools and the guard instruction in its system prompt.
 
-Packed messages share the request's message objects; treat them as read-only.
+Packed messages are the llama client's message values: a packer keeps the request's own
+messages and adds system and user messages of its own.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
+from loopd.llama.types import Assistant, ChatMessage, System, Tool, ToolSchema, User
 from loopd.moa.roles import Role
-from loopd.moa.turn import ToolLoop, Turn, message_role
+from loopd.moa.turn import ToolLoop, Turn
 
 __all__ = [
     "FAST_MAX_TOKENS",
@@ -85,9 +87,9 @@ _ELLIPSIS: Final = "..."
 class Packed:
     """The context of one upstream call."""
 
-    messages: tuple[Any, ...]
+    messages: tuple[ChatMessage, ...]
     """The chat messages, system prompt first."""
-    tools: tuple[Any, ...] | None
+    tools: tuple[ToolSchema, ...] | None
     """The tools to declare upstream, or None to send no C{tools} field."""
     max_tokens: int
     """The role's budget."""
@@ -165,46 +167,45 @@ def augmented_system_prompt(turn: Turn) -> str:
     return f"{PREAMBLE}\n\n{turn.system_prompt}"
 
 
-def recent_messages(messages: Sequence[Any], count: int) -> tuple[Any, ...]:
+def recent_messages(messages: Sequence[ChatMessage], count: int) -> tuple[ChatMessage, ...]:
     """The last C{count} messages of the whole history, whatever their role."""
     return tuple(messages[max(len(messages) - count, 0) :])
 
 
-def tool_summary(tool: object) -> str | None:
+def tool_summary(tool: ToolSchema) -> str:
     """
-    C{"{name}: {first line of description}"} for a tool with a string C{function.name}
-    (None otherwise); a first line over 80 UTF-8 bytes is cut to 77 bytes plus "...".
+    C{"{name}: {first line of description}"}; a first line over 80 UTF-8 bytes is cut to 77
+    bytes plus "...".
     """
-    function = tool.get("function") if isinstance(tool, Mapping) else None
-    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-        return None
-    description = function.get("description")
-    first = description.split("\n", 1)[0] if isinstance(description, str) else ""
-    if isinstance(description, str) and "\n" in description and first.endswith("\r"):
+    description = tool.description
+    first = description.split("\n", 1)[0]
+    if "\n" in description and first.endswith("\r"):
         first = first[:-1]
-    return f"{function['name']}: {shorten(first, DESCRIPTION_MAX_BYTES)}"
+    return f"{tool.name}: {shorten(first, DESCRIPTION_MAX_BYTES)}"
 
 
-def _native_tools(turn: Turn) -> tuple[Any, ...] | None:
+def _native_tools(turn: Turn) -> tuple[ToolSchema, ...] | None:
     """The request's tools when it declared any, else None."""
     return turn.tools if turn.has_tools else None
 
 
-def _with_last_user(messages: list[Any], turn: Turn) -> tuple[Any, ...]:
+def _with_last_user(messages: list[ChatMessage], turn: Turn) -> tuple[ChatMessage, ...]:
     """
-    C{messages}, plus a C{user} message with the last user text unless the last message's
-    content is already exactly that string (multipart content never is).
+    C{messages}, plus a user message with the last user text unless the last message's
+    content is already exactly that text (a user turn with media parts never is).
     """
-    last = messages[-1] if messages else None
-    content = last.get("content") if isinstance(last, Mapping) else None
-    if not (isinstance(content, str) and content == turn.last_user_text):
-        messages.append({"role": "user", "content": turn.last_user_text})
+    if not messages or _content(messages[-1]) != turn.last_user_text:
+        messages.append(User(turn.last_user_text))
     return tuple(messages)
 
 
-def _system(text: str) -> dict[str, Any]:
-    """A system message."""
-    return {"role": "system", "content": text}
+def _content(message: ChatMessage) -> str | None:
+    """A message's text content as it would be sent (None for media parts or no content)."""
+    if isinstance(message, User):
+        return None if message.parts else message.content
+    if isinstance(message, (System, Tool, Assistant)):
+        return message.content
+    return None
 
 
 def pack_fast(turn: Turn) -> Packed:
@@ -217,25 +218,23 @@ def pack_fast(turn: Turn) -> Packed:
     names = turn.allowed_tools
     if names:
         system += "\n\nAvailable tools: " + ", ".join(names)
-    user = {"role": "user", "content": turn.last_user_text}
-    return Packed((_system(system), user), None, FAST_MAX_TOKENS)
+    return Packed((System(system), User(turn.last_user_text)), None, FAST_MAX_TOKENS)
 
 
 def pack_specialist(turn: Turn) -> Packed:
     """
     A Specialist worker: the augmented system prompt plus C{"\\n\\nAvailable tools:"} and a
     C{"\\n  - "} line per tool summary (L{tool_summary}); from the last 4 messages, the
-    C{user} ones and the C{assistant} ones without a C{tool_calls} key; the last user text
-    appended unless already last; the native tools; 512 tokens.
+    user ones and the assistant ones without tool calls; the last user text appended unless
+    already last; the native tools; 512 tokens.
     """
     system = augmented_system_prompt(turn)
-    summaries = [s for s in map(tool_summary, turn.tools) if s is not None]
+    summaries = [tool_summary(tool) for tool in turn.tools]
     if summaries:
         system += "\n\nAvailable tools:" + "".join(f"\n  - {s}" for s in summaries)
-    messages: list[Any] = [_system(system)]
+    messages: list[ChatMessage] = [System(system)]
     for message in recent_messages(turn.messages, SPECIALIST_WINDOW):
-        role = message_role(message)
-        if role == "user" or (role == "assistant" and "tool_calls" not in message):
+        if isinstance(message, User) or (isinstance(message, Assistant) and not message.tool_calls):
             messages.append(message)
     return Packed(_with_last_user(messages, turn), _native_tools(turn), SPECIALIST_MAX_TOKENS)
 
@@ -243,13 +242,13 @@ def pack_specialist(turn: Turn) -> Packed:
 def pack_strong(turn: Turn) -> Packed:
     """
     The Strong or Generalist worker: the augmented system prompt; from the last 10
-    messages every one whose role is set and not C{system} (tool calls and results kept,
-    so the window may begin with an orphan C{tool} message, as in v1); the last user text
-    appended unless already last; the native tools; 1024 tokens.
+    messages every one that is not a system message (tool calls and results kept, so the
+    window may begin with an orphan tool message, as in v1); the last user text appended
+    unless already last; the native tools; 1024 tokens.
     """
-    messages: list[Any] = [_system(augmented_system_prompt(turn))]
+    messages: list[ChatMessage] = [System(augmented_system_prompt(turn))]
     for message in recent_messages(turn.messages, STRONG_WINDOW):
-        if message_role(message) not in ("", "system"):
+        if not isinstance(message, System):
             messages.append(message)
     return Packed(_with_last_user(messages, turn), _native_tools(turn), STRONG_MAX_TOKENS)
 
@@ -293,7 +292,7 @@ def pack_for_reducer(turn: Turn, drafts: Sequence[DraftLike], reason: str) -> Pa
             lines.append(f"  \u2192 Proposed tool: {draft.tool_name}")
             if draft.tool_arguments is not None:
                 lines.append(f"  \u2192 Arguments: {_compact_json(draft.tool_arguments)}")
-    messages = (_system("\n".join(lines)), {"role": "user", "content": turn.last_user_text})
+    messages = (System("\n".join(lines)), User(turn.last_user_text))
     return Packed(messages, _native_tools(turn), REDUCER_MAX_TOKENS)
 
 
@@ -306,19 +305,24 @@ def loop_guard_text(loop: ToolLoop) -> str:
     )
 
 
-def _last_index(messages: Sequence[Any], end: int, wanted: str, tool_calls: bool = False) -> int:
-    """
-    The index of the last message before C{end} with role C{wanted} (and, when
-    C{tool_calls}, a C{tool_calls} key), or -1.
-    """
+def _last_index(messages: Sequence[ChatMessage], end: int, wanted: type[ChatMessage]) -> int:
+    """The index of the last message of kind C{wanted} before C{end}, or -1."""
     for i in range(min(end, len(messages)) - 1, -1, -1):
-        message = messages[i]
-        if message_role(message) == wanted and (not tool_calls or "tool_calls" in message):
+        if isinstance(messages[i], wanted):
             return i
     return -1
 
 
-def _tool_result_start(messages: Sequence[Any]) -> int:
+def _last_caller(messages: Sequence[ChatMessage], end: int) -> int:
+    """The index of the last assistant message with tool calls before C{end}, or -1."""
+    for i in range(min(end, len(messages)) - 1, -1, -1):
+        message = messages[i]
+        if isinstance(message, Assistant) and message.tool_calls:
+            return i
+    return -1
+
+
+def _tool_result_start(messages: Sequence[ChatMessage]) -> int:
     """
     Where the tool-result window begins: the last 10 messages; earlier when the last
     tool-calling assistant message lies before them (the latest round is always whole);
@@ -327,14 +331,14 @@ def _tool_result_start(messages: Sequence[Any]) -> int:
     """
     total = len(messages)
     start = max(total - TOOL_RESULT_WINDOW, 0)
-    caller = _last_index(messages, total, "assistant", tool_calls=True)
+    caller = _last_caller(messages, total)
     if 0 <= caller < start:
         start = caller
     first = start
-    while first < total and message_role(messages[first]) == "system":
+    while first < total and isinstance(messages[first], System):
         first += 1
-    if first < total and message_role(messages[first]) == "tool":
-        caller = _last_index(messages, first, "assistant", tool_calls=True)
+    if first < total and isinstance(messages[first], Tool):
+        caller = _last_caller(messages, first)
         if caller >= 0:
             start = caller
     return start
@@ -343,9 +347,9 @@ def _tool_result_start(messages: Sequence[Any]) -> int:
 def pack_for_tool_result_turn(turn: Turn, loop: ToolLoop | None = None) -> Packed:
     """
     The reducer of a tool-result turn (v2, PR #713): the augmented system prompt; then
-    every message of the window whose role is set and not C{system}, in native OpenAI
-    shape. The window is the last 10 messages, reaching back to the last tool-calling
-    assistant message when that is older, and to the tool-calling assistant message of a
+    every message of the window that is not a system message, as it came. The window is
+    the last 10 messages, reaching back to the last tool-calling assistant message when
+    that is older, and to the tool-calling assistant message of a
     chained round it would otherwise cut (it never begins with a bare C{tool} message).
     When the window holds no user message, the user message that precedes the last tool
     result goes first. The native tools; 2048 tokens.
@@ -357,13 +361,13 @@ def pack_for_tool_result_turn(turn: Turn, loop: ToolLoop | None = None) -> Packe
     if loop is not None:
         system += "\n\n" + loop_guard_text(loop)
     messages = turn.messages
-    last_tool = _last_index(messages, len(messages), "tool")
-    anchor = _last_index(messages, last_tool, "user") if last_tool >= 0 else -1
+    last_tool = _last_index(messages, len(messages), Tool)
+    anchor = _last_index(messages, last_tool, User) if last_tool >= 0 else -1
     start = _tool_result_start(messages)
-    packed: list[Any] = [_system(system)]
+    packed: list[ChatMessage] = [System(system)]
     window = messages[start:]
-    if 0 <= anchor < start and not any(message_role(m) == "user" for m in window):
+    if 0 <= anchor < start and not any(isinstance(m, User) for m in window):
         packed.append(messages[anchor])
-    packed.extend(m for m in window if message_role(m) not in ("", "system"))
+    packed.extend(m for m in window if not isinstance(m, System))
     tools = None if loop is not None else _native_tools(turn)
     return Packed(tuple(packed), tools, REDUCER_MAX_TOKENS)

@@ -7,9 +7,9 @@ L{MeshTurn} joins the pure pieces: the roles (L{assign_roles}), the packing per 
 knobs (L{upstream_body}), the fan-out (L{Fanout}: timeouts, one 429 retry), the normalizer,
 the arbiter (L{decide}, re-asked after every worker and every timer) and the hedged reducer
 ladder (L{HedgedLadder}, carried out with reactor timers). It does no I/O of its own: each
-upstream call is the caller's C{call(name, body)}, whose Deferred fires with the OpenAI
-C{chat.completion} body of the reply (or fails; L{RateLimited} for an HTTP 429) and whose
-cancellation abandons the request. Every timer is the injected reactor's.
+upstream call is the caller's C{call(name, request)}, whose Deferred fires with the reply's
+L{Completion} (or fails; L{RateLimited} for an HTTP 429) and whose cancellation abandons
+the request. Every timer is the injected reactor's.
 
 Choices made here, where the reference leaves room or v1 misbehaves:
 
@@ -42,6 +42,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.python.failure import Failure
 
+from loopd.llama.types import ChatRequest, Completion
 from loopd.moa.arbiter import (
     ArbiterState,
     Fail,
@@ -54,8 +55,8 @@ from loopd.moa.arbiter import (
 )
 from loopd.moa.context import Packed, pack_for_reducer, pack_for_role
 from loopd.moa.fanout import WORKER_TIMEOUT, Fanout
-from loopd.moa.knobs import REDUCER_SAMPLING, sampling_for, upstream_body
-from loopd.moa.normalize import ERROR_REASONING_ONLY, normalize_reply
+from loopd.moa.knobs import REDUCER_SAMPLING, sampling_for, upstream_request
+from loopd.moa.normalize import ERROR_REASONING_ONLY, normalize_completion
 from loopd.moa.outcome import Kind, Outcome, Rule
 from loopd.moa.reducer import (
     HEDGE_DELAY_S,
@@ -96,8 +97,8 @@ GRACE_S: Final = 3.0
 ALL_WORKERS_FAILED_MESSAGE: Final = "All MoA workers failed"
 """The error message when no worker produced an output (§1.7)."""
 
-UpstreamCall = Callable[[str, dict[str, Any]], Deferred[Any]]
-"""C{call(endpoint name, request body)}: the reply's C{chat.completion} body, or a failure."""
+UpstreamCall = Callable[[str, ChatRequest], Deferred[Completion]]
+"""C{call(endpoint name, request)}: the reply's completion, or a failure."""
 
 
 @dataclass(frozen=True)
@@ -211,10 +212,9 @@ class MeshTurn:
     def _fan_out(self) -> None:
         """Dispatch every worker with its packing and arm the grace and patience timers."""
         self._assignments = assign_roles(self._pool)
-        bodies = {
-            a: upstream_body(
+        requests = {
+            a: upstream_request(
                 pack_for_role(self._turn, a.role),
-                model=None,
                 sampling=sampling_for(a.role),
                 enable_thinking=self._thinking,
             )
@@ -223,10 +223,10 @@ class MeshTurn:
 
         def call(a: Assignment) -> Deferred[Outcome]:
             began = self._reactor.seconds()
-            d = self._call(a.name, bodies[a])
+            d = self._call(a.name, requests[a])
             return d.addCallback(
-                lambda body: normalize_reply(
-                    body,
+                lambda completion: normalize_completion(
+                    completion,
                     allowed_tools=self._turn.allowed_tools,
                     worker=a.name,
                     role=a.role.value,
@@ -325,10 +325,10 @@ class MeshTurn:
         allowed = reducer_allowed_tools(self._turn, loop)
         self._start_ladder(_reducer_request(packed, self._thinking), allowed)
 
-    def _start_ladder(self, body: dict[str, Any], allowed: tuple[str, ...]) -> None:
-        """Run the hedged ladder over the pool's reducer candidates with C{body}."""
+    def _start_ladder(self, request: ChatRequest, allowed: tuple[str, ...]) -> None:
+        """Run the hedged ladder over the pool's reducer candidates with C{request}."""
         self._allowed = allowed
-        self._reducer_body = body
+        self._reducer_request = request
         self._ladder = HedgedLadder(reducer_candidates(self._pool), self._timings.hedge_delay)
         self._apply(self._ladder.start())
 
@@ -368,11 +368,11 @@ class MeshTurn:
         )
 
         def call(index: int) -> Deferred[Outcome]:
-            d = self._call(launch.name, self._reducer_body)
+            d = self._call(launch.name, self._reducer_request)
             return d.addCallback(
-                lambda body: enforce_declared_tools(
-                    normalize_reply(
-                        body,
+                lambda completion: enforce_declared_tools(
+                    normalize_completion(
+                        completion,
                         allowed_tools=self._allowed,
                         worker=launch.name,
                         role=Role.REDUCER.value,
@@ -457,8 +457,6 @@ class MeshTurn:
         return (self._reactor.seconds() - self._started_at) * 1000.0
 
 
-def _reducer_request(packed: Packed, enable_thinking: bool) -> dict[str, Any]:
-    """The reducer's upstream body for C{packed}: reducer sampling, the thinking choice."""
-    return upstream_body(
-        packed, model=None, sampling=REDUCER_SAMPLING, enable_thinking=enable_thinking
-    )
+def _reducer_request(packed: Packed, enable_thinking: bool) -> ChatRequest:
+    """The reducer's upstream request for C{packed}: reducer sampling, the thinking choice."""
+    return upstream_request(packed, sampling=REDUCER_SAMPLING, enable_thinking=enable_thinking)

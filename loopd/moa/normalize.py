@@ -3,8 +3,8 @@
 The mesh normalizer: a worker's or the reducer's reply turned into an L{Outcome}
 (reference/mesh-moa.md §1.9, with the text extraction of §1.8 and the v2 changes of §6).
 
-L{normalize_reply} reads a backend's chat completion body; L{normalize_text} classifies a
-text. The order of the rules, the first match wins:
+L{normalize_completion} reads a backend's finished reply (the llama client's
+L{Completion}); L{normalize_text} classifies a text. The order of the rules, the first match wins:
  - a native C{tool_calls} entry (§1.8): a tool proposal, confidence 0.9;
  - a JSON object in the text (§1.9 step 1): OpenAI-shaped inline tool JSON (no C{kind}, a
    name and C{arguments}), confidence 0.75; or a C{kind} envelope;
@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import replace
 
+from loopd.llama.types import Completion
 from loopd.moa.normalize_heuristics import (
     is_critique,
     is_uncertain,
@@ -65,11 +66,10 @@ __all__ = [
     "CONFIDENCE_RESCUE",
     "CONFIDENCE_UNCERTAINTY",
     "ERROR_EMPTY",
-    "ERROR_MALFORMED",
     "ERROR_REASONING_ONLY",
     "demote_undeclared",
     "enforce_allowed_tools",
-    "normalize_reply",
+    "normalize_completion",
     "normalize_text",
 ]
 
@@ -88,8 +88,6 @@ CONFIDENCE_UNCERTAINTY = 0.3
 #: What a proposal of an undeclared tool is left with.
 CONFIDENCE_DEMOTED = 0.0
 
-#: The body has no C{choices[0].message}.
-ERROR_MALFORMED = "malformed response: missing choices[0].message"
 #: The reply has no text, no tool call and no reasoning.
 ERROR_EMPTY = "empty response"
 #: The reply has reasoning and nothing else.
@@ -275,8 +273,8 @@ def normalize_text(
     return enforce_allowed_tools(outcome, allowed_tools)
 
 
-def normalize_reply(
-    body: object,
+def normalize_completion(
+    completion: Completion,
     *,
     allowed_tools: Collection[str] = (),
     worker: str = "",
@@ -284,15 +282,12 @@ def normalize_reply(
     elapsed_ms: float = 0.0,
 ) -> Outcome:
     """
-    Normalize a backend's chat completion body (any JSON value; never raises): its first
-    native tool call, else its content, else it is empty (reasoning only, or nothing at
-    all), or malformed without C{choices[0].message}. The parameters are
+    Normalize a backend's finished reply (never raises): its first native tool call, else
+    its content, else it is empty (reasoning only, or nothing at all). The parameters are
     L{normalize_text}'s.
     """
-    reply = extract_reply(body)
-    if reply.malformed:
-        outcome = _empty(ERROR_MALFORMED)
-    elif reply.tool_name is not None:
+    reply = extract_reply(completion)
+    if reply.tool_name is not None:
         outcome = Outcome(
             Kind.TOOL_PROPOSAL,
             f"calling {reply.tool_name}",

@@ -16,15 +16,8 @@ from typing import Literal
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 
-from loopd.queue.policy import (
-    DEFAULT_POLICY,
-    EMPTY_CATALOG,
-    ModelsCatalog,
-    Policy,
-    load_models_catalog,
-    load_policy,
-    reload_policy,
-)
+from loopd.queue.catalog import EMPTY_CATALOG, ModelsCatalog, load_models_catalog
+from loopd.queue.policy import DEFAULT_POLICY, Policy, load_policy, reload_policy
 from loopd.queue.routing import PolicyRouter
 from loopd.queue.scheduler import Scheduler
 from loopd.queue.scheduler_types import Grant, QueueEvent

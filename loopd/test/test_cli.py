@@ -1,17 +1,19 @@
 """
 Tests for L{loopd.cli} and the demo's pure and process-handling parts, in memory: commands
-run on a C{MemoryReactorClock} whose Unix connections reach a scripted fake server
-(L{FakeLlama}, standing in for llama-server or for loopd's gateway) on a L{MemoryNet}.
+run on a C{MemoryReactorClock} whose Unix connections reach a scripted fake llama-server
+(L{FakeLlama}) on a L{MemoryNet}; and the command's place in the package, read from the
+source (nothing imports it). The chat's own tests are in L{loopd.test.test_chatloop}.
 """
 
 from __future__ import annotations
 
+import ast
 import io
-import json
 import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 from twisted.internet.error import ProcessDone, ProcessTerminated
@@ -22,8 +24,8 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
 
+import loopd
 from loopd import cli
-from loopd.chatui import Conversation
 from loopd.config import parse_config
 from loopd.demo.children import Child, ChildFailed, spawn_twist, stop_child
 from loopd.demo.run import render_config, selftest_lines_from_log
@@ -34,10 +36,8 @@ from loopd.test.support.fake_llama import (
     PROPS,
     SLOTS,
     FakeLlama,
-    Piece,
     RecordedRequest,
     Reply,
-    json_reply,
     props_reply,
     slots_reply,
     sse_reply,
@@ -45,7 +45,6 @@ from loopd.test.support.fake_llama import (
 from loopd.test.support.memory_net import MemoryNet
 
 SERVER = "/tmp/ld-memory/cli-server.sock"
-GATEWAY = "/tmp/ld-memory/cli-loopd.sock"
 TEMPLATE = "{{ messages }}"
 TEMPLATE_SHA = sha256_hex(TEMPLATE.encode("utf-8"))
 TIMINGS_1 = {"cache_n": 0, "prompt_n": 150, "predicted_n": 20}
@@ -59,11 +58,6 @@ def chunk(delta: dict[str, Any], finish: str | None = None, timings: Any = None)
     if timings is not None:
         out["timings"] = timings
     return out
-
-
-def comment(event: str, **fields: Any) -> Piece:
-    """A C{: loopd {...}} comment piece, as the gateway writes it."""
-    return Piece(0.0, b": loopd " + json.dumps({"event": event, **fields}).encode() + b"\n\n")
 
 
 def config_text(expect_sha: str = TEMPLATE_SHA, selftest: bool = True) -> str:
@@ -246,114 +240,6 @@ class ChatSocketTests(MemoryCase):
         self.assertRaises(ValueError, cli.chat_socket_path, None, path)
 
 
-class ChatSessionTests(MemoryCase):
-    """
-    L{cli.ChatSession} streams turns from a (fake) gateway and keeps the history.
-    """
-
-    def setUp(self) -> None:
-        super().setUp()
-        self.gateway = FakeLlama(self.reactor)
-        self.net.listen(GATEWAY, self.gateway)
-        self.output: list[str] = []
-        conversation = Conversation(model="tiny")
-        self.session = cli.ChatSession(
-            self.reactor, GATEWAY, conversation, self.output.append, session_id="s1"
-        )
-        self.session.start()
-
-    def answer(self, text: str, *before: Piece) -> Reply:
-        """A streamed answer of C{text}, after C{before} (loopd comments)."""
-        return sse_reply([*before, chunk({"content": text}), chunk({}, "stop")])
-
-    def say(self, line: str) -> str:
-        """Type C{line}, run the turn; return what was written for it."""
-        start = len(self.output)
-        self.session.line(line)
-        self.net.advance(1)
-        return "".join(self.output[start:])
-
-    def test_two_turns(self) -> None:
-        """The second request repeats the first turn; both carry the same session id."""
-        progress = comment("progress", total=10, cache=0, processed=10)
-        self.gateway.script("POST", CHAT, self.answer("First.", progress), self.answer("Second."))
-        self.assertIn("First.\nyou> ", self.say("One"))
-        self.assertIn("Second.\nyou> ", self.say("Two"))
-        first, second = self.gateway.requests_to("POST", CHAT)
-        self.assertEqual(first.json["model"], "tiny")
-        self.assertTrue(second.json["stream"])
-        self.assertEqual(
-            [(m["role"], m["content"]) for m in second.json["messages"]],
-            [("user", "One"), ("assistant", "First."), ("user", "Two")],
-        )
-        self.assertEqual([r.header("X-Session-Id") for r in (first, second)], ["s1", "s1"])
-
-    def test_progress_shown(self) -> None:
-        """Progress and queue events are shown on the status line."""
-        events = (comment("queued", ahead=1), comment("progress", total=4, cache=0, processed=2))
-        self.gateway.script("POST", CHAT, self.answer("Hi", *events))
-        out = self.say("One")
-        self.assertIn("\rqueued: position 2 (1 ahead)", out)
-        self.assertIn("  50% 2/4 tokens", out)
-
-    def test_error_then_go_on(self) -> None:
-        """An error is one line, the question leaves the history, and the chat goes on."""
-        error = {"message": "no endpoint serves model 'tiny'", "code": "model_not_found"}
-        refused = json_reply(404, {"error": {**error, "type": "invalid_request_error"}})
-        self.gateway.script("POST", CHAT, refused, self.answer("Fine."))
-        out = self.say("One")
-        self.assertEqual(
-            out, "error: HTTP 404: no endpoint serves model 'tiny' (model_not_found)\nyou> "
-        )
-        self.say("Two")
-        last = self.gateway.requests_to("POST", CHAT)[-1]
-        self.assertEqual([m["content"] for m in last.json["messages"]], ["Two"])
-        self.assertFalse(self.session.finished.called)
-
-    def test_stream_error(self) -> None:
-        """An error event mid-stream is one line after the partial answer."""
-        error = {"error": {"message": "upstream failed", "type": "server_error"}}
-        reply = sse_reply([chunk({"content": "Hal"}), error], done=False)
-        self.gateway.script("POST", CHAT, reply)
-        self.assertEqual(self.say("One"), "Hal\nerror: upstream failed\nyou> ")
-        self.assertEqual(self.session.conversation.messages, [])
-
-    def test_no_gateway(self) -> None:
-        """No loopd on the socket is one error line naming the socket."""
-        self.net.stop_listening(GATEWAY)
-        out = self.say("One")
-        self.assertTrue(out.startswith("error: cannot connect to loopd: "), out)
-        self.assertIn(GATEWAY, out)
-        self.assertTrue(out.endswith("\nyou> "))
-
-    def test_quit(self) -> None:
-        """/quit ends the chat with status 0; blank lines just prompt again."""
-        self.assertEqual(self.say("   "), "you> ")
-        self.say("/quit")
-        self.assertEqual(self.successResultOf(self.session.finished), 0)
-        self.assertEqual(self.gateway.requests, [])
-
-    def test_end_of_input_waits_for_the_turn(self) -> None:
-        """Input that ends during a turn ends the chat after the answer is shown."""
-        self.gateway.script("POST", CHAT, self.answer("Last."))
-        self.session.line("One")
-        self.session.end_of_input()
-        self.assertNoResult(self.session.finished)
-        self.net.advance(1)
-        self.assertEqual(self.successResultOf(self.session.finished), 0)
-        self.assertTrue("".join(self.output).endswith("Last.\n\n"))
-
-    def test_lines_wait_their_turn(self) -> None:
-        """Lines typed during a turn are asked one after the other."""
-        self.gateway.script("POST", CHAT, self.answer("A."), self.answer("B."))
-        self.session.line("One")
-        self.session.line("Two")
-        self.net.advance(1)
-        self.net.advance(1)
-        self.assertEqual(len(self.gateway.requests_to("POST", CHAT)), 2)
-        self.assertIn("A.\nyou> B.\nyou> ", "".join(self.output))
-
-
 class FakeProcess:
     """A process transport that records the signals sent to it."""
 
@@ -491,3 +377,63 @@ class DemoConfigTests(SynchronousTestCase):
             selftest_lines_from_log(log),
             ["tiny: PASS props: ok", "a:b: FAIL cache: expected 1 got 0"],
         )
+
+
+def package_imports() -> dict[str, set[str]]:
+    """
+    Every module of the package outside C{loopd.test}, with the package's modules it
+    imports anywhere in its code (at module level or inside a function).
+    """
+    root = Path(loopd.__file__).parent
+    names = {}
+    for path in root.rglob("*.py"):
+        parts = ("loopd", *path.relative_to(root).with_suffix("").parts)
+        if parts[1:2] != ("test",):
+            names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                found.add(base)
+                found.update(f"{base}.{alias.name}" for alias in node.names)
+        graph[name] = {m for m in found if m in names and m != name}
+    return graph
+
+
+class LayeringTests(SynchronousTestCase):
+    """
+    L{loopd.cli} is the top of the package, and the command's own modules (the chat loop,
+    its rendering, the demo) import each other in one direction only.
+    """
+
+    def test_nothing_imports_cli(self) -> None:
+        """No module of the package imports L{loopd.cli}, even inside a function."""
+        graph = package_imports()
+        self.assertIn("loopd.cli", graph)
+        self.assertEqual(sorted(name for name, deps in graph.items() if "loopd.cli" in deps), [])
+
+    def test_no_circle(self) -> None:
+        """Among cli, chatloop, chatui and loopd.demo, no import leads back to its module."""
+        graph = package_imports()
+        command = {"loopd.cli", "loopd.chatloop", "loopd.chatui"}
+        command.update(name for name in graph if name.split(".")[:2] == ["loopd", "demo"])
+
+        def reachable(start: str) -> set[str]:
+            seen: set[str] = set()
+            todo = [start]
+            while todo:
+                for dep in graph[todo.pop()] & command:
+                    if dep not in seen:
+                        seen.add(dep)
+                        todo.append(dep)
+            return seen
+
+        self.assertEqual(sorted(name for name in command if name in reachable(name)), [])

@@ -1,5 +1,5 @@
 """
-The first line of C{loopd chat} (L{loopd.cli.ChatSession.start}) names the model it talks to,
+The first line of C{loopd chat} (L{loopd.chatloop.ChatSession.start}) names the model it talks to,
 and a chat that names none asks the gateway's C{auto} router.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd import cli
+from loopd import chatloop
 from loopd.chatui import Conversation
 from loopd.test.support.fake_llama import CHAT, FakeLlama, sse_reply
 from loopd.test.support.memory_net import MemoryNet
@@ -27,7 +27,7 @@ class GreetingTests(SynchronousTestCase):
         net.listen(GATEWAY, gateway)
         gateway.script("POST", CHAT, sse_reply([chunk({"content": "Hi"}), chunk({}, "stop")]))
         output: list[str] = []
-        session = cli.ChatSession(reactor, GATEWAY, Conversation(model=model), output.append)
+        session = chatloop.ChatSession(reactor, GATEWAY, Conversation(model=model), output.append)
         session.start()
         session.line("Hello")
         net.advance(1)

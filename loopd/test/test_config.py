@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd import config as config_module
-from loopd._validate import key_path, render
+from loopd._message_style import key_path, render
 from loopd.config import (
     SOCKET_PATH_MAX,
     Caps,

@@ -27,7 +27,8 @@ from loopd.errors import (
     WaitTimeout,
 )
 from loopd.gateway.errors import GatewayError, error_for
-from loopd.gateway.translate import GatewayRequest, parse_request
+from loopd.gateway.request import GatewayRequest
+from loopd.gateway.translate import parse_request
 from loopd.test.support.json_paths import paths
 
 CONTEXT_MESSAGE = "request (9000 tokens) exceeds the available context size (8192 tokens)"

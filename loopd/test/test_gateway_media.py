@@ -30,14 +30,14 @@ class MediaPartTests(SynchronousTestCase):
             {"type": "image_url", "image_url": {"url": "https://example.invalid/a.png"}},
         ]
         body = json.dumps({"messages": [{"role": "user", "content": parts}]}).encode()
-        (message,) = parse_request(body).chat.messages
+        (message,) = parse_request(body).messages
         self.assertEqual(message, User("Listen and look", tuple(parts)))
 
     def test_text_only_has_no_parts(self) -> None:
         """A turn of text parts only is plain text, with no parts kept."""
         parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
         body = json.dumps({"messages": [{"role": "user", "content": parts}]}).encode()
-        self.assertEqual(parse_request(body).chat.messages, (User("ab"),))
+        self.assertEqual(parse_request(body).messages, (User("ab"),))
 
 
 class MediaRefusalTests(SynchronousTestCase):

@@ -1,10 +1,13 @@
 """
 Tests for L{loopd.gateway.router} (reference/mesh-moa.md §5): candidates, weights and speed
-statistics, the weighted pick with exploration, and the candidate order of a route.
+statistics, the weighted pick with exploration, the media and capability filters, the
+candidate order of a route, and which requests are the router's. Requests are written as
+bodies and read through the chat-completions front door, as the gateway reads them.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections import Counter
@@ -14,7 +17,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.gateway.errors import GatewayError
+from loopd.gateway.classify import Classification, classify
+from loopd.gateway.errors import GatewayError, error_for
+from loopd.gateway.request import GatewayRequest
 from loopd.gateway.router import (
     EXPLORATION_PROBABILITY,
     MAX_SAMPLES,
@@ -29,13 +34,14 @@ from loopd.gateway.router import (
     SpeedStats,
     candidate_weight,
     capability_filter,
-    classify,
     make_candidate,
     media_filter,
     pick_weighted,
     route,
     tools_from_props,
+    wants_auto,
 )
+from loopd.gateway.translate import parse_request
 from loopd.moa.roles import Tier
 
 BIG = Tier.BIG
@@ -55,9 +61,22 @@ class ScriptedRandom:
         return self.draws.pop(0)
 
 
-def user(*texts: Any, **fields: Any) -> dict[str, Any]:
-    """A request body with one user message per text."""
-    return {"messages": [{"role": "user", "content": t} for t in texts], **fields}
+def request(body: dict[str, Any]) -> GatewayRequest:
+    """The request the front door reads from C{body}."""
+    return parse_request(json.dumps(body).encode())
+
+
+def user(*texts: Any, **fields: Any) -> Classification:
+    """The classification of a request with one user message per text, and C{fields}."""
+    return classify(
+        request({"messages": [{"role": "user", "content": t} for t in texts], **fields})
+    )
+
+
+#: An image part and an audio part of a user turn.
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}
+AUDIO = {"type": "input_audio", "input_audio": {"data": "AA", "format": "wav"}}
+CHAT = Classification("chat", "quick", False)
 
 
 def stats(*speeds: float, at: float = 0.0) -> SpeedStats:
@@ -248,13 +267,13 @@ class RouteTests(SynchronousTestCase):
     def test_single_after_media_filter(self) -> None:
         """One endpoint left by the media filter is the route, with no draw."""
         eye = Candidate("eye", SMALL, vision=True)
-        body = user([{"type": "image_url"}])
+        body = user([IMAGE])
         result = route(body, [self.big_a, eye], {}, 0.0, ScriptedRandom())
         self.assertEqual(result.candidates, (eye,))
 
     def test_media_unsupported(self) -> None:
         """Images that no endpoint accepts are refused."""
-        body = user([{"type": "image_url"}])
+        body = user([IMAGE])
         self.assertRaises(
             MediaUnsupportedError, route, body, [self.big_a, self.big_b], {}, 0.0, ScriptedRandom()
         )
@@ -368,9 +387,8 @@ _endpoints = _names.flatmap(
 _blocks = st.lists(
     st.sampled_from(
         [
-            {"type": "image_url"},
-            {"type": "input_audio"},
-            {"type": "file"},
+            IMAGE,
+            AUDIO,
             {"type": "text", "text": "prove that, with logic"},
             {"type": "text", "text": "the screenshot"},
             {"type": "text", "text": "hi"},
@@ -394,10 +412,10 @@ class RouteOrderPropertyTests(SynchronousTestCase):
         """The order is a permutation of the filtered endpoints, big tier first, never empty."""
         # "Filtered" is what the media and capability filters keep; media that no endpoint
         # accepts is the only refusal once some endpoint exists.
-        body = user(blocks, **({"tools": [TOOL]} if with_tools else {}))
+        found = user(blocks or "hi", **({"tools": [TOOL]} if with_tools else {}))
+        body = found
         endpoints = [candidate for candidate, _ in measured]
         speeds = {candidate.name: stats(*values) for candidate, values in measured}
-        found = classify(body)
         if not endpoints:
             self.assertRaises(
                 NoEndpointError, route, body, endpoints, speeds, 0.0, ScriptedRandom()
@@ -424,3 +442,98 @@ class RouteOrderPropertyTests(SynchronousTestCase):
         self.assertEqual(len(set(result.candidates)), len(result.candidates))
         tiers = [c.tier for c in result.candidates]
         self.assertEqual(tiers, sorted(tiers, key=lambda tier: tier is SMALL))
+
+
+class MediaFilterTests(SynchronousTestCase):
+    """The media filter keeps endpoints that support every required modality."""
+
+    eye = Candidate("eye", BIG, vision=True)
+    ear = Candidate("ear", BIG, audio=True)
+    both = Candidate("both", SMALL, vision=True, audio=True)
+    plain = Candidate("plain", BIG)
+
+    def test_vision(self) -> None:
+        """An image request keeps the vision endpoints."""
+        found = user([IMAGE])
+        self.assertEqual(
+            media_filter([self.eye, self.ear, self.both, self.plain], found), (self.eye, self.both)
+        )
+
+    def test_vision_and_audio(self) -> None:
+        """A request with both keeps endpoints with both."""
+        found = user([IMAGE, AUDIO])
+        self.assertEqual(media_filter([self.eye, self.ear, self.both], found), (self.both,))
+
+    def test_none_left(self) -> None:
+        """No endpoint with the modality: media unsupported, a 400 naming it."""
+        found = user([AUDIO])
+        error = self.assertRaises(MediaUnsupportedError, media_filter, [self.eye], found)
+        self.assertEqual((error.status, error.code), (400, "media_unsupported"))
+        self.assertIn("audio", error.message)
+        self.assertIs(error_for(error), error)
+
+    def test_no_media(self) -> None:
+        """A text request keeps every endpoint."""
+        self.assertEqual(media_filter([self.plain, self.eye], CHAT), (self.plain, self.eye))
+
+
+class CapabilityFilterTests(SynchronousTestCase):
+    """The capability filter prefers suited endpoints and falls back to all."""
+
+    tooled = Candidate("tooled", BIG, tools=True, reasoning=False)
+    bare = Candidate("bare", BIG, tools=False, vision=True)
+    thinker = Candidate("thinker", SMALL, tools=False, reasoning=True)
+
+    def test_tools(self) -> None:
+        """A request with tools keeps the endpoints that support tool use."""
+        found = user("hi", tools=[TOOL])
+        self.assertEqual(capability_filter([self.bare, self.tooled], found), (self.tooled,))
+
+    def test_tools_win_over_category(self) -> None:
+        """Tool use decides even for a reasoning request."""
+        found = user("prove that, with logic", tools=[TOOL])
+        self.assertEqual(found.category, "reasoning")
+        self.assertEqual(capability_filter([self.thinker, self.tooled], found), (self.tooled,))
+
+    def test_reasoning(self) -> None:
+        """A reasoning request keeps the endpoints that reason."""
+        found = user("prove that, with logic")
+        self.assertEqual(capability_filter([self.tooled, self.thinker], found), (self.thinker,))
+
+    def test_image(self) -> None:
+        """An image request keeps the vision endpoints."""
+        found = user("describe the screenshot")
+        self.assertEqual(capability_filter([self.tooled, self.bare], found), (self.bare,))
+
+    def test_other_categories(self) -> None:
+        """Any other category keeps every endpoint."""
+        found = user("a limerick")
+        self.assertEqual(
+            capability_filter([self.bare, self.tooled], found), (self.bare, self.tooled)
+        )
+
+    def test_fallback(self) -> None:
+        """When nothing qualifies, every endpoint stays."""
+        found = user("hi", tools=[TOOL])
+        self.assertEqual(
+            capability_filter([self.bare, self.thinker], found), (self.bare, self.thinker)
+        )
+
+
+class WantsAutoTests(SynchronousTestCase):
+    """When the auto router runs: model auto or no model."""
+
+    def test_table(self) -> None:
+        """auto, missing, null and empty route; a named model and mesh do not."""
+        table: list[tuple[dict[str, Any], bool]] = [
+            ({"model": "auto"}, True),
+            ({}, True),
+            ({"model": None}, True),
+            ({"model": ""}, True),
+            ({"model": "mesh"}, False),
+            ({"model": "Qwen3-8B"}, False),
+            ({"model": "AUTO"}, False),
+        ]
+        for fields, expected in table:
+            body = {"messages": [{"role": "user", "content": "hi"}], **fields}
+            self.assertEqual((fields, wants_auto(request(body))), (fields, expected))

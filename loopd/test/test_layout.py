@@ -1,11 +1,17 @@
 """
-The project's layout rules, checked on the checkout: packaging lists every package, Twisted
-can find the plugins, and every module but the test modules stays under 500 lines.
+The project's layout rules (DESIGN.md §2), checked on the checkout: packaging lists every
+package, Twisted can find the plugins, every module has its place in the layers, imports run
+one way (down the layers) and in no circle, and no test module imports another.
+
+Imports are read from the source with C{ast}, those inside functions included: a circle
+hidden in a function body is a circle all the same.
 """
 
 from __future__ import annotations
 
+import ast
 import configparser
+from collections.abc import Iterator
 from pathlib import Path
 
 from twisted.trial.unittest import SynchronousTestCase
@@ -13,7 +19,39 @@ from twisted.trial.unittest import SynchronousTestCase
 import loopd
 
 ROOT = Path(loopd.__file__).parent.parent
-MAX_LINES = 500
+
+#: The package's layers, lowest first. A module may import its own layer and the ones below
+#: it, never one above. An entry names a module, or a package and everything in it.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "ground: errors, values, strict parsing",
+        (
+            "loopd",
+            "loopd.errors",
+            "loopd.strict_json",
+            "loopd.digest",
+            "loopd.unixsocket",
+            "loopd._validate",
+            "loopd.settings",
+            "loopd.config",
+        ),
+    ),
+    ("wire: HTTP over a Unix socket, server-sent events", ("loopd.http", "loopd.sse")),
+    (
+        "the llama client, the self-test, the forwarder",
+        ("loopd.llama", "loopd.selftest", "loopd.inferproxy"),
+    ),
+    ("the lease scheduler and its protocol", ("loopd.queue",)),
+    ("mixture of agents, pure", ("loopd.moa",)),
+    ("the gateway", ("loopd.gateway",)),
+    (
+        "the daemon and the terminal chat",
+        ("loopd.service", "loopd.tap", "loopd.chatui", "loopd.chatloop"),
+    ),
+    ("the commands", ("loopd.cli", "loopd.demo")),
+    ("the public test kit", ("loopd.testing",)),
+    ("loopd's own tests", ("loopd.test",)),
+)
 
 
 def python_files() -> list[Path]:
@@ -27,13 +65,91 @@ def python_files() -> list[Path]:
     return files
 
 
-def is_test_module(path: Path) -> bool:
+def package_modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name)."""
+    found: dict[str, Path] = {}
+    for path in sorted((ROOT / "loopd").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def imported(path: Path, known: dict[str, Path]) -> Iterator[str]:
     """
-    Whether C{path} is a module of tests (C{test_*.py} in C{loopd/test} or C{test/}), not
-    test support or the public test kit.
+    The package's modules that C{path} imports, anywhere in it: C{from loopd.x import y}
+    is an import of C{loopd.x.y} when that is a module, else of C{loopd.x}.
     """
-    folder = path.parent.relative_to(ROOT).parts
-    return path.name.startswith("test_") and folder in (("loopd", "test"), ("test",))
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                target = candidate if candidate in known else node.module
+                if target in known:
+                    yield target
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in known:
+                    yield alias.name
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module → the package's modules it imports (itself excluded)."""
+    known = package_modules()
+    return {
+        name: {target for target in imported(path, known) if target != name}
+        for name, path in known.items()
+    }
+
+
+def layer_of(module: str) -> int | None:
+    """The index in L{LAYERS} of the most specific entry naming C{module}, else None."""
+    best: tuple[int, int] | None = None
+    for index, (_, entries) in enumerate(LAYERS):
+        for entry in entries:
+            if module == entry or module.startswith(entry + "."):
+                if best is None or len(entry) > best[0]:
+                    best = (len(entry), index)
+    return None if best is None else best[1]
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+
+    def visit(node: str) -> None:
+        nonlocal counter
+        index[node] = low[node] = counter
+        counter += 1
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
 
 
 class LayoutTests(SynchronousTestCase):
@@ -62,29 +178,43 @@ class LayoutTests(SynchronousTestCase):
         """
         self.assertEqual(list((ROOT / "twisted").rglob("__init__.py")), [])
 
-    def test_modules_under_limit(self) -> None:
-        """
-        Every module has fewer than 500 lines, but the test modules: tests are grouped by
-        the concept they test, with no size limit (DESIGN §2).
-        """
-        too_long = {
-            str(path.relative_to(ROOT)): count
-            for path in python_files()
-            if not is_test_module(path)
-            and (count := len(path.read_text(encoding="utf-8").splitlines())) >= MAX_LINES
-        }
-        self.assertEqual(too_long, {})
+    def test_every_module_has_a_layer(self) -> None:
+        """A new module must be given its place in L{LAYERS}."""
+        unplaced = [name for name in package_modules() if layer_of(name) is None]
+        self.assertEqual(unplaced, [])
 
-    def test_only_test_modules_exempt(self) -> None:
-        """
-        The size exemption covers the test modules only: not test support, not the public
-        test kit, not a module merely named test_ elsewhere.
-        """
-        exempt = {
-            "loopd/test/test_layout.py": True,
-            "test/test_gateway_e2e.py": True,
-            "loopd/test/support/peers.py": False,
-            "loopd/testing/gateway.py": False,
-            "loopd/queue/test_queue.py": False,
-        }
-        self.assertEqual({path: is_test_module(ROOT / path) for path in exempt}, exempt)
+    def test_no_upward_import(self) -> None:
+        """No module imports a module of a higher layer."""
+        upward = sorted(
+            f"{module} -> {target}"
+            for module, targets in import_graph().items()
+            for target in targets
+            if (here := layer_of(module)) is not None
+            and (there := layer_of(target)) is not None
+            and there > here
+        )
+        self.assertEqual(upward, [])
+
+    def test_no_import_circle(self) -> None:
+        """No modules import each other, directly or around a circle, at any depth."""
+        self.assertEqual(circles(import_graph()), [])
+
+    def test_circle_detection(self) -> None:
+        """The circle finder finds a circle and no false one (so the rule above can fail)."""
+        self.assertEqual(
+            circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}), [["a", "b", "c"]]
+        )
+        self.assertEqual(circles({"a": {"b"}, "b": set()}), [])
+
+    def test_no_test_imports_a_test(self) -> None:
+        """Shared test helpers live in test support or loopd.testing, never in a test module."""
+        offenders = []
+        for path in python_files():
+            if not path.name.startswith("test_"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names = [f"{node.module}.{alias.name}" for alias in node.names]
+                    if any(part.startswith("test_") for name in names for part in name.split(".")):
+                        offenders.append(f"{path.relative_to(ROOT)}: {node.module}")
+        self.assertEqual(offenders, [])

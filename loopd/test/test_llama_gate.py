@@ -13,9 +13,10 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from twisted.internet.defer import CancelledError
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
+from zope.interface.exceptions import Invalid
 from zope.interface.verify import verifyObject
 
 from loopd.errors import Busy, InferError
@@ -67,6 +68,19 @@ class InterfaceTests(SynchronousTestCase):
         self.assertTrue(verifyObject(ISlotGate, gate))
         self.assertTrue(verifyObject(IGrant, self.successResultOf(gate.acquire(0, print))))
 
+    def test_declares_what_callers_ask(self) -> None:
+        """
+        ISlotGate declares in_flight and waiting beside acquire: a gate with acquire alone
+        does not provide it.
+        """
+        self.assertEqual(sorted(ISlotGate.names()), ["acquire", "in_flight", "waiting"])
+
+        class AcquireOnly:
+            def acquire(self, slot: int, on_event: object) -> Deferred[IGrant]:
+                return NoGate().acquire(slot, print)
+
+        self.assertRaises(Invalid, verifyObject, ISlotGate, AcquireOnly(), tentative=True)
+
     def test_negative_depth_refused(self) -> None:
         """A negative queue depth is a ValueError."""
         self.assertRaises(ValueError, SlotGate, -1)
@@ -84,6 +98,13 @@ class NoGateTests(SynchronousTestCase):
         for r in requests:
             r.release()
             r.release()
+
+    def test_holds_nothing(self) -> None:
+        """NoGate reports no slot in flight and nobody waiting, grants outstanding or not."""
+        gate = NoGate()
+        Request(gate, 0)
+        Request(gate, 0)
+        self.assertEqual([(gate.in_flight(s), gate.waiting(s)) for s in (0, 1)], [(False, 0)] * 2)
 
 
 class SlotGateTests(SynchronousTestCase):

@@ -5,12 +5,15 @@ decision 32) and the rule that tool calls go out only for declared tools (§1.12
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
+from loopd.gateway.translate import parse_request
+from loopd.llama.types import System, ToolSchema
 from loopd.moa.outcome import Kind, Outcome
 from loopd.moa.tool_guard import (
     emits_tool_call,
@@ -58,11 +61,16 @@ def rounds(*calls: tuple[str, str]) -> list[Any]:
 
 
 def turn_of(messages: list[Any], tools: list[Any] | None = TOOLS) -> Turn:
-    """The turn of a request with these messages and tools."""
+    """The turn of a request with these messages and tools, as the front door reads it."""
     body: dict[str, Any] = {"model": "mesh", "messages": messages}
     if tools is not None:
         body["tools"] = tools
-    return read_turn(body)
+    request = parse_request(json.dumps(body).encode())
+    return read_turn(request.messages, request.tools)
+
+
+#: L{TOOLS} as the front door reads them.
+SCHEMAS = (ToolSchema("read_file", "", {"type": "object"}), ToolSchema("web_search", ""))
 
 
 SAME = ("read_file", '{"path":"a"}')
@@ -121,15 +129,15 @@ class PackTests(SynchronousTestCase):
         packed = pack_tool_result_reducer(turn_of(rounds(SAME, SAME, SAME)))
         self.assertIsNone(packed.tools)
         system = packed.messages[0]
-        self.assertEqual(system["role"], "system")
-        self.assertTrue(system["content"].endswith("Be kind.\n\n" + GUARD))
+        assert isinstance(system, System)
+        self.assertTrue(system.content.endswith("Be kind.\n\n" + GUARD))
         self.assertEqual(packed.max_tokens, 2048)
 
     def test_unguarded(self) -> None:
         """Without a loop: the native tools and no guard text."""
         packed = pack_tool_result_reducer(turn_of(rounds(SAME, SAME)))
-        self.assertEqual(packed.tools, tuple(TOOLS))
-        self.assertNotIn("Tool loop guard", packed.messages[0]["content"])
+        self.assertEqual(packed.tools, SCHEMAS)
+        self.assertNotIn("Tool loop guard", str(packed.messages[0]))
 
     def test_allowed_tools(self) -> None:
         """The reducer may call the declared tools, none under the guard."""

@@ -1,6 +1,6 @@
 """
 Tests for L{loopd.queue.policy}: llm-queue.json's fields, defaults and validation messages,
-JavaScript number rules, the fallback to the defaults, models.json and the addressing rule.
+JavaScript number rules, and the fallback to the defaults.
 """
 
 from __future__ import annotations
@@ -21,25 +21,17 @@ from loopd.queue.policy import (
     CURRENT_SCHEMA_VERSION,
     DEFAULT_BLOCKING_TOOLS,
     DEFAULT_POLICY,
-    EMPTY_CATALOG,
-    ModelsCatalog,
     PolicyError,
     PolicySyntaxError,
     QueueEntry,
     QueueSettings,
-    Route,
-    address_endpoint,
-    address_model,
-    load_models_catalog,
     load_policy,
-    parse_models_catalog,
     parse_policy,
     parse_policy_text,
     reload_policy,
 )
 
 GPU1 = "http://192.168.1.100:8001/v1"
-GPU2 = "http://192.168.1.100:8002/v1"
 SEED_EXAMPLE: dict[str, Any] = json.loads(
     """{"defaults": {"maxStreams": 1, "policy": "priority-aging", "leaseTtlMs": 30000,
     "agingAfterSlots": 3, "agingAfterMs": 60000, "failOpen": true, "daemonIdleExitMs": 0,
@@ -251,7 +243,7 @@ class NumberTests(SynchronousTestCase):
 
 
 class FileTests(SynchronousTestCase):
-    """load_policy, reload_policy and the models.json catalog."""
+    """load_policy and reload_policy."""
 
     def setUp(self) -> None:
         """A short temporary directory."""
@@ -307,90 +299,6 @@ class FileTests(SynchronousTestCase):
         self.write(entry(maxStreams=0))
         message = f"{self.path}: {QZ}.maxStreams {POSITIVE} (got 0)"
         self.assertEqual(reload_policy(self.path, self.current), (self.current, (message,)))
-
-    def test_parse_catalog(self) -> None:
-        """Providers with a baseUrl are listed in file order; malformed ones are left out."""
-        providers = {"llamacpp": {"baseUrl": GPU1, "models": []}, "strata": {"baseUrl": GPU1}}
-        bad = {"anthropic": {"headers": {}}, "a": {"baseUrl": 3}, "b": []}
-        catalog, problems = parse_models_catalog({"providers": {**providers, **bad}})
-        self.assertEqual((catalog.base_url("strata"), catalog.base_url("anthropic")), (GPU1, None))
-        self.assertEqual(catalog.providers_at(GPU1), ("llamacpp", "strata"))
-        want = ("providers.a.baseUrl must be a non-empty string (got 3)",)
-        self.assertEqual(problems, (*want, "providers.b must be an object (got [])"))
-
-    def test_catalog_file(self) -> None:
-        """A catalog is read; a missing one is empty; an invalid one is empty with the reason."""
-        self.assertEqual(load_models_catalog(self.path), (EMPTY_CATALOG, ()))
-        self.write({"providers": {"zen": {"baseUrl": GPU2}}})
-        self.assertEqual(load_models_catalog(self.path), (ModelsCatalog((("zen", GPU2),)), ()))
-        self.write("{not json")
-        catalog, (error,) = load_models_catalog(self.path)
-        self.assertEqual(catalog, EMPTY_CATALOG)
-        self.assertTrue(error.startswith(f"{self.path}: not valid JSON"))
-
-
-def routes(
-    queues: dict[str, Any], key: str, owner: str, streams: int = 1, **more: Any
-) -> Callable[[SynchronousTestCase], None]:
-    """A test method: with these entries (and C{catalog}), C{key} leads to the queue C{owner}."""
-    catalog = ModelsCatalog(more.pop("catalog", ()))
-    want = Route(owner, QueueSettings(max_streams=streams, **more))
-
-    def test(self: SynchronousTestCase) -> None:
-        self.assertEqual(address_endpoint(parse_policy({"queues": queues}), key, catalog), want)
-
-    test.__doc__ = f"{key} leads to {want}, with {queues} and {catalog}."
-    return test
-
-
-ZEN3 = {"zen": {"maxStreams": 3}}
-AT_GPU1: dict[str, Any] = {"catalog": (("zen", GPU1), ("llamacpp", GPU1), ("strata", GPU1))}
-SPLIT = {"serial": {"match": ["llamacpp"]}, "m": {"match": [GPU1]}}
-
-
-class AddressingTests(SynchronousTestCase):
-    """The one addressing rule for models and endpoints (ADR 0005, DESIGN §24)."""
-
-    def test_model_ungrouped(self) -> None:
-        """A model no enabled group names queues under its baseUrl."""
-        self.assertEqual(address_model(DEFAULT_POLICY, "llamacpp", GPU1), GPU1)
-        policy = parse_policy({"queues": {"g": {"match": [GPU1], "enabled": False}}})
-        self.assertEqual(address_model(policy, "llamacpp", GPU1), GPU1)
-
-    def test_model_merge(self) -> None:
-        """A group naming the model's endpoint owns it."""
-        policy = parse_policy({"queues": {"one-gpu": {"match": [GPU1, GPU2]}}})
-        self.assertEqual(address_model(policy, "llamacpp", GPU2), "one-gpu")
-
-    def test_model_split_beats_merge(self) -> None:
-        """A group naming the provider owns it ahead of one naming its endpoint, in any order."""
-        groups = [("merge", {"match": [GPU1]}), ("split", {"match": ["strata"]})]
-        for order in (groups, groups[::-1]):
-            policy = parse_policy({"queues": dict(order)})
-            self.assertEqual(address_model(policy, "strata", GPU1), "split")
-            self.assertEqual(address_model(policy, "llama", GPU1), "merge")
-
-    test_endpoint_unknown = routes({}, "anything", "anything")
-    test_group_name = routes({"g": {"match": [GPU1], "maxStreams": 2}}, "g", "g", 2)
-    test_group_ahead_of_entry = routes({GPU1: {"maxStreams": 5}, "g": {"match": [GPU1]}}, GPU1, "g")
-    test_first_group = routes({"a": {"match": [GPU1]}, "b": {"match": [GPU1]}}, GPU1, "a")
-    test_endpoint_own_entry = routes({GPU1: {"maxStreams": 2}}, GPU1, GPU1, 2)
-    test_disabled_group = routes(
-        {"g": {"match": [GPU1], "enabled": False}, GPU1: {"maxStreams": 2}}, GPU1, GPU1, 2
-    )
-    test_provider_without_catalog = routes(ZEN3, "zen", "zen", 3)
-    test_endpoint_without_catalog = routes(ZEN3, GPU1, GPU1)
-    test_provider_through_catalog = routes(ZEN3, "zen", GPU1, 3, **AT_GPU1)
-    test_endpoint_through_catalog = routes(ZEN3, GPU1, GPU1, 3, **AT_GPU1)
-    test_base_url_key_wins = routes(
-        {**ZEN3, GPU1: {"enabled": False}}, "zen", GPU1, enabled=False, **AT_GPU1
-    )
-    test_provider_disable_alone = routes(
-        {"zen": {"enabled": False}, GPU1: {"maxStreams": 1}}, "zen", GPU1, **AT_GPU1
-    )
-    test_provider_exact_group = routes(SPLIT, "llamacpp", "serial", **AT_GPU1)
-    test_provider_endpoint_group = routes(SPLIT, "strata", "m", **AT_GPU1)
-    test_split_needs_provider = routes({"serial": {"match": ["llamacpp"]}}, GPU1, GPU1, **AT_GPU1)
 
 
 json_values = st.recursive(
@@ -489,9 +397,3 @@ class PropertyTests(SynchronousTestCase):
             parse_policy_text(text)
         except PolicyError as error:
             self.assertTrue(error.problems)
-
-    @given(json_values)
-    def test_catalog_never_raises(self, document: object) -> None:
-        """Any models.json document gives a catalog, every provider in it with a baseUrl."""
-        catalog, _ = parse_models_catalog(document)
-        self.assertTrue(all(isinstance(url, str) and url for _, url in catalog.providers))

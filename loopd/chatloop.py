@@ -1,0 +1,272 @@
+# -*- test-case-name: loopd.test.test_chatloop -*-
+"""
+The terminal chat over loopd.sock: one turn streamed (L{stream_turn}), the conversation
+session (L{ChatSession}), and the terminal line reader that runs a session on standard input
+and output (L{terminal_chat}, undone by L{restore_blocking}).
+
+This is the I/O half of C{loopd chat}; C{loopd demo} streams its one chat with the same
+L{stream_turn}. What a chat keeps and shows (the history, the text of a streamed answer) is
+the pure L{loopd.chatui}; which socket to talk to, and the global reactor, are the
+command's (L{loopd.cli}), so every call here takes the reactor it runs on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IHalfCloseableProtocol
+from twisted.internet.stdio import StandardIO
+from twisted.protocols.basic import LineReceiver
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from loopd import http
+from loopd.chatui import QUIT, Conversation, TurnView, http_error_text
+from loopd.errors import Connect
+from loopd.sse import SSEDecoder
+
+__all__ = ["ChatSession", "restore_blocking", "stream_turn", "terminal_chat"]
+
+Write = Callable[[str], None]
+
+CHAT_PATH = "/v1/chat/completions"
+PROMPT = "you> "
+#: How much of an error answer (before any stream) is read.
+ERROR_BODY_LIMIT = 65536
+
+
+def stream_turn(
+    reactor: Any,
+    socket_path: str,
+    body: dict[str, Any],
+    view: TurnView,
+    write: Write,
+    *,
+    session_id: str,
+    connect_timeout: float = 5.0,
+) -> Deferred[TurnView]:
+    """
+    Send one streaming chat request to loopd over C{socket_path} and write C{view}'s text
+    for everything that comes back, as it comes.
+
+    @param session_id: the C{X-Session-Id}, so every turn of a chat is one session whose
+        slot (and prompt cache) loopd keeps.
+    @return: fires with C{view} when the turn is over, failed or not (C{view.error}); the
+        output then ends at the start of a line.
+    """
+    encoded = json.dumps(body).encode()
+    headers = {"X-Session-Id": session_id, "Accept": "text/event-stream"}
+    sending = http.request(
+        reactor,
+        socket_path,
+        "POST",
+        CHAT_PATH,
+        encoded,
+        headers,
+        connect_timeout=connect_timeout,
+    )
+
+    def answered(response: http.HttpResponse) -> Deferred[None]:
+        if response.status != 200:
+
+            def refused(raw: bytes) -> None:
+                write(view.fail(http_error_text(response.status, raw)))
+
+            return response.read_body(ERROR_BODY_LIMIT).addCallback(refused)
+        decoder = SSEDecoder()
+
+        def received(data: bytes) -> None:
+            for item in decoder.feed(data):
+                write(view.item(item))
+
+        def ended(_: None) -> None:
+            for item in decoder.finish():
+                write(view.item(item))
+
+        return response.deliver(received).addCallback(ended)
+
+    def failed(reason: Failure) -> None:
+        if reason.check(Connect):
+            write(view.fail(f"cannot connect to loopd: {reason.value}"))
+        else:
+            error: Any = reason.value
+            write(view.fail(f"{type(error).__name__}: {reason.getErrorMessage()}"))
+
+    def closed(_: None) -> TurnView:
+        write(view.close())
+        return view
+
+    return sending.addCallback(answered).addErrback(failed).addCallback(closed)
+
+
+class ChatSession:
+    """
+    The terminal chat: typed lines in, streamed answers out, one turn at a time (lines
+    typed during a turn wait for it). C{/quit} or the end of input ends it.
+
+    @ivar finished: fires with the exit status (0) when the chat ends.
+    """
+
+    def __init__(
+        self,
+        reactor: Any,
+        socket_path: str,
+        conversation: Conversation,
+        write: Write,
+        *,
+        tty: bool = False,
+        session_id: str | None = None,
+    ) -> None:
+        """
+        @param write: where the chat's text goes.
+        @param tty: the output is a terminal (the thinking is dimmed).
+        @param session_id: the session's C{X-Session-Id}; a new random one by default.
+        """
+        self._reactor = reactor
+        self._socket = socket_path
+        self.conversation = conversation
+        self._write = write
+        self._tty = tty
+        self._session = session_id or f"chat-{uuid.uuid4().hex[:16]}"
+        self._lines: deque[str] = deque()
+        self._busy = False
+        self._input_over = False
+        self.finished: Deferred[int] = Deferred()
+
+    def start(self) -> None:
+        """Write the greeting and the first prompt."""
+        model = self.conversation.model or "auto"
+        self._write(f"loopd chat on {self._socket} with {model}; {QUIT} or Ctrl-D ends it.\n")
+        self._write(PROMPT)
+
+    def line(self, text: str) -> None:
+        """A line the user typed."""
+        if not self.finished.called:
+            self._lines.append(text)
+            self._next()
+
+    def end_of_input(self) -> None:
+        """The input ended: finish once the turn under way (if any) is over."""
+        self._input_over = True
+        self._next()
+
+    def _next(self) -> None:
+        while self._lines and not self._busy and not self.finished.called:
+            text = self._lines.popleft().strip()
+            if text == QUIT:
+                self._finish()
+            elif not text:
+                self._write(PROMPT)
+            else:
+                self._ask(text)
+        if self._input_over and not self._busy and not self.finished.called:
+            self._write("\n")
+            self._finish()
+
+    def _ask(self, text: str) -> None:
+        self._busy = True
+        body = self.conversation.ask(text)
+        view = TurnView(tty=self._tty)
+        turn = stream_turn(
+            self._reactor, self._socket, body, view, self._write, session_id=self._session
+        )
+        turn.addCallback(self._answered)
+
+    def _answered(self, view: TurnView) -> None:
+        if view.succeeded:
+            self.conversation.answered(view.content, view.reasoning)
+        else:
+            self.conversation.retract()
+        self._busy = False
+        if not self._input_over:
+            self._write(PROMPT)
+        self._next()
+
+    def _finish(self) -> None:
+        self._lines.clear()
+        self.finished.callback(0)
+
+
+@implementer(IHalfCloseableProtocol)
+class _TerminalLines(LineReceiver):
+    """
+    Standard input and output for a L{ChatSession}: typed lines go to it, its text goes
+    out through the transport, and the end of input does not cut the answer under way.
+    """
+
+    delimiter = b"\n"
+    #: A pasted line may be long; a longer one ends the chat (LineReceiver's default).
+    MAX_LENGTH = 1 << 20
+
+    def __init__(self, make_session: Callable[[Write], ChatSession]) -> None:
+        self._make_session = make_session
+        self.session: ChatSession | None = None
+        self.closed: Deferred[None] = Deferred()
+
+    def connectionMade(self) -> None:
+        """Start the session, its text written to standard output."""
+        session = self.session = self._make_session(self._out)
+        session.finished.addCallback(self._session_over)
+        session.start()
+
+    def _out(self, text: str) -> None:
+        if text and self.transport is not None:
+            self.transport.write(text.encode("utf-8"))
+
+    def lineReceived(self, line: bytes) -> None:
+        """Hand a typed line to the session."""
+        if self.session is not None:
+            self.session.line(line.decode("utf-8", "replace").rstrip("\r"))
+
+    def readConnectionLost(self) -> None:
+        """Standard input ended (Ctrl-D, or a pipe that ran dry)."""
+        if self.session is not None:
+            self.session.end_of_input()
+
+    def writeConnectionLost(self) -> None:
+        """Standard output went away: nobody reads the chat any more."""
+        if self.transport is not None:
+            self.transport.loseConnection()
+        self._closed()
+
+    def _session_over(self, status: int) -> int:
+        # Closing flushes what is still buffered for standard output first.
+        if self.transport is not None:
+            self.transport.loseConnection()
+        return status
+
+    def connectionLost(self, reason: Failure | None = None) -> None:
+        """Standard input and output are both closed."""
+        self._closed()
+
+    def _closed(self) -> None:
+        if not self.closed.called:
+            self.closed.callback(None)
+
+
+def terminal_chat(reactor: Any, socket_path: str, conversation: Conversation) -> Deferred[int]:
+    """Run a L{ChatSession} on standard input and output; fire with 0 when it is over."""
+    tty = os.isatty(1)
+    protocol = _TerminalLines(
+        lambda write: ChatSession(reactor, socket_path, conversation, write, tty=tty)
+    )
+    StandardIO(protocol, reactor=reactor)
+    return protocol.closed.addCallback(lambda _: 0)
+
+
+def restore_blocking() -> None:
+    """
+    Standard input and output back to blocking mode, as the shell expects them (the chat's
+    C{StandardIO} made them non-blocking, and the terminal is shared with the shell).
+    """
+    for fd in (0, 1):
+        try:
+            os.set_blocking(fd, True)
+        except OSError:
+            pass

@@ -1,0 +1,359 @@
+# -*- test-case-name: loopd.test.test_gateway_mesh -*-
+"""
+One C{model: "mesh"} request through the gateway (issue 6, DESIGN §3 decisions 28 to 33):
+the worker pool from the configured endpoints, the turn (L{loopd.moa.engine.MeshTurn}) over
+it with every worker and reducer call a leased upstream call, its answer in the OpenAI shapes
+of reference C{mesh-moa.md} §1.12, and the C{x-moa-*} headers.
+
+B{The pool.} Every configured endpoint that takes the request's images or audio (C{vision},
+C{audio}, as for C{auto}) and counts as reachable (L{Reachability}: an endpoint whose socket
+could not be connected to is left out for L{RECHECK_S} seconds, then tried again; any answer
+from it puts it back at once), deduplicated by canonical name.
+
+B{The calls.} Each worker or reducer call is one L{Upstreams.call} with a C{child}-tier lease
+for the session (when the gateway leases), a slot history of its own per endpoint, and the
+endpoint's robust llama client, but for a refused connection: a worker whose endpoint is
+down fails at once (decision 29) rather than hold the turn through the client's backoff. An
+HTTP 429 fails the call with L{RateLimited} (and its C{Retry-After}), which the fan-out
+retries once. Cancelling a call withdraws its lease wait or aborts its request.
+
+B{The answer.} Not streaming: C{200} with the C{chat.completion} body, or C{502} with the
+error body, each with the C{x-moa-*} headers and a C{Content-Length}. Streaming: the turn's
+progress goes out as C{: loopd} comment lines while it runs. The stream opens (C{200},
+C{text/event-stream}) at the first worker that answers, with the progress so far; before
+that nothing is sent, so a turn whose workers all fail is a C{502} with the error body and
+the headers, as for a request that does not stream. A failure after the stream has opened
+(every reducer failed, or none gave a usable answer) cannot be a status any more: it is one
+C{data: {"error": ...}} event and no C{[DONE]}, as every gateway stream error is (decision
+18). A successful answer is the chunks of L{stream_chunks}, each with a real C{choices[0]},
+then C{[DONE]}; the headers go with it when the stream had not opened yet (a tool-result
+turn, whose reducer is its first call).
+
+A client that goes away cancels the turn, which cancels every upstream call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Final, Protocol
+
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.python.failure import Failure
+from twisted.web.server import Request
+
+from loopd.errors import Connect, Http
+from loopd.gateway.errors import GatewayError
+from loopd.gateway.metrics import GatewayMetrics
+from loopd.gateway.request import GatewayRequest, SessionRef
+from loopd.gateway.router import AutoRouter
+from loopd.gateway.upstream import CallKeys, Upstreams
+from loopd.gateway.web import Exchange, comment_line, data_line, open_event_stream, write_json
+from loopd.llama.retry import is_retryable
+from loopd.llama.types import ChatRequest, Completion
+from loopd.moa.engine import MeshTimings, MeshTurn, TurnResult
+from loopd.moa.fanout import RateLimited
+from loopd.moa.knobs import effective_enable_thinking
+from loopd.moa.response import (
+    MODEL,
+    call_id,
+    chat_response,
+    error_response,
+    moa_headers,
+    moa_id,
+    stream_chunks,
+    tool_call_response,
+)
+from loopd.moa.roles import Worker, build_pool
+from loopd.moa.turn import read_turn
+from loopd.settings import Config
+
+__all__ = ["RECHECK_S", "MeshExchange", "MeshHost", "Reachability", "mesh_pool"]
+
+RECHECK_S: Final = 30.0
+"""Seconds an endpoint that refused a connection stays out of the mesh pool."""
+
+CHILD: Final = "child"
+"""The lease tier of every mesh call: the session's own requests go first."""
+
+
+class MeshHost(Protocol):
+    """What a mesh request uses of its gateway."""
+
+    @property
+    def reactor(self) -> IReactorTime:
+        """Every timer's clock."""
+
+    @property
+    def config(self) -> Config:
+        """The endpoints and C{[mesh] strong_patience_ms}."""
+
+    @property
+    def wall_clock(self) -> Callable[[], float]:
+        """The time stamp of answers (C{created}, the ids)."""
+
+    @property
+    def metrics(self) -> GatewayMetrics:
+        """Where each turn's outcome is counted."""
+
+    @property
+    def router(self) -> AutoRouter:
+        """Which endpoints take which media."""
+
+    @property
+    def upstreams(self) -> Upstreams:
+        """The leased upstream calls."""
+
+    @property
+    def reachability(self) -> Reachability:
+        """Which endpoints the mesh counts on."""
+
+    @property
+    def in_flight(self) -> set[Exchange]:
+        """The exchanges under way, so stopping can end them."""
+
+
+class Reachability:
+    """
+    Which endpoints the mesh may count on: those that have not failed to connect within
+    the last C{recheck} seconds.
+    """
+
+    def __init__(self, recheck: float = RECHECK_S) -> None:
+        """
+        @param recheck: seconds an endpoint stays out after a connection failure.
+        """
+        self._recheck = recheck
+        self._down_since: dict[str, float] = {}
+
+    def failed(self, name: str, now: float) -> None:
+        """Endpoint C{name} could not be connected to at C{now}."""
+        self._down_since[name] = now
+
+    def answered(self, name: str) -> None:
+        """Endpoint C{name} answered: it is reachable."""
+        self._down_since.pop(name, None)
+
+    def up(self, name: str, now: float) -> bool:
+        """Whether C{name} counts as reachable at C{now}."""
+        since = self._down_since.get(name)
+        return since is None or now - since >= self._recheck
+
+
+def mesh_pool(host: MeshHost, request: GatewayRequest) -> tuple[Worker, ...]:
+    """
+    The mesh's workers for C{request} now: see the module docstring. When none counts as
+    reachable, every endpoint that takes the media is tried again rather than none.
+
+    @raise loopd.gateway.router.MediaUnsupportedError: no endpoint takes the media (400).
+    """
+    takes = {c.name for c in host.router.takes_media(request)}
+    workers = [Worker(e.name, e.size_b) for e in host.config.endpoints if e.name in takes]
+    now = host.reactor.seconds()
+    pool = build_pool(workers, reachable=lambda name: host.reachability.up(name, now))
+    return pool if pool else build_pool(workers)
+
+
+class _MeshCalls:
+    """The upstream calls of one mesh turn, for one session (L{UpstreamCall} of the engine)."""
+
+    def __init__(self, host: MeshHost, session: SessionRef) -> None:
+        self._host = host
+        self._session = session
+
+    def call(self, name: str, request: ChatRequest) -> Deferred[Completion]:
+        """Send C{request} to endpoint C{name}; see the module docstring."""
+        keys = CallKeys(
+            self._session.id,
+            CHILD,
+            self._session.ends,
+            # The slot history is kept per endpoint: a mesh session calls several at once.
+            slot_key=f"{self._session.id} mesh:{name}",
+        )
+        calling = self._host.upstreams.call(name, request, keys, retryable=_retry_but_connect)
+        return calling.addCallbacks(
+            self._answered, self._failed, callbackArgs=(name,), errbackArgs=(name,)
+        )
+
+    def _answered(self, completion: Completion, name: str) -> Completion:
+        self._host.reachability.answered(name)
+        return completion
+
+    def _failed(self, reason: Failure, name: str) -> Failure:
+        if reason.check(Connect):
+            self._host.reachability.failed(name, self._host.reactor.seconds())
+        elif isinstance(reason.value, Http) and reason.value.status == 429:
+            return Failure(RateLimited(reason.value.retry_after))
+        elif not reason.check(CancelledError) and isinstance(reason.value, Http):
+            self._host.reachability.answered(name)
+        return reason
+
+
+def _retry_but_connect(error: BaseException) -> bool:
+    """
+    The robust client's retries, but for a refused connection: a worker whose endpoint is
+    down has failed at once (DESIGN decision 29), so the turn does not wait on its backoff.
+    """
+    return not isinstance(error, Connect) and is_retryable(error)
+
+
+class MeshExchange:
+    """
+    One mesh request's way through the gateway; see the module docstring.
+    """
+
+    def __init__(
+        self,
+        host: MeshHost,
+        request: Request,
+        parsed: GatewayRequest,
+        pool: tuple[Worker, ...],
+    ) -> None:
+        """
+        @param host: the gateway.
+        @param request: the client's request.
+        @param parsed: what it asks, read once by the front door.
+        @param pool: the workers (at least 2).
+        """
+        self._host = host
+        self._request = request
+        self._stream = parsed.stream
+        self._streaming = False
+        self._finished = False
+        self._pending: list[bytes] = []
+        now_ns = int(host.wall_clock() * 1e9)
+        self._id = moa_id(now_ns)
+        self._call_id = call_id(now_ns)
+        self._created = int(host.wall_clock())
+        calls = _MeshCalls(host, parsed.session)
+        patience = host.config.mesh.strong_patience_ms / 1000.0
+        self._turn = MeshTurn(
+            host.reactor,
+            read_turn(parsed.messages, parsed.tools),
+            pool,
+            calls.call,
+            enable_thinking=effective_enable_thinking(parsed.thinking_override),
+            timings=MeshTimings(strong_patience=patience),
+            progress=self._progress,
+        )
+        self._running: Deferred[TurnResult] | None = None
+
+    def start(self) -> None:
+        """Run the turn; watch for the client leaving."""
+        self._host.in_flight.add(self)
+        self._request.notifyFinish().addErrback(self._client_gone)
+        running = self._turn.run()
+        self._running = running
+        running.addCallback(self._ended)
+
+    def shutdown(self) -> None:
+        """The daemon is stopping: cancel the turn and answer 503 (or an error event)."""
+        if self._finished:
+            return
+        self._cancel_turn()
+        error = GatewayError(503, "loopd is shutting down", "server_error", "shutting_down")
+        if self._streaming:
+            self._write(data_line(error.body()))
+            self._finish()
+        else:
+            self._respond(error.status, error.body(), [])
+        self._host.metrics.observe_request(MODEL, error.code)
+
+    # -- while it runs -------------------------------------------------------------------
+
+    def _progress(self, event: Mapping[str, Any]) -> None:
+        if not self._stream or self._finished:
+            return
+        self._pending.append(comment_line(dict(event)))
+        if not self._streaming and event.get("event") == "mesh_worker" and event.get("ok"):
+            self._open_stream([])
+        if self._streaming:
+            self._flush()
+
+    def _open_stream(self, headers: list[tuple[bytes, bytes]]) -> None:
+        self._streaming = True
+        open_event_stream(self._request)
+        for name, value in headers:
+            self._request.setHeader(name, value)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for line in pending:
+            self._write(line)
+
+    def _write(self, data: bytes) -> None:
+        self._request.write(data)
+
+    # -- endings -------------------------------------------------------------------------
+
+    def _ended(self, result: TurnResult) -> None:
+        self._running = None
+        if self._finished:
+            return
+        headers = moa_headers(result.report)
+        if result.error_code is not None:
+            self._host.metrics.observe_request(MODEL, result.error_code)
+            body = error_response(
+                result.error_message,
+                result.error_code,
+                completion_id=self._id,
+                created=self._created,
+            )
+            if self._streaming:
+                self._flush()
+                self._write(data_line({"error": body["error"]}))
+                self._finish()
+            else:
+                self._respond(502, body, headers)
+            return
+        self._host.metrics.observe_request(MODEL, "ok")
+        outcome = result.outcome
+        assert outcome is not None
+        if result.tool_call and outcome.tool_name is not None:
+            body = tool_call_response(
+                outcome.tool_name,
+                outcome.tool_arguments,
+                completion_id=self._id,
+                call_id=self._call_id,
+                created=self._created,
+            )
+        else:
+            body = chat_response(outcome.text, completion_id=self._id, created=self._created)
+        if not self._stream:
+            self._respond(200, body, headers)
+            return
+        if not self._streaming:
+            self._open_stream(headers)
+        self._flush()
+        for chunk in stream_chunks(body):
+            self._write(data_line(chunk))
+        self._write(b"data: [DONE]\n\n")
+        self._finish()
+
+    def _respond(self, status: int, body: object, headers: list[tuple[bytes, bytes]]) -> None:
+        data = write_json(self._request, status, body)
+        for name, value in headers:
+            self._request.setHeader(name, value)
+        self._request.setHeader(b"content-length", b"%d" % len(data))
+        self._finish(data)
+
+    def _client_gone(self, reason: Failure) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self._host.in_flight.discard(self)
+        self._host.metrics.observe_request(MODEL, "client_gone")
+        self._cancel_turn()
+
+    def _cancel_turn(self) -> None:
+        running, self._running = self._running, None
+        if running is not None:
+            running.addErrback(lambda failure: None)
+            running.cancel()
+
+    def _finish(self, body: bytes = b"") -> None:
+        self._finished = True
+        self._host.in_flight.discard(self)
+        if body:
+            self._request.write(body)
+        self._request.finish()

@@ -1,0 +1,211 @@
+# -*- test-case-name: loopd.test.test_gateway_translate -*-
+"""
+The gateway's one request model (DESIGN §3 decision 40): L{GatewayRequest}, what a front door
+makes of a request's body and headers, and the only thing every later stage reads: the
+C{auto} router, the mesh, the translation to the upstream request, the leases.
+
+A front door (today C{POST /v1/chat/completions}, L{loopd.gateway.translate}) decodes and
+checks a body once and hands on a L{GatewayRequest}; nothing after it sees the body again.
+The session the request belongs to comes from its headers (L{read_session}).
+
+Pure: values and functions, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeVar
+
+from loopd.gateway.errors import GatewayError
+from loopd.llama.types import ChatMessage, ChatRequest, ToolSchema, User
+from loopd.queue.scheduler_types import Tier
+
+__all__ = [
+    "END_HEADER",
+    "ROLE_HEADER",
+    "SESSION_HEADER",
+    "NO_SESSION",
+    "GatewayRequest",
+    "SessionRef",
+    "ThinkingSwitch",
+    "Tier",
+    "read_session",
+]
+
+SESSION_HEADER: Final = b"x-session-id"
+"""The header that names a request's session."""
+ROLE_HEADER: Final = b"x-session-role"
+"""The header that gives the session's tier: C{parent} or C{child}."""
+END_HEADER: Final = b"x-session-end"
+"""The header that says this is the session's last request."""
+
+_ENDS: Final = {b"true": True, b"1": True, b"false": False, b"0": False}
+_ROLES: Final[Mapping[bytes, Tier]] = {b"parent": "parent", b"child": "child"}
+_T = TypeVar("_T")
+
+#: The part kinds of a user turn that carry media, by the modality each needs.
+_MEDIA_KINDS: Final = {"image_url": "vision", "input_audio": "audio"}
+
+
+@dataclass(frozen=True)
+class SessionRef:
+    """
+    The session a request belongs to: the key of its lease and of its slot history.
+
+    @ivar id: the C{X-Session-Id}, or the connection's anonymous id.
+    @ivar tier: its lease tier, from C{X-Session-Role}.
+    @ivar ends: the request is the session's last (C{X-Session-End}): no grace after it.
+    """
+
+    id: str
+    tier: Tier = "parent"
+    ends: bool = False
+
+
+NO_SESSION: Final = SessionRef("")
+"""The session of a request read without its headers (a tool, a test): no id, a parent."""
+
+
+@dataclass(frozen=True)
+class ThinkingSwitch:
+    """
+    One thinking switch a request set, as the front door read it.
+
+    @ivar name: where it was set: C{reasoning} (the object), C{reasoning_effort}, an alias
+        such as C{enable_thinking} at the top level, C{thinking_budget}, or
+        C{chat_template_kwargs.<alias>}.
+    @ivar on: whether it turns thinking on.
+    """
+
+    name: str
+    on: bool
+
+
+#: The two switches the plain path honours (README: "the thinking switches").
+_PLAIN_SWITCHES: Final = frozenset({"reasoning_effort", "chat_template_kwargs.enable_thinking"})
+
+
+@dataclass(frozen=True)
+class GatewayRequest:
+    """
+    One chat request, decoded and checked, in the form every stage after the front door reads.
+
+    @ivar model: the endpoint it names, C{auto}, C{mesh}, or C{None} when it names none
+        (which is C{auto}).
+    @ivar messages: the conversation, in order; a user turn keeps its image and audio parts.
+    @ivar tools: the tools on offer (narrowed to the one C{tool_choice} names, if it names
+        one).
+    @ivar tool_choice: C{auto}, C{none} or C{required}; C{None} leaves the server's default.
+    @ivar max_tokens: the request's own bound on generated tokens, or C{None}.
+    @ivar temperature: the request's sampling temperature, or C{None} for the configured one.
+    @ivar top_p: the request's top_p, or C{None} for the configured one.
+    @ivar stop: its stop strings.
+    @ivar thinking_switches: every thinking switch it set, in the order the rules of
+        L{thinking_override} read them.
+    @ivar stream: answer with server-sent events.
+    @ivar include_usage: a streamed answer ends with a usage chunk.
+    @ivar session: the session it belongs to.
+    @ivar extras: the body's top-level fields loopd does not model, as sent. Nothing
+        forwards them yet; they are kept so that no front door has to read the body again.
+    """
+
+    model: str | None
+    messages: tuple[ChatMessage, ...]
+    tools: tuple[ToolSchema, ...] = ()
+    tool_choice: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] = ()
+    thinking_switches: tuple[ThinkingSwitch, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    session: SessionRef = NO_SESSION
+    extras: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def thinking(self) -> bool:
+        """
+        Whether a request for one endpoint (or C{auto}) may think: on unless
+        C{reasoning_effort} is C{"none"} or C{chat_template_kwargs.enable_thinking} is false.
+        """
+        return all(s.on for s in self.thinking_switches if s.name in _PLAIN_SWITCHES)
+
+    @property
+    def thinking_override(self) -> bool | None:
+        """
+        The caller's thinking choice by the mesh's rules (reference C{mesh-moa.md} §1.6):
+        the last switch set wins, in the order C{reasoning}, C{reasoning_effort}, the
+        top-level aliases, C{thinking_budget}, the aliases in C{chat_template_kwargs};
+        C{None} when the request set none.
+        """
+        return self.thinking_switches[-1].on if self.thinking_switches else None
+
+    @property
+    def modalities(self) -> frozenset[str]:
+        """The media its user turns carry: C{vision} for images, C{audio} for audio."""
+        return frozenset(
+            _MEDIA_KINDS[kind]
+            for message in self.messages
+            if isinstance(message, User)
+            for part in message.parts
+            if isinstance(kind := part.get("type"), str) and kind in _MEDIA_KINDS
+        )
+
+    def chat_request(self, *, slot: int = -1) -> ChatRequest:
+        """The llama client's request for one endpoint: this request pinned to C{slot}."""
+        return ChatRequest(
+            slot=slot,
+            messages=self.messages,
+            tools=self.tools,
+            thinking=self.thinking,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stop=self.stop,
+            tool_choice=self.tool_choice,
+        )
+
+
+def read_session(header: Callable[[bytes], bytes | None], anonymous: str) -> SessionRef:
+    """
+    The session of a request from its headers: C{X-Session-Id} (else C{anonymous}, the id of
+    its connection), C{X-Session-Role} (C{parent}, also when absent, or C{child}, any case)
+    and C{X-Session-End} (C{true} or C{1}; absent, C{false} or C{0}: not).
+
+    @param header: the request's header by lower-case name, C{None} when it has none.
+    @raise GatewayError: 400 C{invalid_session_role} or C{invalid_session_end} for any other
+        value of those headers.
+    """
+    tier = _header_choice(header, ROLE_HEADER, _ROLES, "parent", "parent or child")
+    ends = _header_choice(header, END_HEADER, _ENDS, False, "true or false")
+    named = header(SESSION_HEADER)
+    session = named.decode("utf-8", "backslashreplace") if named else anonymous
+    return SessionRef(session, tier, ends)
+
+
+def _header_choice(
+    header: Callable[[bytes], bytes | None],
+    name: bytes,
+    choices: Mapping[bytes, _T],
+    default: _T,
+    expected: str,
+) -> _T:
+    """
+    The value header C{name} gives among C{choices} (any case), C{default} when absent.
+
+    @raise GatewayError: 400 C{invalid_<header name>} for any other value.
+    """
+    value = header(name)
+    if value is None:
+        return default
+    chosen = choices.get(value.strip().lower())
+    if chosen is None:
+        shown_name = "-".join(part.capitalize() for part in name.decode().split("-"))
+        shown = value.decode("utf-8", "backslashreplace")
+        code = "invalid_" + name.decode().removeprefix("x-").replace("-", "_")
+        raise GatewayError(
+            400, f"{shown_name} must be {expected}, got {shown!r}", "invalid_request_error", code
+        )
+    return chosen

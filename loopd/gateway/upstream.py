@@ -1,0 +1,278 @@
+# -*- test-case-name: loopd.test.test_gateway_upstream -*-
+"""
+The one leased upstream call (DESIGN §3 decision 40): lease → slot → robust client call →
+accounting → release or grace, cancellable as a whole. Plain requests, C{auto} and every
+mesh worker and reducer call go through L{Upstreams.call}.
+
+ 1. B{Lease.} When the gateway leases (C{[queue] serve}), the call takes its session's lease
+    on the endpoint's queue (L{GatewayLeases.acquire}), hearing how many wait ahead as a
+    L{Queued} event. A lease not granted within C{limits.busy_wait_ms} is L{WaitTimeout}.
+ 2. B{Slot.} The session's slot on the endpoint: the one it used last when that is free,
+    else a free one nobody else calls home (L{Sessions.choose_slot}); a slot is taken
+    while a request runs on it and, under leases, while another session holding a lease on
+    the endpoint calls it home, so that session's next turn finds its KV cache where it
+    left it.
+ 3. B{Call.} The endpoint's robust llama client (L{Client.chat_with_retry}: its slot gate,
+    bounded waits and retries), the request pinned to the slot.
+ 4. B{Accounting.} A completion's token counts go to the metrics, its speed to the C{auto}
+    router, and its cache outcome against the session's previous completion on the endpoint
+    to the session table, the metrics (a loss) and the log.
+ 5. B{Give back.} The lease goes back when the call ends: with the grace (the session's next
+    turn starts without a switch), or at once when the session said it ends, and at once
+    after a refused connection (nothing of the session is cached where nothing answered).
+
+Cancelling the Deferred of L{Upstreams.call} withdraws the lease wait or aborts the request
+(which makes llama-server stop generating) and gives the lease back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Final
+
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from loopd.errors import Connect, WaitTimeout
+from loopd.gateway.leases import GatewayLeases, LeaseHold
+from loopd.gateway.metrics import GatewayMetrics
+from loopd.gateway.router import AutoRouter
+from loopd.gateway.sessions import Sessions
+from loopd.llama import Client
+from loopd.llama.retry import is_retryable
+from loopd.llama.types import ChatEvent, ChatRequest, Completion, Queued
+from loopd.queue.scheduler_types import Tier
+from loopd.settings import Config
+
+__all__ = ["CallKeys", "EventSink", "Upstreams"]
+
+_log: Final = Logger(namespace="loopd.gateway")
+
+EventSink = Callable[[ChatEvent], None]
+"""Receives a call's events (queued, waiting, progress, deltas, retrying ...)."""
+
+
+def _ignore(event: ChatEvent) -> None:
+    """The events of a call nobody watches."""
+
+
+@dataclass(frozen=True)
+class CallKeys:
+    """
+    Whose call it is, for its lease and its slot.
+
+    @ivar session: the key of the session's lease (its C{X-Session-Id} or anonymous id).
+    @ivar tier: the lease's tier.
+    @ivar ends: the session said this is its last request: no grace after it.
+    @ivar slot_key: the key the session's slot history on this endpoint is kept under;
+        the session's own key when C{None} (a mesh session keeps one per endpoint).
+    """
+
+    session: str
+    tier: Tier = "parent"
+    ends: bool = False
+    slot_key: str | None = None
+
+    @property
+    def history(self) -> str:
+        """The key of the slot history: C{slot_key}, else the session's."""
+        return self.session if self.slot_key is None else self.slot_key
+
+
+class Upstreams:
+    """
+    Every endpoint's way upstream for one gateway: its llama clients and the bookkeeping
+    every call shares (the session table, the leases, the metrics, the router's speeds).
+    """
+
+    def __init__(
+        self,
+        reactor: IReactorTime,
+        config: Config,
+        clients: Mapping[str, Client],
+        *,
+        sessions: Sessions,
+        metrics: GatewayMetrics,
+        router: AutoRouter,
+        leases: GatewayLeases | None = None,
+        slot_counts: Mapping[str, int] | None = None,
+    ) -> None:
+        """
+        @param reactor: the clock of the lease wait and of the speed samples.
+        @param config: the lease wait (C{limits.busy_wait_ms}) and the cache-loss threshold.
+        @param clients: the llama client of each endpoint, by name.
+        @param sessions: the session table (slots and cache outcomes).
+        @param metrics: where completions and cache losses are counted.
+        @param router: where each completion's speed is recorded.
+        @param leases: the lease scheduler's gateway side; C{None}: no leases.
+        @param slot_counts: each endpoint's number of slots (from its C{/props}); an
+            endpoint not named uses its C{expect.total_slots}, else 1.
+        """
+        self.reactor = reactor
+        self.config = config
+        self.clients: Mapping[str, Client] = dict(clients)
+        self.sessions = sessions
+        self.metrics = metrics
+        self.router = router
+        self.leases = leases
+        self._slot_counts = dict(slot_counts or {})
+
+    def slot_count(self, endpoint: str) -> int:
+        """How many slots endpoint C{endpoint} has."""
+        if endpoint in self._slot_counts:
+            return self._slot_counts[endpoint]
+        expected = self.config.endpoint(endpoint).expect.total_slots
+        return expected if expected else 1
+
+    def call(
+        self,
+        endpoint: str,
+        request: ChatRequest,
+        keys: CallKeys,
+        *,
+        on_event: EventSink = _ignore,
+        retryable: Callable[[BaseException], bool] = is_retryable,
+    ) -> Deferred[Completion]:
+        """
+        One leased call of C{request} (its C{slot} is chosen here) to C{endpoint}; see the
+        module docstring for its steps.
+
+        @param keys: whose call it is (lease and slot history).
+        @param on_event: receives the call's events as they happen.
+        @param retryable: which failures the client tries again (L{is_retryable} unless
+            narrowed: a mesh call does not retry a refused connection, decision 29).
+        @return: fires with the completion; fails with the client's L{loopd.errors} kinds or
+            L{WaitTimeout} for a lease wait that ran out; cancel it to abandon the call.
+        """
+        return _LeasedCall(self, endpoint, request, keys, on_event, retryable).start()
+
+    def choose_slot(self, endpoint: str, keys: CallKeys) -> int:
+        """
+        The slot of C{endpoint} for the next request of C{keys}: L{Sessions.choose_slot}
+        with the rule of step 2 (module docstring) for which slots are taken.
+        """
+        gate = self.clients[endpoint].gate
+        # Gates other than SlotGate may not say which slots are taken.
+        in_flight: Callable[[int], bool] = getattr(gate, "in_flight", lambda slot: False)
+        reserved: set[int | None] = set()
+        if self.leases is not None:
+            holders = self.leases.held_sessions(endpoint)
+            reserved = {self.sessions.last_slot(s) for s in holders if s != keys.session}
+        return self.sessions.choose_slot(
+            keys.history, self.slot_count(endpoint), lambda s: s in reserved or in_flight(s)
+        )
+
+    def account(self, endpoint: str, keys: CallKeys, slot: int, completion: Completion) -> None:
+        """Step 4 of the module docstring for a completion of C{endpoint} on C{slot}."""
+        timings = completion.timings
+        self.metrics.observe_completion(endpoint, timings)
+        self.router.record(endpoint, timings.predicted_per_second, self.reactor.seconds())
+        outcome = self.sessions.record(keys.history, slot, timings, self.config.cache_loss_tokens)
+        if outcome is None:
+            return
+        if outcome.loss:
+            self.metrics.observe_cache_loss(endpoint)
+        emit, verdict = (_log.warn, "loss") if outcome.loss else (_log.info, "hit")
+        emit(
+            "cache " + verdict + " for session {session} on slot {slot}: reused {cached} of "
+            "{expected} tokens",
+            session=keys.history,
+            slot=slot,
+            cached=outcome.cached,
+            expected=outcome.expected,
+        )
+
+
+class _LeasedCall:
+    """One L{Upstreams.call}: the lease wait, then the client's call, then the give-back."""
+
+    def __init__(
+        self,
+        upstreams: Upstreams,
+        endpoint: str,
+        request: ChatRequest,
+        keys: CallKeys,
+        on_event: EventSink,
+        retryable: Callable[[BaseException], bool],
+    ) -> None:
+        self._up = upstreams
+        self._endpoint = endpoint
+        self._request = request
+        self._keys = keys
+        self._on_event = on_event
+        self._retryable = retryable
+        self._hold: LeaseHold | None = None
+        self._step: Deferred[LeaseHold] | Deferred[Completion] | None = None
+        self._slot = -1
+        self._result: Deferred[Completion] = Deferred(self._cancel)
+
+    def start(self) -> Deferred[Completion]:
+        """Take the lease (when leasing), then L{_go}."""
+        leases = self._up.leases
+        if leases is None:
+            self._go()
+            return self._result
+        leasing = leases.acquire(
+            self._endpoint,
+            self._keys.session,
+            self._keys.tier,
+            on_queued=lambda ahead: self._on_event(Queued(ahead)),
+        )
+        wait_ms = self._up.config.limits.busy_wait_ms
+        leasing.addTimeout(wait_ms / 1000.0, self._up.reactor, _lease_timeout(wait_ms))
+        self._step = leasing
+        leasing.addCallbacks(self._leased, self._failed)
+        return self._result
+
+    def _leased(self, hold: LeaseHold) -> None:
+        self._step = None
+        self._hold = hold
+        self._go()
+
+    def _go(self) -> None:
+        """Choose the slot and send the request upstream."""
+        self._slot = self._up.choose_slot(self._endpoint, self._keys)
+        client = self._up.clients[self._endpoint]
+        request = replace(self._request, slot=self._slot)
+        calling = client.chat_with_retry(request, self._on_event, self._retryable)
+        self._step = calling
+        calling.addCallbacks(self._completed, self._failed)
+
+    def _completed(self, completion: Completion) -> None:
+        self._step = None
+        self._give_back(self._keys.ends)
+        self._up.account(self._endpoint, self._keys, self._slot, completion)
+        self._result.callback(completion)
+
+    def _failed(self, reason: Failure) -> None:
+        self._step = None
+        # Nothing of the session is cached where nothing answered: no grace there.
+        self._give_back(self._keys.ends or reason.check(Connect) is not None)
+        if not self._result.called:
+            self._result.errback(reason)
+
+    def _cancel(self, result: Deferred[Completion]) -> None:
+        """Withdraw the lease wait or abort the request; give the lease back."""
+        step, self._step = self._step, None
+        if step is not None:
+            step.cancel()
+        self._give_back(self._keys.ends)
+
+    def _give_back(self, at_once: bool) -> None:
+        hold, self._hold = self._hold, None
+        if hold is not None and self._up.leases is not None:
+            self._up.leases.done(hold, at_once)
+
+
+def _lease_timeout(wait_ms: int) -> Callable[[object, float], object]:
+    """The C{onTimeoutCancel} of a lease wait: it ends as L{WaitTimeout}."""
+
+    def timed_out(result: object, timeout: float) -> object:
+        if isinstance(result, Failure) and result.check(CancelledError):
+            return Failure(WaitTimeout(f"no lease on the endpoint's queue within {wait_ms} ms"))
+        return result
+
+    return timed_out

@@ -1,0 +1,241 @@
+# -*- test-case-name: loopd.test.test_gateway_site,loopd.test.test_gateway_chat -*-
+"""
+The gateway's twisted.web layer: how its routes write answers (a JSON body with its status;
+the head, data events and comment lines of a server-sent event stream, framed by
+L{loopd.sse}), the resources that route by path and method with JSON refusals, and a
+request body cap that twisted.web lacks (L{CappedRequest} on a L{CappedSite}).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from twisted.internet.defer import Deferred
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request, Site
+
+from loopd.gateway.errors import GatewayError
+from loopd.sse import encode_comment, encode_data
+
+__all__ = [
+    "CappedRequest",
+    "CappedSite",
+    "Exchange",
+    "JsonRoute",
+    "Root",
+    "comment_line",
+    "data_line",
+    "encode_json",
+    "open_event_stream",
+    "write_json",
+]
+
+JsonAnswer = tuple[int, object]
+"""A status and the body to send as JSON."""
+
+
+class Exchange(Protocol):
+    """One request under way that the daemon's stop must end (L{shutdown})."""
+
+    def shutdown(self) -> None:
+        """The daemon is stopping: answer the client with an error and stop."""
+
+
+def encode_json(payload: object) -> bytes:
+    """C{payload} as compact UTF-8 JSON, non-ASCII text kept as it is."""
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def write_json(request: Request, status: int, body: object) -> bytes:
+    """
+    Set C{status} and a JSON content type on C{request}; return the encoded C{body}.
+    """
+    request.setResponseCode(status)
+    request.setHeader(b"content-type", b"application/json")
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def open_event_stream(request: Request) -> None:
+    """Answer C{request} with C{200} and the headers of an unbuffered event stream."""
+    request.setResponseCode(200)
+    request.setHeader(b"content-type", b"text/event-stream")
+    request.setHeader(b"cache-control", b"no-cache")
+    request.setHeader(b"x-accel-buffering", b"no")
+
+
+def data_line(payload: object) -> bytes:
+    """One SSE C{data:} event carrying C{payload} as JSON."""
+    return encode_data(json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
+
+
+def comment_line(payload: object) -> bytes:
+    """One C{: loopd} comment line carrying C{payload} as JSON (OpenAI clients ignore it)."""
+    return encode_comment("loopd " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
+
+
+class CappedSite(Site):
+    """
+    A twisted.web site whose requests (L{CappedRequest}) may not carry a body over
+    C{body_bytes}.
+    """
+
+    def __init__(self, root: Resource, body_bytes: int, **kwargs: object) -> None:
+        """
+        @param body_bytes: the largest request body accepted (C{[server] body_bytes}).
+        @param kwargs: as for C{Site} (C{reactor}, ...).
+        """
+        super().__init__(root, **kwargs)
+        self.body_bytes = body_bytes
+        self.requestFactory = CappedRequest
+        self.displayTracebacks = False
+        self.noisy = False
+
+
+class CappedRequest(Request):
+    """
+    A request whose body may not pass the site's C{body_bytes}: a larger body is read and
+    dropped, and the request is answered 413. twisted.web itself keeps any body, spilling
+    big ones to a temporary file.
+    """
+
+    _too_large = False
+    _received = 0
+
+    def _cap(self) -> int:
+        """The body cap of the site this request came in on."""
+        site = getattr(self.channel, "site", None)
+        if not isinstance(site, CappedSite):
+            raise TypeError("a CappedRequest is served by a CappedSite")
+        return site.body_bytes
+
+    def gotLength(self, length: int | None) -> None:
+        """
+        Refuse a declared length over the cap before any of the body arrives.
+        """
+        if length is not None and length > self._cap():
+            self._too_large = True
+        super().gotLength(None if self._too_large else length)
+
+    def handleContentChunk(self, data: bytes) -> None:
+        """
+        Keep body bytes only while under the cap.
+        """
+        self._received += len(data)
+        if self._received > self._cap():
+            self._too_large = True
+        if not self._too_large:
+            super().handleContentChunk(data)
+
+    def process(self) -> None:
+        """
+        Answer 413 for a body over the cap; route anything else.
+        """
+        if not self._too_large:
+            super().process()
+            return
+        error = GatewayError(
+            413, f"request body over {self._cap()} bytes", "invalid_request_error", "too_large"
+        )
+        self.write(write_json(self, 413, error.body()))
+        self.finish()
+
+
+class JsonRoute(Resource):
+    """
+    A leaf that answers GET with JSON computed by C{render_json} (a Deferred is fine).
+    """
+
+    isLeaf = True
+
+    def __init__(self, render_json: Callable[[], JsonAnswer | Deferred[JsonAnswer]]) -> None:
+        super().__init__()
+        self._render_json = render_json
+
+    def render_GET(self, request: Request) -> bytes | int:
+        outcome = self._render_json()
+        if not isinstance(outcome, Deferred):
+            status, body = outcome
+            return write_json(request, status, body)
+        gone: list[Failure] = []
+        request.notifyFinish().addErrback(gone.append)
+
+        def answer(result: JsonAnswer) -> None:
+            # twisted.web refuses to finish a request whose client has left.
+            if not gone:
+                request.write(write_json(request, *result))
+                request.finish()
+
+        outcome.addCallback(answer)
+        return NOT_DONE_YET
+
+
+class Root(Resource):
+    """
+    Routes by path; an unknown path is 404 and a known path with the wrong method 405,
+    both in the OpenAI error shape.
+    """
+
+    def __init__(self, routes: Mapping[bytes, Resource]) -> None:
+        super().__init__()
+        self._routes = routes
+
+    def getChild(self, path: bytes, request: Request) -> Resource:
+        whole = b"/" + b"/".join([path, *(request.postpath or [])])
+        route = self._routes.get(whole.rstrip(b"/") or b"/")
+        if route is None:
+            return _Refusal(404, f"no route {whole.decode('latin-1')}", "not_found")
+        request.postpath = []
+        return _MethodGuard(route)
+
+
+class _Refusal(Resource):
+    isLeaf = True
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__()
+        self._error = GatewayError(status, message, "invalid_request_error", code)
+
+    def render(self, request: Request) -> bytes:
+        return write_json(request, self._error.status, self._error.body())
+
+
+class _MethodGuard(Resource):
+    """
+    Delegates to a route, answering an unsupported method with a JSON 405.
+    """
+
+    isLeaf = True
+
+    def __init__(self, route: Resource) -> None:
+        super().__init__()
+        self._route = route
+
+    def render(self, request: Request) -> bytes | int:
+        method = (request.method or b"").decode("latin-1")
+        allowed = _methods(self._route)
+        if method.encode("latin-1") not in allowed:
+            request.setHeader(b"allow", b", ".join(allowed))
+            error = GatewayError(
+                405, f"{method} is not allowed here", "invalid_request_error", "method_not_allowed"
+            )
+            return write_json(request, 405, error.body())
+        result: bytes | int = self._route.render(request)
+        return result
+
+
+def _methods(route: Resource) -> list[bytes]:
+    """
+    The methods C{route} answers, sorted. HEAD counts only beside GET: every Resource
+    inherits a C{render_HEAD} that calls C{render_GET}.
+    """
+    methods = [
+        name[len("render_") :]
+        for name in dir(route)
+        if name.startswith("render_") and name[len("render_") :].isupper()
+    ]
+    if "GET" not in methods and "HEAD" in methods:
+        methods.remove("HEAD")
+    return [method.encode() for method in methods]
