@@ -25,7 +25,7 @@ from loopd.test.support.peers import real_reactor
 from loopd.test.support.twist import TwistProcess, spawn_twist, stop_twist
 
 try:
-    from test.test_gateway_e2e import RawStream, loopd_toml, serve_behind_proxy
+    from loopd.test.support.gateway_stack import RawStream, loopd_toml, serve_behind_proxy
 except (ImportError, SkipTest) as e:  # pragma: no cover - the test extra is not installed
     raise SkipTest(f"the loopd queue end-to-end tests need the test extra: {e}") from None
 

@@ -24,12 +24,12 @@ from twisted.trial.unittest import SkipTest, TestCase
 
 from loopd.test.support.peers import real_reactor
 from loopd.test.support.twist import TwistProcess, spawn_twist, stop_twist
-from test.test_gateway_e2e import HI, SLOTS, WEATHER, httpx, serve_behind_proxy
 
 try:
     import openai
 
     from loopd.demo.tiny_model import ANSWER
+    from loopd.test.support.gateway_stack import HI, SLOTS, WEATHER, httpx, serve_behind_proxy
 except ImportError as e:  # pragma: no cover - the test extra is not installed
     raise SkipTest(f"the mesh end-to-end tests need the test extra: {e}") from None
 

@@ -1,0 +1,128 @@
+"""
+The real gateway stack of the process-level tests (L{test.test_gateway_e2e},
+L{test.test_loopd_queue_e2e}, L{test.test_mesh_e2e}): a real llama.cpp server (xllamacpp)
+with the project's tiny model behind a C{twist inferproxy} (L{serve_behind_proxy}), the
+loopd.toml of a C{twist loopd} in front of it (L{loopd_toml}), a raw HTTP client
+(L{RawStream}), and the HTTP transport module of the C{openai} SDK (L{httpx}).
+
+Importing it without the test extra raises C{SkipTest}, so a test module that imports it is
+skipped, not broken.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.protocol import Protocol
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SkipTest, TestCase
+
+from loopd.test.support.peers import real_reactor
+from loopd.test.support.twist import spawn_twist, stop_twist
+
+try:
+    import openai
+
+    from loopd.demo.real_server import RealServer
+    from loopd.demo.tiny_model import write_tiny_model
+except ImportError as e:  # pragma: no cover - the test extra is not installed
+    raise SkipTest(f"the real gateway stack needs the test extra: {e}") from None
+
+# The SDK may be built on httpx or on its successor httpx2: take the transport from the
+# module its own client class comes from.
+httpx: Any = importlib.import_module(openai.DefaultHttpxClient.__mro__[1].__module__)
+
+#: The server's whole context and its slots; each slot gets an equal share.
+N_CTX = 65536
+SLOTS = 2
+#: A long stream from the model that thinks until told to stop: neither loopd's thinking
+#: cap nor its max_tokens ends it while a test watches.
+LONG = 30000
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def loopd_toml(listen: str, socket: str, expect: dict[str, Any] | None, long: bool) -> str:
+    """
+    A loopd.toml: the gateway on C{listen}, one endpoint C{tiny} at C{socket}, self-tested
+    against C{expect} (no self-test when None); C{long} lifts max_tokens and the thinking
+    cap to L{LONG}.
+    """
+    lines = []
+    if long:
+        lines += [f"max_tokens = {LONG}", "[thinking]", f"cap = {LONG}"]
+    lines += ["[server]", f"listen = {json.dumps('unix:' + listen)}"]
+    lines += ["[[endpoint]]", 'name = "tiny"', f"socket = {json.dumps(socket)}"]
+    lines.append(f"selftest = {'true' if expect is not None else 'false'}")
+    if expect is not None:
+        lines.append("[endpoint.expect]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in expect.items()]
+    return "\n".join(lines) + "\n"
+
+
+@inlineCallbacks
+def serve_behind_proxy(test: TestCase, model: str, slots: int) -> Any:
+    """
+    A real llama.cpp server on a fresh tiny C{model} (C{tiny-think.gguf} thinks forever)
+    with C{slots} slots, and a C{twist inferproxy} in front of it, in a short temp dir; all
+    removed after C{test}. Fires with the dir, the server and the inferproxy's socket.
+    """
+    reactor = real_reactor()
+    directory = tempfile.mkdtemp(prefix="ld", dir="/tmp")
+    test.addCleanup(shutil.rmtree, directory, True)
+    infer = os.path.join(directory, "infer.sock")
+    # Writing a tiny model takes milliseconds: each test has its own.
+    model_path = os.path.join(directory, model)
+    write_tiny_model(model_path, think_forever=model == "tiny-think.gguf")
+    server = RealServer(reactor, model_path, n_ctx=N_CTX, parallel=slots)
+    test.addCleanup(server.stop)
+    port = yield server.start()
+    proxy = spawn_twist(
+        reactor,
+        b"inferproxy listening on",
+        *("inferproxy", "--listen", infer, "--upstream", f"127.0.0.1:{port}"),
+    )
+    test.addCleanup(stop_twist, proxy)
+    yield proxy.ready
+    return directory, server, infer
+
+
+class RawStream(Protocol):
+    """
+    A raw HTTP client: fires C{seen} once C{marker} has arrived C{count} times, and
+    C{closed} when the connection is gone.
+    """
+
+    def __init__(self, marker: bytes, count: int) -> None:
+        """Wait for C{count} times C{marker}."""
+        self.marker, self.count = marker, count
+        self.received = b""
+        self.seen: Deferred[None] = Deferred()
+        self.closed: Deferred[None] = Deferred()
+
+    def dataReceived(self, data: bytes) -> None:
+        """Keep C{data}; fire C{seen} once the marker has come often enough."""
+        self.received += data
+        if self.received.count(self.marker) >= self.count and not self.seen.called:
+            self.seen.callback(None)
+
+    def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
+        """Fire C{closed}."""
+        self.closed.callback(None)
