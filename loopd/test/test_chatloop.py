@@ -13,8 +13,8 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.chatloop import ChatSession, _TerminalLines, stream_turn
 from loopd.chatui import Conversation, TurnView
-from loopd.test.support.fake_llama import CHAT, FakeLlama, Piece, Reply, json_reply, sse_reply
-from loopd.test.support.memory_net import MemoryNet
+from loopd.testing.fake_llama import CHAT, FakeLlama, Piece, Reply, json_reply, sse_reply
+from loopd.testing.memory_net import MemoryNet
 
 GATEWAY = "/tmp/ld-memory/chatloop-loopd.sock"
 

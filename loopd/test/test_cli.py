@@ -31,18 +31,17 @@ from loopd.demo.children import Child, ChildFailed, spawn_twist, stop_child
 from loopd.demo.run import render_config, selftest_lines_from_log
 from loopd.digest import sha256_hex
 from loopd.service import default_socket_path
-from loopd.test.support.fake_llama import (
+from loopd.testing.fake_llama import (
     CHAT,
     PROPS,
     SLOTS,
     FakeLlama,
     RecordedRequest,
     Reply,
-    props_reply,
-    slots_reply,
     sse_reply,
 )
-from loopd.test.support.memory_net import MemoryNet
+from loopd.testing.llama_replies import props_reply, slots_reply
+from loopd.testing.memory_net import MemoryNet
 
 SERVER = "/tmp/ld-memory/cli-server.sock"
 TEMPLATE = "{{ messages }}"

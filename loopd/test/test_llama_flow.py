@@ -29,7 +29,8 @@ from loopd.errors import Http, Stalled
 from loopd.llama import ChatEvent, ChatRequest, Client, Completion, Content, Retrying, User
 from loopd.llama.chat import ChatCall
 from loopd.llama.flow import Flow, IFlowReader
-from loopd.test.support.fake_llama import (
+from loopd.test.support.peers import real_reactor
+from loopd.testing.fake_llama import (
     CHAT,
     FakeLlama,
     Piece,
@@ -38,8 +39,7 @@ from loopd.test.support.fake_llama import (
     json_reply,
     sse_reply,
 )
-from loopd.test.support.memory_net import MemoryNet
-from loopd.test.support.peers import real_reactor
+from loopd.testing.memory_net import MemoryNet
 
 #: Where the fake listens; MemoryNet never touches the file system.
 PATH = "/tmp/ld-memory/llama.sock"

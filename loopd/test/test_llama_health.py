@@ -16,8 +16,8 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.config import Config, Endpoint, EndpointKind, Limits
 from loopd.llama import Client, Health
-from loopd.test.support.fake_llama import LOADING, NOT_FOUND, FakeLlama, json_reply
-from loopd.test.support.memory_net import MemoryNet
+from loopd.testing.fake_llama import LOADING, NOT_FOUND, FakeLlama, json_reply
+from loopd.testing.memory_net import MemoryNet
 
 #: Where the fake listens; MemoryNet never touches the file system.
 PATH = "/tmp/ld-memory/llama.sock"
