@@ -14,6 +14,10 @@ is still an HTTP status with a JSON body; after that, an error is one
 C{data: {"error": ...}} event and no C{[DONE]}. loopd's own events travel as SSE comment
 lines (C{: loopd {...}}), which OpenAI clients ignore. A client that goes away cancels
 the upstream request, and llama-server frees the slot.
+
+Backpressure: a streaming exchange registers a L{Flow} as its request's producer, and the
+upstream call reads through it, so a client that stops reading pauses the upstream read
+and loopd's buffers stay bounded; reading resumes when the client drains them.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from loopd.gateway.sessions import Sessions
 from loopd.gateway.translate import parse_request
 from loopd.gateway.upstream import CallKeys
 from loopd.gateway.web import comment_line, data_line, open_event_stream, write_json
+from loopd.llama import Flow
 from loopd.llama.types import ChatEvent, Completion, Content, Reasoning, ToolCallDelta
 from loopd.moa.roles import VIRTUAL_MODEL_NAME as MESH_MODEL
 from loopd.settings import Endpoint
@@ -146,6 +151,7 @@ class _ChatExchange:
         self._completion_id = new_completion_id()
         self._created = int(host.wall_clock())
         self._call: Deferred[Completion] | None = None
+        self._flow: Flow | None = None
         self._use(endpoint)
 
     def _use(self, endpoint: Endpoint) -> None:
@@ -159,12 +165,19 @@ class _ChatExchange:
         """Send the request upstream; watch for the client leaving all along."""
         self._host.in_flight.add(self)
         self._request.notifyFinish().addErrback(self._client_gone)
+        if self._parsed.stream:
+            self._flow = Flow()
+            self._request.registerProducer(self._flow, True)
         self._go()
 
     def _go(self) -> None:
         """One leased call to the current endpoint."""
         call = self._host.upstreams.call(
-            self._endpoint.name, self._parsed.chat_request(), self._keys, on_event=self._event
+            self._endpoint.name,
+            self._parsed.chat_request(),
+            self._keys,
+            on_event=self._event,
+            flow=self._flow,
         )
         self._call = call
         call.addCallbacks(self._completed, self._failed)
@@ -275,6 +288,8 @@ class _ChatExchange:
     def _finish(self, body: bytes = b"") -> None:
         self._phase = _Phase.DONE
         self._host.in_flight.discard(self)
+        if self._flow is not None:
+            self._request.unregisterProducer()
         if body:
             self._request.write(body)
         self._request.finish()

@@ -13,7 +13,8 @@ mesh worker and reducer call go through L{Upstreams.call}.
     the endpoint calls it home, so that session's next turn finds its KV cache where it
     left it.
  3. B{Call.} The endpoint's robust llama client (L{Client.chat_with_retry}: its slot gate,
-    bounded waits and retries), the request pinned to the slot.
+    bounded waits and retries), the request pinned to the slot; a streaming client's
+    backpressure (a L{Flow}) pauses the upstream read while the client does not read.
  4. B{Accounting.} A completion's token counts go to the metrics, its speed to the C{auto}
     router, and its cache outcome against the session's previous completion on the endpoint
     to the session table, the metrics (a loss) and the log.
@@ -41,7 +42,7 @@ from loopd.gateway.leases import GatewayLeases, LeaseHold
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.router import AutoRouter
 from loopd.gateway.sessions import Sessions
-from loopd.llama import Client
+from loopd.llama import Client, Flow
 from loopd.llama.retry import is_retryable
 from loopd.llama.types import ChatEvent, ChatRequest, Completion, Queued
 from loopd.queue.scheduler_types import Tier
@@ -135,6 +136,7 @@ class Upstreams:
         *,
         on_event: EventSink = _ignore,
         retryable: Callable[[BaseException], bool] = is_retryable,
+        flow: Flow | None = None,
     ) -> Deferred[Completion]:
         """
         One leased call of C{request} (its C{slot} is chosen here) to C{endpoint}; see the
@@ -144,10 +146,12 @@ class Upstreams:
         @param on_event: receives the call's events as they happen.
         @param retryable: which failures the client tries again (L{is_retryable} unless
             narrowed: a mesh call does not retry a refused connection, decision 29).
+        @param flow: the backpressure of the consumer of the events (a streaming client):
+            while it is paused the upstream answer is not read (L{Flow}).
         @return: fires with the completion; fails with the client's L{loopd.errors} kinds or
             L{WaitTimeout} for a lease wait that ran out; cancel it to abandon the call.
         """
-        return _LeasedCall(self, endpoint, request, keys, on_event, retryable).start()
+        return _LeasedCall(self, endpoint, request, keys, on_event, retryable, flow).start()
 
     def choose_slot(self, endpoint: str, keys: CallKeys) -> int:
         """
@@ -155,14 +159,12 @@ class Upstreams:
         with the rule of step 2 (module docstring) for which slots are taken.
         """
         gate = self.clients[endpoint].gate
-        # Gates other than SlotGate may not say which slots are taken.
-        in_flight: Callable[[int], bool] = getattr(gate, "in_flight", lambda slot: False)
         reserved: set[int | None] = set()
         if self.leases is not None:
             holders = self.leases.held_sessions(endpoint)
             reserved = {self.sessions.last_slot(s) for s in holders if s != keys.session}
         return self.sessions.choose_slot(
-            keys.history, self.slot_count(endpoint), lambda s: s in reserved or in_flight(s)
+            keys.history, self.slot_count(endpoint), lambda s: s in reserved or gate.in_flight(s)
         )
 
     def account(self, endpoint: str, keys: CallKeys, slot: int, completion: Completion) -> None:
@@ -197,8 +199,10 @@ class _LeasedCall:
         keys: CallKeys,
         on_event: EventSink,
         retryable: Callable[[BaseException], bool],
+        flow: Flow | None,
     ) -> None:
         self._up = upstreams
+        self._flow = flow
         self._endpoint = endpoint
         self._request = request
         self._keys = keys
@@ -237,7 +241,7 @@ class _LeasedCall:
         self._slot = self._up.choose_slot(self._endpoint, self._keys)
         client = self._up.clients[self._endpoint]
         request = replace(self._request, slot=self._slot)
-        calling = client.chat_with_retry(request, self._on_event, self._retryable)
+        calling = client.chat_with_retry(request, self._on_event, self._retryable, flow=self._flow)
         self._step = calling
         calling.addCallbacks(self._completed, self._failed)
 
