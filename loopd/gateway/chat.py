@@ -39,7 +39,7 @@ from loopd.gateway.request import GatewayRequest, read_session
 from loopd.gateway.sessions import Sessions
 from loopd.gateway.translate import parse_request
 from loopd.gateway.upstream import CallKeys
-from loopd.gateway.web import comment_line, data_line, open_event_stream, write_json
+from loopd.gateway.web import comment_line, data_line, done_line, open_event_stream, write_json
 from loopd.llama import Flow
 from loopd.llama.types import ChatEvent, Completion, Content, Reasoning, ToolCallDelta
 from loopd.moa.roles import VIRTUAL_MODEL_NAME as MESH_MODEL
@@ -97,7 +97,9 @@ class ChatCompletions(Resource):
         content = request.content
         body = content.read() if content is not None else b""
         try:
-            session = read_session(request.getHeader, host.sessions.anonymous_id(request.channel))
+            session = read_session(
+                request.getHeader, lambda: host.sessions.anonymous_id(request.channel)
+            )
             parsed = parse_request(body, session)
             routed = host.route_auto(parsed)
             if parsed.model == MESH_MODEL:
@@ -231,7 +233,7 @@ class _ChatExchange:
             self._start_stream()
             for chunk in self._chunks.finish_chunks(completion):
                 self._request.write(data_line(chunk))
-            self._request.write(b"data: [DONE]\n\n")
+            self._request.write(done_line())
             self._finish()
         else:
             body = completion_json(

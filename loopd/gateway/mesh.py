@@ -48,7 +48,14 @@ from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.request import GatewayRequest, SessionRef
 from loopd.gateway.router import AutoRouter
 from loopd.gateway.upstream import CallKeys, Upstreams
-from loopd.gateway.web import Exchange, comment_line, data_line, open_event_stream, write_json
+from loopd.gateway.web import (
+    Exchange,
+    comment_line,
+    data_line,
+    done_line,
+    open_event_stream,
+    write_json,
+)
 from loopd.llama.retry import is_retryable
 from loopd.llama.types import ChatRequest, Completion
 from loopd.moa.engine import MeshTimings, MeshTurn, TurnResult
@@ -327,7 +334,7 @@ class MeshExchange:
         self._flush()
         for chunk in stream_chunks(body):
             self._write(data_line(chunk))
-        self._write(b"data: [DONE]\n\n")
+        self._write(done_line())
         self._finish()
 
     def _respond(self, status: int, body: object, headers: list[tuple[bytes, bytes]]) -> None:

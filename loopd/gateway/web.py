@@ -18,7 +18,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from loopd.gateway.errors import GatewayError
-from loopd.sse import encode_comment, encode_data
+from loopd.sse import DONE, encode_comment, encode_data
 
 __all__ = [
     "CappedRequest",
@@ -28,6 +28,7 @@ __all__ = [
     "Root",
     "comment_line",
     "data_line",
+    "done_line",
     "encode_json",
     "open_event_stream",
     "write_json",
@@ -69,6 +70,11 @@ def open_event_stream(request: Request) -> None:
 def data_line(payload: object) -> bytes:
     """One SSE C{data:} event carrying C{payload} as JSON."""
     return encode_data(json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
+
+
+def done_line() -> bytes:
+    """The C{data: [DONE]} event that ends an OpenAI stream."""
+    return encode_data(DONE)
 
 
 def comment_line(payload: object) -> bytes:
