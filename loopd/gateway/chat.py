@@ -142,6 +142,13 @@ class _ChatExchange:
         endpoint: Endpoint,
         alternatives: list[Endpoint],
     ) -> None:
+        """
+        @param host: the gateway.
+        @param request: the client's request.
+        @param parsed: what it asks, read once by the front door.
+        @param endpoint: the endpoint to try first.
+        @param alternatives: the router's next candidates, for a fail-over (C{auto} only).
+        """
         self._host = host
         self._request = request
         self._parsed = parsed
@@ -195,6 +202,10 @@ class _ChatExchange:
     # -- events --------------------------------------------------------------------------
 
     def _event(self, event: ChatEvent) -> None:
+        """
+        One event of the upstream call: the first token's time for the metrics, and for a
+        streaming client its chunks or a C{: loopd} comment (which open the stream).
+        """
         if self._phase is _Phase.DONE:
             return
         if isinstance(event, _FIRST_TOKEN) and not self._first_token_seen:
@@ -215,6 +226,7 @@ class _ChatExchange:
             self._request.write(data_line(chunk))
 
     def _start_stream(self) -> None:
+        """Open the event stream with the role chunk, once."""
         if self._phase is not _Phase.QUIET:
             return
         self._phase = _Phase.STREAMING
@@ -224,6 +236,7 @@ class _ChatExchange:
     # -- endings -------------------------------------------------------------------------
 
     def _completed(self, completion: Completion) -> None:
+        """The call finished: answer with the completion, as the closing chunks or a JSON body."""
         self._call = None
         if self._phase is _Phase.DONE:
             return
@@ -242,6 +255,12 @@ class _ChatExchange:
             self._finish(write_json(self._request, 200, body))
 
     def _failed(self, reason: Failure) -> None:
+        """
+
+        The call failed: fail over on a refused connection while the client has seen nothing
+        and the router has a next candidate; else answer the error. A cancellation is this
+        exchange's own doing (the client left, or the daemon stopped) and answers nothing.
+        """
         self._call = None
         if self._phase is _Phase.DONE or reason.check(CancelledError):
             return
@@ -265,6 +284,7 @@ class _ChatExchange:
         self._go()
 
     def _end_with_error(self, error: GatewayError) -> None:
+        """Answer C{error} as a status or, once streaming, as an error event; stop the call."""
         if self._phase is _Phase.DONE:
             return
         self._host.metrics.observe_request(self._endpoint.name, error.code)
@@ -278,6 +298,7 @@ class _ChatExchange:
             call.cancel()
 
     def _client_gone(self, reason: Failure) -> None:
+        """The client left: count it and cancel the call (which gives its lease back)."""
         if self._phase is _Phase.DONE:
             return
         self._phase = _Phase.DONE
@@ -288,6 +309,7 @@ class _ChatExchange:
             call.cancel()
 
     def _finish(self, body: bytes = b"") -> None:
+        """End the response, with C{body} when given; the producer goes before the end."""
         self._phase = _Phase.DONE
         self._host.in_flight.discard(self)
         if self._flow is not None:

@@ -39,10 +39,14 @@ class _Metrics(Resource):
     isLeaf = True
 
     def __init__(self, metrics: GatewayMetrics) -> None:
+        """
+        @param metrics: the gateway's metrics.
+        """
         super().__init__()
         self._metrics = metrics
 
     def render_GET(self, request: Request) -> bytes:
+        """The text exposition, with its content type."""
         text, content_type = self._metrics.render()
         request.setHeader(b"content-type", content_type.encode())
         return text
@@ -172,6 +176,7 @@ class Gateway:
             self.leases.stop()
 
     def _models(self) -> tuple[int, object]:
+        """C{GET /v1/models}: the endpoints, then C{auto} and C{mesh}."""
         created = int(self.wall_clock())
         data = [
             {"id": e.name, "object": "model", "created": created, "owned_by": "loopd"}

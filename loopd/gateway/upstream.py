@@ -201,6 +201,7 @@ class _LeasedCall:
         retryable: Callable[[BaseException], bool],
         flow: Flow | None,
     ) -> None:
+        """See L{Upstreams.call} for the arguments."""
         self._up = upstreams
         self._flow = flow
         self._endpoint = endpoint
@@ -232,6 +233,7 @@ class _LeasedCall:
         return self._result
 
     def _leased(self, hold: LeaseHold) -> None:
+        """The lease is granted: go upstream."""
         self._step = None
         self._hold = hold
         self._go()
@@ -246,12 +248,14 @@ class _LeasedCall:
         calling.addCallbacks(self._completed, self._failed)
 
     def _completed(self, completion: Completion) -> None:
+        """The client answered: give the lease back, account for the answer, hand it on."""
         self._step = None
         self._give_back(self._keys.ends)
         self._up.account(self._endpoint, self._keys, self._slot, completion)
         self._result.callback(completion)
 
     def _failed(self, reason: Failure) -> None:
+        """The lease wait or the call failed: give the lease back, hand the failure on."""
         self._step = None
         # Nothing of the session is cached where nothing answered: no grace there.
         self._give_back(self._keys.ends or reason.check(Connect) is not None)
@@ -266,6 +270,7 @@ class _LeasedCall:
         self._give_back(self._keys.ends)
 
     def _give_back(self, at_once: bool) -> None:
+        """Give the lease back (once), at once or after the grace."""
         hold, self._hold = self._hold, None
         if hold is not None and self._up.leases is not None:
             self._up.leases.done(hold, at_once)
