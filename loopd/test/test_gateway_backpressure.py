@@ -23,13 +23,12 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 from twisted.web.server import Site
 
-from loopd import http
 from loopd.config import Config, Endpoint, Limits
 from loopd.gateway.site import Gateway
 from loopd.llama import Client
 from loopd.test.support.fake_llama import sse_reply
 from loopd.test.support.peers import buffered, real_reactor
-from loopd.test.support.streaming import StreamingUpstream
+from loopd.test.support.streaming import ReadCounter, StreamingUpstream
 
 #: The upstream answer: 512 content deltas of 16 KiB, 8 MiB of text in all.
 PIECES = 512
@@ -149,14 +148,7 @@ class GatewayBackpressureTests(TestCase):
         self.addCleanup(listening.stopListening)
         self.assertIsInstance(site, Site)
 
-        read_upstream = [0]
-        original = http._CappedClientProtocol.dataReceived
-
-        def counting(protocol: Any, data: bytes) -> None:
-            read_upstream[0] += len(data)
-            original(protocol, data)
-
-        self.patch(http._CappedClientProtocol, "dataReceived", counting)
+        counter = ReadCounter(self.patch)
 
         body = json.dumps(
             {"model": "tiny", "stream": True, "messages": [{"role": "user", "content": "Go"}]}
@@ -192,7 +184,7 @@ class GatewayBackpressureTests(TestCase):
         self.assertLess(held, BOUND)
         self.assertLess(upstream.sent, upstream.total // 2)
         # What loopd read and did not yet hand to the kernel is at most what it read.
-        self.assertLess(read_upstream[0], upstream.sent)
+        self.assertLess(counter.read, upstream.sent)
 
         reader.read_again()
         raw = yield done

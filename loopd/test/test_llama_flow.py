@@ -23,7 +23,6 @@ from twisted.web.http import HTTPChannel, Request
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
-from loopd import http
 from loopd.config import Config, Endpoint, Limits, Retry
 from loopd.errors import Http, Stalled
 from loopd.llama import ChatEvent, ChatRequest, Client, Completion, Content, Retrying, User
@@ -39,7 +38,7 @@ from loopd.test.support.fake_llama import (
 )
 from loopd.test.support.memory_net import MemoryNet
 from loopd.test.support.peers import real_reactor
-from loopd.test.support.streaming import StreamingUpstream
+from loopd.test.support.streaming import ReadCounter, StreamingUpstream
 
 #: Where the fake listens; MemoryNet never touches the file system.
 PATH = "/tmp/ld-memory/llama.sock"
@@ -390,16 +389,7 @@ class SocketFlowTests(TestCase):
         upstream = StreamingUpstream(reactor, wire, engaged, closed)
         port = reactor.listenUNIX(path, Factory.forProtocol(lambda: upstream))
         self.addCleanup(port.stopListening)
-        read = [0]
-        original = http._CappedClientProtocol.dataReceived
-
-        def counting(protocol: Any, data: bytes) -> None:
-            read[0] += len(data)
-            original(protocol, data)
-
-        # Every byte loopd reads from the socket passes here: what the HTTP parser, the SSE
-        # decoder and the assembler hold is at most this much.
-        self.patch(http._CappedClientProtocol, "dataReceived", counting)
+        counter = ReadCounter(self.patch)
         config = make_config(path, Limits())
         client = Client(reactor, config, config.endpoints[0])
         flow = Flow()
@@ -414,7 +404,7 @@ class SocketFlowTests(TestCase):
 
         completion.addBoth(too_early)
         yield engaged
-        self.assertLess(read[0], 256 * 1024)
+        self.assertLess(counter.read, 256 * 1024)
         self.assertLess(upstream.sent, total // 2)
         flow.resumeProducing()
         answer = yield completion

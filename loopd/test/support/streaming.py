@@ -14,7 +14,30 @@ from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from loopd import http
 from loopd.test.support.fake_llama import RequestParser
+
+
+class ReadCounter:
+    """
+    Counts every byte loopd's HTTP client reads from any socket, while installed: what the
+    HTTP parser, the SSE decoder and the assembler hold is at most that much.
+
+    @ivar read: the bytes read so far.
+    """
+
+    def __init__(self, patch: Any) -> None:
+        """
+        @param patch: a trial test's C{patch}, which undoes the counting after the test.
+        """
+        self.read = 0
+        original = http._CappedClientProtocol.dataReceived
+
+        def counting(protocol: Any, data: bytes) -> None:
+            self.read += len(data)
+            original(protocol, data)
+
+        patch(http._CappedClientProtocol, "dataReceived", counting)
 
 
 @implementer(IPushProducer)
