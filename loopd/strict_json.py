@@ -86,17 +86,7 @@ def decode(data: str | bytes, *, interoperable: bool = False) -> Any:
     @raise JSONError: C{data} is not JSON by these rules.
     """
     text = _as_text(data)
-    decoder = _INTEROPERABLE if interoperable else _JAVASCRIPT
-    try:
-        value = decoder.decode(text)
-    except RecursionError:
-        raise JSONError("JSON nests too deeply") from None
-    except JSONError:
-        raise
-    except ValueError as error:
-        raise JSONError(str(error)) from None
-    if interoperable:
-        _check_surrogates(text, value)
+    value, _ = _read(text, 0, interoperable, whole=True)
     return value
 
 
@@ -107,9 +97,20 @@ def decode_prefix(text: str, start: int = 0, *, interoperable: bool = False) -> 
 
     @raise JSONError: no JSON value begins there, by the rules of L{decode}.
     """
+    return _read(text, start, interoperable, whole=False)
+
+
+def _read(text: str, start: int, interoperable: bool, *, whole: bool) -> tuple[Any, int]:
+    """
+    The value at C{start} and where it ends: the whole of C{text} (whitespace around it
+    allowed) when C{whole}, else just the value. Every failure becomes a L{JSONError}.
+    """
     decoder = _INTEROPERABLE if interoperable else _JAVASCRIPT
     try:
-        value, end = decoder.raw_decode(text, start)
+        if whole:
+            value, end = decoder.decode(text), len(text)
+        else:
+            value, end = decoder.raw_decode(text, start)
     except RecursionError:
         raise JSONError("JSON nests too deeply") from None
     except JSONError:

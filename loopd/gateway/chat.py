@@ -14,6 +14,10 @@ is still an HTTP status with a JSON body; after that, an error is one
 C{data: {"error": ...}} event and no C{[DONE]}. loopd's own events travel as SSE comment
 lines (C{: loopd {...}}), which OpenAI clients ignore. A client that goes away cancels
 the upstream request, and llama-server frees the slot.
+
+Backpressure: a streaming exchange registers a L{Flow} as its request's producer, and the
+upstream call reads through it, so a client that stops reading pauses the upstream read
+and loopd's buffers stay bounded; reading resumes when the client drains them.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from loopd.gateway.request import GatewayRequest, read_session
 from loopd.gateway.sessions import Sessions
 from loopd.gateway.translate import parse_request
 from loopd.gateway.upstream import CallKeys
-from loopd.gateway.web import comment_line, data_line, open_event_stream, write_json
+from loopd.gateway.web import comment_line, data_line, done_line, open_event_stream, write_json
+from loopd.llama import Flow
 from loopd.llama.types import ChatEvent, Completion, Content, Reasoning, ToolCallDelta
 from loopd.moa.roles import VIRTUAL_MODEL_NAME as MESH_MODEL
 from loopd.settings import Endpoint
@@ -92,7 +97,9 @@ class ChatCompletions(Resource):
         content = request.content
         body = content.read() if content is not None else b""
         try:
-            session = read_session(request.getHeader, host.sessions.anonymous_id(request.channel))
+            session = read_session(
+                request.getHeader, lambda: host.sessions.anonymous_id(request.channel)
+            )
             parsed = parse_request(body, session)
             routed = host.route_auto(parsed)
             if parsed.model == MESH_MODEL:
@@ -135,6 +142,13 @@ class _ChatExchange:
         endpoint: Endpoint,
         alternatives: list[Endpoint],
     ) -> None:
+        """
+        @param host: the gateway.
+        @param request: the client's request.
+        @param parsed: what it asks, read once by the front door.
+        @param endpoint: the endpoint to try first.
+        @param alternatives: the router's next candidates, for a fail-over (C{auto} only).
+        """
         self._host = host
         self._request = request
         self._parsed = parsed
@@ -146,6 +160,7 @@ class _ChatExchange:
         self._completion_id = new_completion_id()
         self._created = int(host.wall_clock())
         self._call: Deferred[Completion] | None = None
+        self._flow: Flow | None = None
         self._use(endpoint)
 
     def _use(self, endpoint: Endpoint) -> None:
@@ -159,12 +174,19 @@ class _ChatExchange:
         """Send the request upstream; watch for the client leaving all along."""
         self._host.in_flight.add(self)
         self._request.notifyFinish().addErrback(self._client_gone)
+        if self._parsed.stream:
+            self._flow = Flow()
+            self._request.registerProducer(self._flow, True)
         self._go()
 
     def _go(self) -> None:
         """One leased call to the current endpoint."""
         call = self._host.upstreams.call(
-            self._endpoint.name, self._parsed.chat_request(), self._keys, on_event=self._event
+            self._endpoint.name,
+            self._parsed.chat_request(),
+            self._keys,
+            on_event=self._event,
+            flow=self._flow,
         )
         self._call = call
         call.addCallbacks(self._completed, self._failed)
@@ -180,6 +202,10 @@ class _ChatExchange:
     # -- events --------------------------------------------------------------------------
 
     def _event(self, event: ChatEvent) -> None:
+        """
+        One event of the upstream call: the first token's time for the metrics, and for a
+        streaming client its chunks or a C{: loopd} comment (which open the stream).
+        """
         if self._phase is _Phase.DONE:
             return
         if isinstance(event, _FIRST_TOKEN) and not self._first_token_seen:
@@ -200,6 +226,7 @@ class _ChatExchange:
             self._request.write(data_line(chunk))
 
     def _start_stream(self) -> None:
+        """Open the event stream with the role chunk, once."""
         if self._phase is not _Phase.QUIET:
             return
         self._phase = _Phase.STREAMING
@@ -209,6 +236,7 @@ class _ChatExchange:
     # -- endings -------------------------------------------------------------------------
 
     def _completed(self, completion: Completion) -> None:
+        """The call finished: answer with the completion, as the closing chunks or a JSON body."""
         self._call = None
         if self._phase is _Phase.DONE:
             return
@@ -218,7 +246,7 @@ class _ChatExchange:
             self._start_stream()
             for chunk in self._chunks.finish_chunks(completion):
                 self._request.write(data_line(chunk))
-            self._request.write(b"data: [DONE]\n\n")
+            self._request.write(done_line())
             self._finish()
         else:
             body = completion_json(
@@ -227,6 +255,12 @@ class _ChatExchange:
             self._finish(write_json(self._request, 200, body))
 
     def _failed(self, reason: Failure) -> None:
+        """
+
+        The call failed: fail over on a refused connection while the client has seen nothing
+        and the router has a next candidate; else answer the error. A cancellation is this
+        exchange's own doing (the client left, or the daemon stopped) and answers nothing.
+        """
         self._call = None
         if self._phase is _Phase.DONE or reason.check(CancelledError):
             return
@@ -250,6 +284,7 @@ class _ChatExchange:
         self._go()
 
     def _end_with_error(self, error: GatewayError) -> None:
+        """Answer C{error} as a status or, once streaming, as an error event; stop the call."""
         if self._phase is _Phase.DONE:
             return
         self._host.metrics.observe_request(self._endpoint.name, error.code)
@@ -263,6 +298,7 @@ class _ChatExchange:
             call.cancel()
 
     def _client_gone(self, reason: Failure) -> None:
+        """The client left: count it and cancel the call (which gives its lease back)."""
         if self._phase is _Phase.DONE:
             return
         self._phase = _Phase.DONE
@@ -273,8 +309,11 @@ class _ChatExchange:
             call.cancel()
 
     def _finish(self, body: bytes = b"") -> None:
+        """End the response, with C{body} when given; the producer goes before the end."""
         self._phase = _Phase.DONE
         self._host.in_flight.discard(self)
+        if self._flow is not None:
+            self._request.unregisterProducer()
         if body:
             self._request.write(body)
         self._request.finish()

@@ -93,6 +93,7 @@ class GatewayLeases:
         self.scheduler = scheduler
 
     def _scheduler(self) -> Scheduler:
+        """The bound scheduler; using the leases before L{bind} is a programming error."""
         if self.scheduler is None:
             raise RuntimeError("GatewayLeases.bind() was not called")
         return self.scheduler

@@ -48,7 +48,14 @@ from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.request import GatewayRequest, SessionRef
 from loopd.gateway.router import AutoRouter
 from loopd.gateway.upstream import CallKeys, Upstreams
-from loopd.gateway.web import Exchange, comment_line, data_line, open_event_stream, write_json
+from loopd.gateway.web import (
+    Exchange,
+    comment_line,
+    data_line,
+    done_line,
+    open_event_stream,
+    write_json,
+)
 from loopd.llama.retry import is_retryable
 from loopd.llama.types import ChatRequest, Completion
 from loopd.moa.engine import MeshTimings, MeshTurn, TurnResult
@@ -158,6 +165,10 @@ class _MeshCalls:
     """The upstream calls of one mesh turn, for one session (L{UpstreamCall} of the engine)."""
 
     def __init__(self, host: MeshHost, session: SessionRef) -> None:
+        """
+        @param host: the gateway.
+        @param session: the session the turn's leases and slots are kept for.
+        """
         self._host = host
         self._session = session
 
@@ -176,10 +187,12 @@ class _MeshCalls:
         )
 
     def _answered(self, completion: Completion, name: str) -> Completion:
+        """An answer: the endpoint is reachable."""
         self._host.reachability.answered(name)
         return completion
 
     def _failed(self, reason: Failure, name: str) -> Failure:
+        """A failure: note a refused connection, make a 429 the fan-out's L{RateLimited}."""
         if reason.check(Connect):
             self._host.reachability.failed(name, self._host.reactor.seconds())
         elif isinstance(reason.value, Http) and reason.value.status == 429:
@@ -262,6 +275,11 @@ class MeshExchange:
     # -- while it runs -------------------------------------------------------------------
 
     def _progress(self, event: Mapping[str, Any]) -> None:
+        """
+
+        One progress event of the turn: a C{: loopd} comment for a streaming client, held back
+        until the stream opens at the first worker that answered.
+        """
         if not self._stream or self._finished:
             return
         self._pending.append(comment_line(dict(event)))
@@ -271,22 +289,26 @@ class MeshExchange:
             self._flush()
 
     def _open_stream(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """Open the event stream, with C{headers} when the result is already known."""
         self._streaming = True
         open_event_stream(self._request)
         for name, value in headers:
             self._request.setHeader(name, value)
 
     def _flush(self) -> None:
+        """Write the progress comments held back so far."""
         pending, self._pending = self._pending, []
         for line in pending:
             self._write(line)
 
     def _write(self, data: bytes) -> None:
+        """Write C{data} to the client."""
         self._request.write(data)
 
     # -- endings -------------------------------------------------------------------------
 
     def _ended(self, result: TurnResult) -> None:
+        """The turn ended: answer its result, its error, or its tool call, as the client asked."""
         self._running = None
         if self._finished:
             return
@@ -327,10 +349,11 @@ class MeshExchange:
         self._flush()
         for chunk in stream_chunks(body):
             self._write(data_line(chunk))
-        self._write(b"data: [DONE]\n\n")
+        self._write(done_line())
         self._finish()
 
     def _respond(self, status: int, body: object, headers: list[tuple[bytes, bytes]]) -> None:
+        """Answer C{body} as JSON with C{status}, the C{x-moa-*} C{headers} and its length."""
         data = write_json(self._request, status, body)
         for name, value in headers:
             self._request.setHeader(name, value)
@@ -338,6 +361,7 @@ class MeshExchange:
         self._finish(data)
 
     def _client_gone(self, reason: Failure) -> None:
+        """The client left: count it and cancel the turn."""
         if self._finished:
             return
         self._finished = True
@@ -346,12 +370,14 @@ class MeshExchange:
         self._cancel_turn()
 
     def _cancel_turn(self) -> None:
+        """Cancel the running turn, which cancels every call and timer of it."""
         running, self._running = self._running, None
         if running is not None:
             running.addErrback(lambda failure: None)
             running.cancel()
 
     def _finish(self, body: bytes = b"") -> None:
+        """End the response, with C{body} when given."""
         self._finished = True
         self._host.in_flight.discard(self)
         if body:

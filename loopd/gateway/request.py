@@ -168,20 +168,23 @@ class GatewayRequest:
         )
 
 
-def read_session(header: Callable[[bytes], bytes | None], anonymous: str) -> SessionRef:
+def read_session(
+    header: Callable[[bytes], bytes | None], anonymous: Callable[[], str]
+) -> SessionRef:
     """
-    The session of a request from its headers: C{X-Session-Id} (else C{anonymous}, the id of
-    its connection), C{X-Session-Role} (C{parent}, also when absent, or C{child}, any case)
-    and C{X-Session-End} (C{true} or C{1}; absent, C{false} or C{0}: not).
+    The session of a request from its headers: C{X-Session-Id} (else C{anonymous()}, the id
+    of its connection), C{X-Session-Role} (C{parent}, also when absent, or C{child}, any
+    case) and C{X-Session-End} (C{true} or C{1}; absent, C{false} or C{0}: not).
 
     @param header: the request's header by lower-case name, C{None} when it has none.
+    @param anonymous: gives the id of the request's connection, asked only when needed.
     @raise GatewayError: 400 C{invalid_session_role} or C{invalid_session_end} for any other
         value of those headers.
     """
     tier = _header_choice(header, ROLE_HEADER, _ROLES, "parent", "parent or child")
     ends = _header_choice(header, END_HEADER, _ENDS, False, "true or false")
     named = header(SESSION_HEADER)
-    session = named.decode("utf-8", "backslashreplace") if named else anonymous
+    session = named.decode("utf-8", "backslashreplace") if named else anonymous()
     return SessionRef(session, tier, ends)
 
 

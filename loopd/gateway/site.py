@@ -12,12 +12,10 @@ import time
 from collections.abc import Callable, Mapping
 
 from twisted.internet.defer import Deferred, DeferredList
-from twisted.internet.interfaces import IReactorTime, IReactorUNIX
-from twisted.python.failure import Failure
+from twisted.internet.interfaces import IReactorTime
 from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
-from loopd import http
 from loopd.gateway.chat import ChatCompletions
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.leases import GatewayLeases, queue_status
@@ -28,7 +26,7 @@ from loopd.gateway.router import AUTO_MODEL, AutoRouter, RandomSource
 from loopd.gateway.sessions import Sessions
 from loopd.gateway.upstream import Upstreams
 from loopd.gateway.web import CappedSite, Exchange, JsonRoute, Root
-from loopd.llama import Client
+from loopd.llama import Client, Health
 from loopd.moa.roles import VIRTUAL_MODEL_NAME as MESH_MODEL
 from loopd.settings import Config, Endpoint
 
@@ -41,10 +39,14 @@ class _Metrics(Resource):
     isLeaf = True
 
     def __init__(self, metrics: GatewayMetrics) -> None:
+        """
+        @param metrics: the gateway's metrics.
+        """
         super().__init__()
         self._metrics = metrics
 
     def render_GET(self, request: Request) -> bytes:
+        """The text exposition, with its content type."""
         text, content_type = self._metrics.render()
         request.setHeader(b"content-type", content_type.encode())
         return text
@@ -109,10 +111,7 @@ class Gateway:
         )
         self.metrics.watch_router(self.router, reactor.seconds)
         for name, client in self.clients.items():
-            waiting = getattr(client.gate, "waiting", None)
-            # Gates other than SlotGate may not say how many requests wait.
-            if waiting is not None:
-                self.metrics.set_queue_depth(name, self._queue_depth(name, waiting))
+            self.metrics.set_queue_depth(name, self._queue_depth(name, client.gate.waiting))
 
     def endpoint_for(self, model: str | None) -> Endpoint:
         """
@@ -177,6 +176,7 @@ class Gateway:
             self.leases.stop()
 
     def _models(self) -> tuple[int, object]:
+        """C{GET /v1/models}: the endpoints, then C{auto} and C{mesh}."""
         created = int(self.wall_clock())
         data = [
             {"id": e.name, "object": "model", "created": created, "owned_by": "loopd"}
@@ -187,40 +187,18 @@ class Gateway:
         return 200, {"object": "list", "data": data}
 
     def _health(self) -> Deferred[tuple[int, object]]:
-        checks = [self._reachable(e) for e in self.config.endpoints]
+        """C{GET /health}: every endpoint's own C{/health}, asked through its client."""
+        checks = [self.clients[e.name].health() for e in self.config.endpoints]
 
-        def summarise(results: list[tuple[bool, str]]) -> tuple[int, object]:
+        def summarise(results: list[tuple[bool, Health]]) -> tuple[int, object]:
+            healths = [health for _, health in results]
             endpoints = {
-                e.name: detail
-                for e, (_, detail) in zip(self.config.endpoints, results, strict=True)
+                e.name: health.detail
+                for e, health in zip(self.config.endpoints, healths, strict=True)
             }
-            healthy = all(detail == "ok" for detail in endpoints.values())
+            healthy = all(health.ok for health in healths)
             status = "ok" if healthy else "degraded"
             return (200 if healthy else 503), {"status": status, "endpoints": endpoints}
 
-        gathered = DeferredList(checks, consumeErrors=True)
-        return gathered.addCallback(lambda results: summarise([r for _, r in results]))
-
-    def _reachable(self, endpoint: Endpoint) -> Deferred[tuple[bool, str]]:
-        caps = http.HttpCaps(self.config.caps.header_bytes, self.config.caps.body_bytes)
-        probe = http.request(
-            IReactorUNIX(self.reactor),
-            endpoint.socket,
-            "GET",
-            "/health",
-            caps=caps,
-            connect_timeout=self.config.limits.poll_ms / 1000.0,
-        )
-
-        def answered(response: http.HttpResponse) -> tuple[bool, str]:
-            response.abort()
-            # An OpenAI-compatible server need not have /health: any answer will do.
-            if response.status == 200 or endpoint.kind == "openai":
-                return True, "ok"
-            return False, f"HTTP {response.status}"
-
-        def failed(reason: Failure) -> tuple[bool, str]:
-            return False, f"unreachable: {reason.getErrorMessage()}"
-
-        probe.addTimeout(self.config.limits.poll_ms / 1000.0, self.reactor)
-        return probe.addCallbacks(answered, failed)
+        gathered: Deferred[list[tuple[bool, Health]]] = DeferredList(checks, consumeErrors=True)
+        return gathered.addCallback(summarise)

@@ -13,7 +13,8 @@ mesh worker and reducer call go through L{Upstreams.call}.
     the endpoint calls it home, so that session's next turn finds its KV cache where it
     left it.
  3. B{Call.} The endpoint's robust llama client (L{Client.chat_with_retry}: its slot gate,
-    bounded waits and retries), the request pinned to the slot.
+    bounded waits and retries), the request pinned to the slot; a streaming client's
+    backpressure (a L{Flow}) pauses the upstream read while the client does not read.
  4. B{Accounting.} A completion's token counts go to the metrics, its speed to the C{auto}
     router, and its cache outcome against the session's previous completion on the endpoint
     to the session table, the metrics (a loss) and the log.
@@ -41,7 +42,7 @@ from loopd.gateway.leases import GatewayLeases, LeaseHold
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.router import AutoRouter
 from loopd.gateway.sessions import Sessions
-from loopd.llama import Client
+from loopd.llama import Client, Flow
 from loopd.llama.retry import is_retryable
 from loopd.llama.types import ChatEvent, ChatRequest, Completion, Queued
 from loopd.queue.scheduler_types import Tier
@@ -135,6 +136,7 @@ class Upstreams:
         *,
         on_event: EventSink = _ignore,
         retryable: Callable[[BaseException], bool] = is_retryable,
+        flow: Flow | None = None,
     ) -> Deferred[Completion]:
         """
         One leased call of C{request} (its C{slot} is chosen here) to C{endpoint}; see the
@@ -144,10 +146,12 @@ class Upstreams:
         @param on_event: receives the call's events as they happen.
         @param retryable: which failures the client tries again (L{is_retryable} unless
             narrowed: a mesh call does not retry a refused connection, decision 29).
+        @param flow: the backpressure of the consumer of the events (a streaming client):
+            while it is paused the upstream answer is not read (L{Flow}).
         @return: fires with the completion; fails with the client's L{loopd.errors} kinds or
             L{WaitTimeout} for a lease wait that ran out; cancel it to abandon the call.
         """
-        return _LeasedCall(self, endpoint, request, keys, on_event, retryable).start()
+        return _LeasedCall(self, endpoint, request, keys, on_event, retryable, flow).start()
 
     def choose_slot(self, endpoint: str, keys: CallKeys) -> int:
         """
@@ -155,14 +159,12 @@ class Upstreams:
         with the rule of step 2 (module docstring) for which slots are taken.
         """
         gate = self.clients[endpoint].gate
-        # Gates other than SlotGate may not say which slots are taken.
-        in_flight: Callable[[int], bool] = getattr(gate, "in_flight", lambda slot: False)
         reserved: set[int | None] = set()
         if self.leases is not None:
             holders = self.leases.held_sessions(endpoint)
             reserved = {self.sessions.last_slot(s) for s in holders if s != keys.session}
         return self.sessions.choose_slot(
-            keys.history, self.slot_count(endpoint), lambda s: s in reserved or in_flight(s)
+            keys.history, self.slot_count(endpoint), lambda s: s in reserved or gate.in_flight(s)
         )
 
     def account(self, endpoint: str, keys: CallKeys, slot: int, completion: Completion) -> None:
@@ -197,8 +199,11 @@ class _LeasedCall:
         keys: CallKeys,
         on_event: EventSink,
         retryable: Callable[[BaseException], bool],
+        flow: Flow | None,
     ) -> None:
+        """See L{Upstreams.call} for the arguments."""
         self._up = upstreams
+        self._flow = flow
         self._endpoint = endpoint
         self._request = request
         self._keys = keys
@@ -228,6 +233,7 @@ class _LeasedCall:
         return self._result
 
     def _leased(self, hold: LeaseHold) -> None:
+        """The lease is granted: go upstream."""
         self._step = None
         self._hold = hold
         self._go()
@@ -237,17 +243,19 @@ class _LeasedCall:
         self._slot = self._up.choose_slot(self._endpoint, self._keys)
         client = self._up.clients[self._endpoint]
         request = replace(self._request, slot=self._slot)
-        calling = client.chat_with_retry(request, self._on_event, self._retryable)
+        calling = client.chat_with_retry(request, self._on_event, self._retryable, flow=self._flow)
         self._step = calling
         calling.addCallbacks(self._completed, self._failed)
 
     def _completed(self, completion: Completion) -> None:
+        """The client answered: give the lease back, account for the answer, hand it on."""
         self._step = None
         self._give_back(self._keys.ends)
         self._up.account(self._endpoint, self._keys, self._slot, completion)
         self._result.callback(completion)
 
     def _failed(self, reason: Failure) -> None:
+        """The lease wait or the call failed: give the lease back, hand the failure on."""
         self._step = None
         # Nothing of the session is cached where nothing answered: no grace there.
         self._give_back(self._keys.ends or reason.check(Connect) is not None)
@@ -262,6 +270,7 @@ class _LeasedCall:
         self._give_back(self._keys.ends)
 
     def _give_back(self, at_once: bool) -> None:
+        """Give the lease back (once), at once or after the grace."""
         hold, self._hold = self._hold, None
         if hold is not None and self._up.leases is not None:
             self._up.leases.done(hold, at_once)

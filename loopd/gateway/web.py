@@ -18,7 +18,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from loopd.gateway.errors import GatewayError
-from loopd.sse import encode_comment, encode_data
+from loopd.sse import DONE, encode_comment, encode_data
 
 __all__ = [
     "CappedRequest",
@@ -28,6 +28,7 @@ __all__ = [
     "Root",
     "comment_line",
     "data_line",
+    "done_line",
     "encode_json",
     "open_event_stream",
     "write_json",
@@ -69,6 +70,11 @@ def open_event_stream(request: Request) -> None:
 def data_line(payload: object) -> bytes:
     """One SSE C{data:} event carrying C{payload} as JSON."""
     return encode_data(json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
+
+
+def done_line() -> bytes:
+    """The C{data: [DONE]} event that ends an OpenAI stream."""
+    return encode_data(DONE)
 
 
 def comment_line(payload: object) -> bytes:
@@ -151,10 +157,14 @@ class JsonRoute(Resource):
     isLeaf = True
 
     def __init__(self, render_json: Callable[[], JsonAnswer | Deferred[JsonAnswer]]) -> None:
+        """
+        @param render_json: gives the status and the body, or a Deferred of them.
+        """
         super().__init__()
         self._render_json = render_json
 
     def render_GET(self, request: Request) -> bytes | int:
+        """Answer with C{render_json}'s status and body, now or when its Deferred fires."""
         outcome = self._render_json()
         if not isinstance(outcome, Deferred):
             status, body = outcome
@@ -179,10 +189,14 @@ class Root(Resource):
     """
 
     def __init__(self, routes: Mapping[bytes, Resource]) -> None:
+        """
+        @param routes: the resource of each path, such as C{b"/v1/models"}.
+        """
         super().__init__()
         self._routes = routes
 
     def getChild(self, path: bytes, request: Request) -> Resource:
+        """The route of the whole path (a trailing slash ignored), or a JSON 404."""
         whole = b"/" + b"/".join([path, *(request.postpath or [])])
         route = self._routes.get(whole.rstrip(b"/") or b"/")
         if route is None:
@@ -192,13 +206,17 @@ class Root(Resource):
 
 
 class _Refusal(Resource):
+    """A leaf that answers every request with one JSON error."""
+
     isLeaf = True
 
     def __init__(self, status: int, message: str, code: str) -> None:
+        """The error to answer: C{status} and C{code}, an C{invalid_request_error}."""
         super().__init__()
         self._error = GatewayError(status, message, "invalid_request_error", code)
 
     def render(self, request: Request) -> bytes:
+        """Answer the error."""
         return write_json(request, self._error.status, self._error.body())
 
 
@@ -210,10 +228,14 @@ class _MethodGuard(Resource):
     isLeaf = True
 
     def __init__(self, route: Resource) -> None:
+        """
+        @param route: the resource that answers the methods it has.
+        """
         super().__init__()
         self._route = route
 
     def render(self, request: Request) -> bytes | int:
+        """Let C{route} answer, or a JSON 405 naming the allowed methods."""
         method = (request.method or b"").decode("latin-1")
         allowed = _methods(self._route)
         if method.encode("latin-1") not in allowed:

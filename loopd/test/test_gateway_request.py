@@ -215,7 +215,7 @@ class ReadSessionTests(SynchronousTestCase):
 
     def read(self, headers: dict[bytes, bytes]) -> SessionRef:
         """The session of a request with these C{headers}, on connection C{anon:1}."""
-        return read_session(headers.get, "anon:1")
+        return read_session(headers.get, lambda: "anon:1")
 
     def test_defaults(self) -> None:
         """No header: the connection's anonymous session, a parent, not ending."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from twisted.internet.defer import CancelledError, Deferred, inlineCallbacks
 from twisted.internet.interfaces import IPushProducer
-from twisted.internet.protocol import Factory, Protocol, connectionDone
+from twisted.internet.protocol import Factory
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
@@ -23,18 +23,17 @@ from twisted.web.http import HTTPChannel, Request
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
-from loopd import http
 from loopd.config import Config, Endpoint, Limits, Retry
 from loopd.errors import Http, Stalled
 from loopd.llama import ChatEvent, ChatRequest, Client, Completion, Content, Retrying, User
 from loopd.llama.chat import ChatCall
 from loopd.llama.flow import Flow, IFlowReader
 from loopd.test.support.peers import real_reactor
+from loopd.test.support.streaming import ReadCounter, StreamingUpstream
 from loopd.testing.fake_llama import (
     CHAT,
     FakeLlama,
     Piece,
-    RequestParser,
     event_bytes,
     json_reply,
     sse_reply,
@@ -364,75 +363,6 @@ PIECES = 256
 PIECE_CHARS = 16 * 1024
 
 
-@implementer(IPushProducer)
-class StreamingUpstream(Protocol):
-    """
-    A llama-server stand-in that streams a long answer as a push producer registered on its
-    own transport: it writes one piece per reactor turn, as a generating server does, and
-    only while its transport has not paused it. A reader that keeps up never fills the
-    transport's buffer, so a pause means the reader stopped reading. It writes C{wire}, the
-    whole response piece by piece, fires C{paused} at its first pause (unless fired already)
-    and C{closed} when the connection is lost.
-
-    @ivar sent: the bytes handed to the transport so far.
-    """
-
-    transport: Any
-
-    def __init__(self, wire: list[bytes], paused: Deferred[None], closed: Deferred[None]) -> None:
-        self._wire = wire
-        self._next = 0
-        self._parser = RequestParser()
-        self._paused = False
-        self._turn: Any = None
-        self._paused_once = paused
-        self._closed = closed
-        self.sent = 0
-
-    def connectionMade(self) -> None:
-        self.transport.registerProducer(self, True)
-
-    def dataReceived(self, data: bytes) -> None:
-        if self._next == 0 and self._turn is None and self._parser.feed(data) is not None:
-            self._schedule()
-
-    def _schedule(self) -> None:
-        if not self._paused and self._turn is None:
-            self._turn = real_reactor().callLater(0, self._write_next)
-
-    def _write_next(self) -> None:
-        self._turn = None
-        if self._paused:
-            return
-        piece = self._wire[self._next]
-        self._next += 1
-        self.sent += len(piece)
-        self.transport.write(piece)
-        if self._next == len(self._wire):
-            self.transport.unregisterProducer()
-            self.transport.loseConnection()
-        else:
-            self._schedule()
-
-    def pauseProducing(self) -> None:
-        self._paused = True
-        if not self._paused_once.called:
-            self._paused_once.callback(None)
-
-    def resumeProducing(self) -> None:
-        self._paused = False
-        self._schedule()
-
-    def stopProducing(self) -> None:
-        self._paused = True
-
-    def connectionLost(self, reason: Failure = connectionDone) -> None:
-        if self._turn is not None:
-            self._turn.cancel()
-            self._turn = None
-        self._closed.callback(None)
-
-
 class SocketFlowTests(TestCase):
     """Backpressure over a real Unix socket, on the real reactor."""
 
@@ -456,19 +386,10 @@ class SocketFlowTests(TestCase):
         engaged: Deferred[None] = Deferred()
         closed: Deferred[None] = Deferred()
         # One connection is expected: a second one would find this one's state and fail.
-        upstream = StreamingUpstream(wire, engaged, closed)
+        upstream = StreamingUpstream(reactor, wire, engaged, closed)
         port = reactor.listenUNIX(path, Factory.forProtocol(lambda: upstream))
         self.addCleanup(port.stopListening)
-        read = [0]
-        original = http._CappedClientProtocol.dataReceived
-
-        def counting(protocol: Any, data: bytes) -> None:
-            read[0] += len(data)
-            original(protocol, data)
-
-        # Every byte loopd reads from the socket passes here: what the HTTP parser, the SSE
-        # decoder and the assembler hold is at most this much.
-        self.patch(http._CappedClientProtocol, "dataReceived", counting)
+        counter = ReadCounter(self.patch)
         config = make_config(path, Limits())
         client = Client(reactor, config, config.endpoints[0])
         flow = Flow()
@@ -483,7 +404,7 @@ class SocketFlowTests(TestCase):
 
         completion.addBoth(too_early)
         yield engaged
-        self.assertLess(read[0], 256 * 1024)
+        self.assertLess(counter.read, 256 * 1024)
         self.assertLess(upstream.sent, total // 2)
         flow.resumeProducing()
         answer = yield completion
