@@ -26,9 +26,9 @@ from twisted.web.server import Site
 from loopd.config import Config, Endpoint, Limits
 from loopd.gateway.site import Gateway
 from loopd.llama import Client
-from loopd.test.support.fake_llama import sse_reply
 from loopd.test.support.peers import buffered, real_reactor
 from loopd.test.support.streaming import ReadCounter, StreamingUpstream
+from loopd.testing.fake_llama import sse_reply
 
 #: The upstream answer: 512 content deltas of 16 KiB, 8 MiB of text in all.
 PIECES = 512

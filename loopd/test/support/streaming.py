@@ -15,7 +15,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from loopd import http
-from loopd.test.support.fake_llama import RequestParser
+from loopd.testing.fake_llama import RequestParser
 
 
 class ReadCounter:
