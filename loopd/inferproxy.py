@@ -1,4 +1,4 @@
-# -*- test-case-name: loopd.test.test_inferproxy,loopd.test.test_inferproxy_sockets -*-
+# -*- test-case-name: loopd.test.test_inferproxy -*-
 """
 inferproxy: a Unix-socket → TCP forwarder with hard limits, the only TCP client in loopd.
 

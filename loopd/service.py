@@ -1,4 +1,4 @@
-# -*- test-case-name: loopd.test.test_service -*-
+# -*- test-case-name: test.test_tap_loopd,test.test_gateway_e2e -*-
 """
 The C{twist loopd} service: a llama client per endpoint, the startup self-test, then the
 gateway on its listener. Nothing listens before every endpoint with C{selftest = true}

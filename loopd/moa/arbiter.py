@@ -1,4 +1,4 @@
-# -*- test-case-name: loopd.test.test_moa_arbiter,loopd.test.test_moa_arbiter_scenarios -*-
+# -*- test-case-name: loopd.test.test_moa_arbiter -*-
 """
 The mesh arbiter: what a fan-out turn does next, given what its workers have said so far
 (reference/mesh-moa.md §1.10 with the grace timer of §1.7, the constants of §2 and the v2

@@ -1,4 +1,4 @@
-# -*- test-case-name: loopd.test.test_queue_daemon,loopd.test.test_queue_daemon_e2e -*-
+# -*- test-case-name: loopd.test.test_queue_daemon,test.test_queue_daemon_e2e -*-
 """
 The lease daemon behind C{twist llmqueue}: one scheduler served on C{<agent dir>/llm-queue.sock}.
 

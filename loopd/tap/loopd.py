@@ -1,4 +1,4 @@
-# -*- test-case-name: loopd.test.test_tap_loopd -*-
+# -*- test-case-name: test.test_tap_loopd -*-
 """
 C{twist loopd}: command-line options and the service they build.
 """

@@ -1,6 +1,7 @@
 """
 Tests for L{loopd.chatloop}: one streamed turn, the chat session and the terminal line
-reader, against a scripted fake gateway (L{FakeLlama}) on a L{MemoryNet}, in memory.
+reader, and the first line of C{loopd chat} (its greeting names the model), against a
+scripted fake gateway (L{FakeLlama}) on a L{MemoryNet}, in memory.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from loopd.testing.fake_llama import CHAT, FakeLlama, Piece, Reply, json_reply, 
 from loopd.testing.memory_net import MemoryNet
 
 GATEWAY = "/tmp/ld-memory/chatloop-loopd.sock"
+GREETING_GATEWAY = "/tmp/ld-greeting/loopd.sock"
 
 
 def chunk(delta: dict[str, Any], finish: str | None = None) -> Any:
@@ -253,3 +255,34 @@ class TerminalLinesTests(SynchronousTestCase):
         self.terminal.dataReceived(b"x" * (_TerminalLines.MAX_LENGTH + 1))
         self.assertTrue(self.transport.disconnecting)
         self.assertEqual(self.gateway.requests, [])
+
+
+class GreetingTests(SynchronousTestCase):
+    """What the chat says first, and which model its requests name."""
+
+    def chat(self, model: str | None) -> tuple[list[str], FakeLlama]:
+        """Start a chat with C{model}, ask one question; its output and the fake gateway."""
+        reactor = MemoryReactorClock()
+        net, gateway = MemoryNet(reactor), FakeLlama(reactor)
+        net.listen(GREETING_GATEWAY, gateway)
+        gateway.script("POST", CHAT, sse_reply([chunk({"content": "Hi"}), chunk({}, "stop")]))
+        output: list[str] = []
+        session = ChatSession(reactor, GREETING_GATEWAY, Conversation(model=model), output.append)
+        session.start()
+        session.line("Hello")
+        net.advance(1)
+        return output, gateway
+
+    def test_named_model(self) -> None:
+        """A chat with --model names it in the greeting and in every request."""
+        output, gateway = self.chat("mesh")
+        self.assertIn(" with mesh; ", output[0])
+        (request,) = gateway.requests_to("POST", CHAT)
+        self.assertEqual(request.json["model"], "mesh")
+
+    def test_default_is_auto(self) -> None:
+        """Without --model the greeting says auto and the request names no model."""
+        output, gateway = self.chat(None)
+        self.assertIn(" with auto; ", output[0])
+        (request,) = gateway.requests_to("POST", CHAT)
+        self.assertNotIn("model", request.json)

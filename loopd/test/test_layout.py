@@ -220,6 +220,19 @@ class LayoutTests(SynchronousTestCase):
         )
         self.assertEqual(circles({"a": {"b"}, "b": set()}), [])
 
+    def test_test_case_names_exist(self) -> None:
+        """Every C{test-case-name} a module declares names a test module that exists."""
+        missing = []
+        for path in python_files():
+            first = path.read_text(encoding="utf-8").split("\n", 1)[0]
+            if "test-case-name:" not in first:
+                continue
+            listed = first.split("test-case-name:", 1)[1].replace("-*-", "").split(",")
+            for name in (part.strip() for part in listed):
+                if not (ROOT / (name.replace(".", "/") + ".py")).exists():
+                    missing.append(f"{path.relative_to(ROOT)}: {name}")
+        self.assertEqual(missing, [])
+
     def test_no_test_imports_a_test(self) -> None:
         """Shared test helpers live in test support or loopd.testing, never in a test module."""
         offenders = []
