@@ -4,7 +4,7 @@ One mesh turn, driven over time (reference C{mesh-moa.md} §1.7 dispatch and gat
 resolution, §1.11 the ladder; DESIGN §3 decisions 28-33).
 
 L{MeshTurn} joins the pure pieces: the roles (L{assign_roles}), the packing per role and the
-knobs (L{upstream_body}), the fan-out (L{Fanout}: timeouts, one 429 retry), the normalizer,
+knobs (L{upstream_request}), the fan-out (L{Fanout}: timeouts, one 429 retry), the normalizer,
 the arbiter (L{decide}, re-asked after every worker and every timer) and the hedged reducer
 ladder (L{HedgedLadder}, carried out with reactor timers). It does no I/O of its own: each
 upstream call is the caller's C{call(name, request)}, whose Deferred fires with the reply's
