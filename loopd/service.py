@@ -1,8 +1,9 @@
 # -*- test-case-name: loopd.test.test_service -*-
 """
 The C{twist loopd} service: a llama client per endpoint, the startup self-test, then the
-gateway on its listener. Nothing listens before every endpoint with C{selftest = true}
-has passed; a failure ends the process with a non-zero status and the failing check.
+lease queue (and its socket, unless C{[queue] serve} is false) and the gateway on its
+listener. Nothing listens before every endpoint with C{selftest = true} has passed; a
+failure ends the process with a non-zero status and the failing check.
 """
 
 from __future__ import annotations
@@ -261,7 +262,8 @@ class LoopdService(Service):
 
     def stopService(self) -> Deferred[None] | None:
         """
-        End the exchanges under way with an error, stop listening (removing the socket).
+        End the exchanges under way with an error, stop the lease queue and the config
+        watcher, and stop listening (removing the sockets).
         """
         super().stopService()
         if self.gateway is not None:
