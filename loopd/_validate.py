@@ -237,6 +237,7 @@ def integer(minimum: int, maximum: int | None = None, *, javascript: bool = Fals
     phrase = _integer_phrase(minimum, maximum)
 
     def check(value: object) -> int:
+        """The value as an int in range (C{2.0} is 2 under C{javascript}); else L{RuleError}."""
         number = js_integer(value) if javascript else value if is_integer(value) else None
         if number is None or number < minimum or (maximum is not None and number > maximum):
             raise RuleError(phrase)
@@ -251,6 +252,7 @@ def integer_list(minimum: int) -> Rule:
     phrase = "a non-empty array of " + nouns.get(minimum, f"integers >= {minimum}")
 
     def check(value: object) -> tuple[int, ...]:
+        """The non-empty array as a tuple, each item an int >= C{minimum}; else L{RuleError}."""
         if not isinstance(value, (list, tuple)) or not value:
             raise RuleError(phrase)
         for item in value:
@@ -286,6 +288,7 @@ def number(
         phrase = f"a number from {_bound(minimum)} to {_bound(maximum)}"
 
     def check(value: object) -> float:
+        """The value as a finite float inside the range; else L{RuleError}."""
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise RuleError(phrase)
         try:
@@ -314,6 +317,7 @@ def predicate(phrase: str, test: Callable[[object], bool]) -> Rule:
     """A rule that keeps a value passing C{test} as it is; C{phrase} says what passes."""
 
     def check(value: object) -> object:
+        """The value itself when it passes C{test}; else L{RuleError}."""
         if not test(value):
             raise RuleError(phrase)
         return value
@@ -326,6 +330,7 @@ def string(*, non_empty: bool = True) -> Rule:
     phrase = "a non-empty string" if non_empty else "a string"
 
     def check(value: object) -> str:
+        """The value when it is a string (non-empty if so asked); else L{RuleError}."""
         if not isinstance(value, str) or (non_empty and not value):
             raise RuleError(phrase)
         return value
@@ -338,6 +343,7 @@ def one_of(*choices: str) -> Rule:
     phrase = "one of " + ", ".join(toml_string(choice) for choice in choices)
 
     def check(value: object) -> str:
+        """The value when it is one of the choices; else L{RuleError}."""
         if not isinstance(value, str) or value not in choices:
             raise RuleError(phrase)
         return value
@@ -355,6 +361,11 @@ def array_of(item: Rule, phrase: str, *, non_empty: bool = False) -> Rule:
     """
 
     def check(value: object) -> tuple[object, ...]:
+        """
+        The checked items as a tuple. A value that is no array (or an empty one when
+        C{non_empty}) breaks C{phrase}; otherwise every item is checked, and all the wrong ones
+        are raised together, each with its index, in one L{RuleError}.
+        """
         if not isinstance(value, (list, tuple)) or (non_empty and not value):
             raise RuleError(phrase)
         checked: list[object] = []
@@ -382,6 +393,12 @@ def table_parser(cls: Callable[..., Any], rules: Mapping[str, Rule]) -> SectionP
     """A parser for a flat table whose keys are the keyword arguments of C{cls}."""
 
     def parse(value: object, path: str, problems: Problems) -> Any:
+        """
+        L{ABSENT} for a missing key; else the instance of C{cls} built from the table's valid
+        fields, the others at their defaults. Wrong values go to C{problems}, as do unknown
+        keys (unless its style ignores them) and a value that is no table (every field then at
+        its default).
+        """
         if value is ABSENT:
             return ABSENT
         table = as_table(value, path, problems)
@@ -394,6 +411,10 @@ def scalar_parser(rule: Rule) -> SectionParser:
     """A parser for a top-level key that holds one value checked by C{rule}."""
 
     def parse(value: object, path: str, problems: Problems) -> Any:
+        """
+        L{ABSENT} for a missing key; else the value checked by C{rule}. A value that breaks it
+        goes to C{problems} and is L{ABSENT} too, which leaves the field at its default.
+        """
         if value is ABSENT:
             return ABSENT
         try:

@@ -73,25 +73,39 @@ def stream_turn(
     )
 
     def answered(response: http.HttpResponse) -> Deferred[None]:
+        """
+        The headers are in: a 200 streams its events into the view; any other status is a
+        refusal, its body (at most L{ERROR_BODY_LIMIT} bytes) read for the error text.
+        """
         if response.status != 200:
 
             def refused(raw: bytes) -> None:
+                """Fail the view with the status and what the body says."""
                 write(view.fail(http_error_text(response.status, raw)))
 
             return response.read_body(ERROR_BODY_LIMIT).addCallback(refused)
         decoder = SSEDecoder()
 
         def received(data: bytes) -> None:
+            """
+            Write the view's text for each event or comment of a piece of the stream; a stream that
+            does not decode aborts the read, and C{failed} shows why.
+            """
             for item in decoder.feed(data):
                 write(view.item(item))
 
         def ended(_: None) -> None:
+            """The body ended: the decoder's last items, if any, still count."""
             for item in decoder.finish():
                 write(view.item(item))
 
         return response.deliver(received).addCallback(ended)
 
     def failed(reason: Failure) -> None:
+        """
+        No answer, or a broken one: fail the view with a connection error or the failure's kind
+        and message. The turn itself then ends normally.
+        """
         if reason.check(Connect):
             write(view.fail(f"cannot connect to loopd: {reason.value}"))
         else:
@@ -99,6 +113,7 @@ def stream_turn(
             write(view.fail(f"{type(error).__name__}: {reason.getErrorMessage()}"))
 
     def closed(_: None) -> TurnView:
+        """End the turn's output at the start of a line and fire with C{view}."""
         write(view.close())
         return view
 
@@ -157,6 +172,11 @@ class ChatSession:
         self._next()
 
     def _next(self) -> None:
+        """
+        Handle the typed lines that wait, while no turn is under way: C{/quit} ends the chat, a
+        blank line prompts again, anything else starts a turn (and stops the loop until it is
+        over). Once the input has ended and nothing is under way, the chat ends.
+        """
         while self._lines and not self._busy and not self.finished.called:
             text = self._lines.popleft().strip()
             if text == QUIT:
@@ -170,6 +190,10 @@ class ChatSession:
             self._finish()
 
     def _ask(self, text: str) -> None:
+        """
+        Start a turn: add C{text} to the conversation and stream its answer; lines typed
+        meanwhile wait in the queue.
+        """
         self._busy = True
         body = self.conversation.ask(text)
         view = TurnView(tty=self._tty)
@@ -179,6 +203,10 @@ class ChatSession:
         turn.addCallback(self._answered)
 
     def _answered(self, view: TurnView) -> None:
+        """
+        A turn is over: keep its answer in the conversation, or take the question back when the
+        turn failed (so the next turn does not carry it), then prompt and go on with the queue.
+        """
         if view.succeeded:
             self.conversation.answered(view.content, view.reasoning)
         else:
@@ -189,6 +217,7 @@ class ChatSession:
         self._next()
 
     def _finish(self) -> None:
+        """End the chat with status 0, dropping the lines still queued."""
         self._lines.clear()
         self.finished.callback(0)
 
@@ -205,6 +234,10 @@ class _TerminalLines(LineReceiver):
     MAX_LENGTH = 1 << 20
 
     def __init__(self, make_session: Callable[[Write], ChatSession]) -> None:
+        """
+        @param make_session: builds the session, given the function that writes to standard
+            output; called once the standard I/O is connected.
+        """
         self._make_session = make_session
         self.session: ChatSession | None = None
         self.closed: Deferred[None] = Deferred()
@@ -216,6 +249,7 @@ class _TerminalLines(LineReceiver):
         session.start()
 
     def _out(self, text: str) -> None:
+        """Write C{text} to standard output as UTF-8, while it is there."""
         if text and self.transport is not None:
             self.transport.write(text.encode("utf-8"))
 
@@ -236,6 +270,10 @@ class _TerminalLines(LineReceiver):
         self._closed()
 
     def _session_over(self, status: int) -> int:
+        """
+        The chat ended: close standard I/O (after what is still buffered for output);
+        C{closed} fires once it is closed. C{status} passes on.
+        """
         # Closing flushes what is still buffered for standard output first.
         if self.transport is not None:
             self.transport.loseConnection()
@@ -246,6 +284,7 @@ class _TerminalLines(LineReceiver):
         self._closed()
 
     def _closed(self) -> None:
+        """Fire C{closed}, once."""
         if not self.closed.called:
             self.closed.callback(None)
 

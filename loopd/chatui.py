@@ -217,6 +217,11 @@ class TurnView:
         return out
 
     def _delta(self, delta: dict[str, Any]) -> str:
+        """
+        The text for one delta, and the answer so far updated: reasoning pieces (dimmed on a
+        terminal) and content pieces are kept in C{reasoning} and C{content}; a tool call's
+        name opens a line of its own, followed by its argument pieces, which are only shown.
+        """
         out = ""
         reasoning = delta.get("reasoning_content")
         if isinstance(reasoning, str) and reasoning:

@@ -197,6 +197,10 @@ def run_on_reactor(command: Command) -> int:
     outcome: list[int] = []
 
     def finished(result: int | Failure) -> None:
+        """
+        The command ended: keep its status (1, reported on stderr, for a failure) and stop the
+        reactor, unless it has stopped already.
+        """
         if isinstance(result, Failure):
             sys.stderr.write(f"loopd: {result.getErrorMessage()}\n")
             result = 1
@@ -220,7 +224,8 @@ def run_on_reactor(command: Command) -> int:
 
 def selftest_command(reactor: Any, config: Config, write: Write) -> Deferred[int]:
     """
-    Run the self-test of every endpoint with C{selftest = true}; write one line per check.
+    Run the self-test of every C{llama-server} endpoint with C{selftest = true}; write one
+    line per check.
 
     @return: fires with 0 when every check passed, 1 otherwise.
     """
@@ -229,12 +234,17 @@ def selftest_command(reactor: Any, config: Config, write: Write) -> Deferred[int
         return succeed(0)
 
     def show(reports: Sequence[SelftestReport], status: int) -> int:
+        """Write every report's lines, each naming its endpoint; C{status} passes on."""
         for report in reports:
             for line in report.lines():
                 write(f"{report.endpoint}: {line}\n")
         return status
 
     def failed(reason: Failure) -> int:
+        """
+        A failed self-test still shows every report, with status 1; any other failure is one
+        line saying the self-test could not run.
+        """
         if reason.check(SelftestFailed):
             error: Any = reason.value
             return show(error.reports, 1)

@@ -69,6 +69,9 @@ class Connect(InferError):
     """
 
     def __init__(self, reason: str) -> None:
+        """
+        @param reason: why, in one line; it is the message too.
+        """
         super().__init__(reason)
         self.reason = reason
 
@@ -118,6 +121,12 @@ class Http(InferError):
     """
 
     def __init__(self, status: int, body: str, retry_after: float | None = None) -> None:
+        """
+        @param status: the status (or an error event's code).
+        @param body: the error body, kept up to L{HTTP_BODY_CAP} bytes of UTF-8 (cut at a
+            character boundary); C{context_exceeded} is read from what is kept.
+        @param retry_after: the C{Retry-After} in seconds, if given.
+        """
         body = _cap_text(body, HTTP_BODY_CAP)
         super().__init__(f"HTTP {status}: {body}")
         self.status = status
@@ -148,6 +157,9 @@ for _kind in (
 
 
 def _cap_text(text: str, limit: int) -> str:
+    """
+    C{text} cut to at most C{limit} bytes of UTF-8, never in the middle of a character.
+    """
     encoded = text.encode("utf-8")
     if len(encoded) <= limit:
         return text
@@ -155,6 +167,10 @@ def _cap_text(text: str, limit: int) -> str:
 
 
 def _is_context_exceeded(status: int, body: str) -> bool:
+    """
+    Whether a status and body are llama-server's "prompt too long": a 400 whose body is a JSON
+    object with C{error.type} C{exceed_context_size_error}.
+    """
     if status != 400:
         return False
     try:

@@ -85,6 +85,7 @@ class HttpCaps:
     body_bytes: int = 4 * 1024 * 1024
 
     def __post_init__(self) -> None:
+        """@raise ValueError: a cap that is zero or negative."""
         if self.header_bytes <= 0 or self.body_bytes <= 0:
             raise ValueError(f"caps must be positive: {self!r}")
 
@@ -131,6 +132,7 @@ class HttpResponse:
     def __init__(
         self, protocol: _CappedClientProtocol, response: IResponse, caps: HttpCaps
     ) -> None:
+        """Wrap Twisted's C{response}; the connection stays paused until the body is read."""
         self.status: int = response.code
         self.headers: dict[str, str] = protocol.header_dict(response)
         self._protocol = protocol
@@ -181,6 +183,9 @@ class HttpResponse:
         received = 0
 
         def collect(data: bytes) -> None:
+            """
+            Keep one piece; one byte past the cap raises L{Protocol}, which aborts the connection.
+            """
             nonlocal received
             received += len(data)
             if received > cap:
@@ -245,10 +250,12 @@ class _BytesProducer:
     """
 
     def __init__(self, body: bytes) -> None:
+        """Hold C{body}; its length is the request's C{Content-Length}."""
         self._body = body
         self.length = len(body)
 
     def startProducing(self, consumer: IConsumer) -> Deferred[None]:
+        """Write the whole body to C{consumer}; done at once."""
         consumer.write(self._body)
         return succeed(None)
 
@@ -268,6 +275,7 @@ class _CappedClientProtocol(HTTP11ClientProtocol):
     """
 
     def __init__(self, caps: HttpCaps) -> None:
+        """@param caps: its C{header_bytes} caps the header block (L{HttpResponse} caps bodies)."""
         super().__init__()
         self._cap = caps.header_bytes
         self._head_bytes = 0
@@ -286,6 +294,10 @@ class _CappedClientProtocol(HTTP11ClientProtocol):
         return d.addBoth(self._note_head_over)
 
     def _note_head_over(self, result: Any) -> Any:
+        """
+        The response Deferred fired, with headers or a failure: count no more header bytes.
+        Passes C{result} on.
+        """
         self._head_over = True
         return result
 
@@ -349,9 +361,11 @@ class _ClientFactory(Factory):
     noisy = False
 
     def __init__(self, caps: HttpCaps) -> None:
+        """@param caps: the caps of the exchange."""
         self._caps = caps
 
     def buildProtocol(self, addr: Any) -> _CappedClientProtocol:
+        """The one protocol of the exchange, capped by C{caps}."""
         protocol = _CappedClientProtocol(self._caps)
         protocol.factory = self
         return protocol
@@ -363,6 +377,12 @@ class _Exchange:
     def __init__(
         self, reactor: IReactorUNIX, path: str, built: Request, caps: HttpCaps, timeout: float
     ) -> None:
+        """
+        @param path: the Unix socket to connect to.
+        @param built: the request to send once connected.
+        @param caps: the size caps of the exchange.
+        @param timeout: seconds for the connection to be made.
+        """
         self._reactor, self._path, self._request = reactor, path, built
         self._caps, self._timeout = caps, timeout
         self._result: Deferred[HttpResponse] = Deferred(self._cancel)
@@ -381,17 +401,26 @@ class _Exchange:
         return self._result
 
     def _time_out(self) -> None:
+        """
+        The connection was not made in time: cancel the connect, which
+        L{_connect_failed} turns into L{Connect}.
+        """
         self._timer = None
         self._timed_out = True
         if self._pending is not None:
             self._pending.cancel()
 
     def _stop_timer(self) -> None:
+        """Cancel the connect timer, if it is pending."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
     def _connected(self, protocol: _CappedClientProtocol) -> None:
+        """
+        Connected: stop the connect timer and send the request, its headers awaited from now
+        on without a time limit. A connection made after the result fired is aborted.
+        """
         self._stop_timer()
         if self._result.called:
             protocol.abort_connection()
@@ -403,6 +432,10 @@ class _Exchange:
         )
 
     def _connect_failed(self, failure: Failure) -> None:
+        """
+        No connection: L{Connect} when the timer expired or the socket is missing or refuses,
+        C{CancelledError} when the caller cancelled.
+        """
         self._stop_timer()
         if self._result.called:
             return
@@ -415,16 +448,28 @@ class _Exchange:
         self._result.errback(Failure(error))
 
     def _answered(self, protocol: _CappedClientProtocol, response: IResponse) -> None:
+        """
+        The headers are in: fire the result with the L{HttpResponse}, or abort the connection
+        if the result has fired already.
+        """
         if self._result.called:
             protocol.abort_connection()
             return
         self._result.callback(HttpResponse(protocol, response, self._caps))
 
     def _request_failed(self, failure: Failure) -> None:
+        """
+        The request failed before the headers were complete: fail the result with the failure
+        as loopd's (L{_translate}).
+        """
         if not self._result.called:
             self._result.errback(_translate(failure, "before the response headers"))
 
     def _cancel(self, result: Deferred[HttpResponse]) -> None:
+        """
+        The canceller of the result: cancel the step in progress, connecting or waiting for the
+        headers.
+        """
         # Cancelling the pending step fires the result through the handlers above: a
         # cancelled connect stops connecting, a cancelled request aborts its connection.
         if self._pending is not None:
@@ -435,6 +480,11 @@ class _BodyReceiver(_TwistedProtocol):
     """Receives a response body for L{HttpResponse.deliver} and fires C{finished} once."""
 
     def __init__(self, on_data: Callable[[bytes], None], owner: _CappedClientProtocol) -> None:
+        """
+        @param on_data: gets each piece of the body.
+        @param owner: the protocol whose connection is aborted on failure, and whose close
+            reason tells a clean end of an unframed body from a cut one.
+        """
         self._on_data = on_data
         self._owner = owner
         self.finished: Deferred[None] = Deferred()

@@ -73,6 +73,10 @@ class ProxyLimits:
     connect_timeout: float = 10.0
 
     def __post_init__(self) -> None:
+        """
+        @raise ValueError: C{max_connections} or C{burst} below 1, or C{refill_per_second} or
+            C{connect_timeout} not positive (NaN included).
+        """
         if self.max_connections < 1 or self.burst < 1:
             raise ValueError("max_connections and burst must be at least 1")
         if not self.refill_per_second > 0 or not self.connect_timeout > 0:
@@ -187,6 +191,10 @@ class _Relay(Protocol):
         self._close_when_finished()
 
     def _close_when_finished(self) -> None:
+        """
+        Close this side's socket once both of its directions are done: EOF read and its write
+        direction shut down.
+        """
         if self._read_closed and self._write_closed:
             self.transport.loseConnection()
 
@@ -216,6 +224,9 @@ class _Pair:
     """
 
     def __init__(self, factory: InferProxyFactory) -> None:
+        """
+        One side open, the accepted client; the factory has counted the pair already.
+        """
         self._factory = factory
         self._open_sides = 1
 
@@ -240,6 +251,9 @@ class _UpstreamSide(_Relay):
     """
 
     def __init__(self, pair: _Pair) -> None:
+        """
+        @param pair: the pair this side belongs to.
+        """
         self._pair = pair
 
     def connectionMade(self) -> None:
@@ -252,12 +266,22 @@ class _UpstreamSide(_Relay):
 
 
 class _UpstreamFactory(Factory):
+    """
+    Builds the upstream side of one pair.
+    """
+
     noisy = False
 
     def __init__(self, pair: _Pair) -> None:
+        """
+        @param pair: the pair the upstream side joins.
+        """
         self._pair = pair
 
     def buildProtocol(self, addr: IAddress | None) -> _UpstreamSide:
+        """
+        The upstream side of the pair.
+        """
         return _UpstreamSide(self._pair)
 
 
@@ -272,6 +296,10 @@ class _ClientSide(_Relay):
     _connecting: Deferred[Any] | None = None
 
     def __init__(self, factory: InferProxyFactory) -> None:
+        """
+        Start a pair for this accepted connection (L{InferProxyFactory.buildProtocol} has
+        counted it already).
+        """
         self._factory = factory
         self._pair = _Pair(factory)
 
@@ -285,6 +313,10 @@ class _ClientSide(_Relay):
         connecting.addCallbacks(self._upstream_connected, self._upstream_failed)
 
     def _upstream_connected(self, upstream: _UpstreamSide) -> None:
+        """
+        Join the sides: each transport becomes the other's streaming producer, which is the
+        backpressure both ways, and the client is read from at last.
+        """
         self._connecting = None
         self.peer = upstream
         upstream.peer = self
@@ -293,6 +325,10 @@ class _ClientSide(_Relay):
         self.transport.resumeProducing()
 
     def _upstream_failed(self, failure: Failure) -> None:
+        """
+        No upstream connection: log it and abort the client. A cancelled attempt (the client
+        has gone already) is silent.
+        """
         self._connecting = None
         if failure.check(CancelledError):
             return

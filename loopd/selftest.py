@@ -198,10 +198,12 @@ def _expectations(expect: Expect) -> tuple[str | int | None, ...]:
 
 
 def _shown(value: object) -> str:
+    """A value of C{/props} as a report line shows it: "missing" for None."""
     return "missing" if value is None else str(value)
 
 
 def _props_expected_text(expect: Expect) -> str:
+    """The props check's expectations as one text, "not set" for those the config leaves out."""
     pairs = zip(_PROPS_LABELS, _expectations(expect), strict=True)
     return ", ".join(f"{label} {'not set' if v is None else v}" for label, v in pairs)
 
@@ -229,6 +231,7 @@ def judge_props(props: Mapping[str, Any], expect: Expect) -> CheckResult:
 
 
 def _is_json_object(text: str) -> bool:
+    """Whether C{text} decodes as a JSON object (Python's C{json}, so C{NaN} passes too)."""
     try:
         return isinstance(json.loads(text), dict)
     except ValueError:
@@ -236,6 +239,10 @@ def _is_json_object(text: str) -> bool:
 
 
 def _describe_call(call: ToolCall) -> str:
+    """
+    A tool call for the report: its name and arguments, cut to L{ARGUMENTS_SHOWN}
+    characters, noting arguments that are not a JSON object.
+    """
     arguments = call.arguments
     if len(arguments) > ARGUMENTS_SHOWN:
         arguments = arguments[:ARGUMENTS_SHOWN] + "..."
@@ -267,6 +274,10 @@ def judge_tool_call(completion: Completion) -> CheckResult:
 
 
 def _cache_expected_text(threshold: int, context: int | None = None) -> str:
+    """
+    What the cache check expects; with C{context}, turn 1's context in tokens, the text
+    says how much turn 2 must reuse.
+    """
     reused = "turn 1's context" if context is None else f"turn 1's {context} tokens"
     return f"turn 2 to reuse {reused}, at most {threshold} short"
 
@@ -293,6 +304,10 @@ def _props(client: Client, clock: IReactorTime | None) -> Deferred[dict[str, Any
 def _check_props(
     client: Client, clock: IReactorTime | None
 ) -> Generator[Deferred[Any], Any, CheckResult]:
+    """
+    Check 1 as a L{CheckResult}; an L{InferError} while asking C{/props} fails it with the
+    error's text.
+    """
     expect = client.endpoint.expect
     try:
         props = yield _props(client, clock)
@@ -303,6 +318,10 @@ def _check_props(
 
 @inlineCallbacks
 def _check_tools(client: Client) -> Generator[Deferred[Any], Any, CheckResult]:
+    """
+    Check 2: ask for a C{required} call of L{WEATHER_TOOL}, without thinking, and judge the
+    completion; an L{InferError} fails the check with its text.
+    """
     request = ChatRequest(
         slot=MAIN_SLOT,
         messages=TOOL_PROMPT,
@@ -319,6 +338,7 @@ def _check_tools(client: Client) -> Generator[Deferred[Any], Any, CheckResult]:
 
 
 def _cache_request(messages: tuple[ChatMessage, ...]) -> ChatRequest:
+    """A cache-check turn on the main slot: C{messages}, no thinking, L{CACHE_MAX_TOKENS}."""
     return ChatRequest(
         slot=MAIN_SLOT, messages=messages, thinking=False, max_tokens=CACHE_MAX_TOKENS
     )
@@ -326,6 +346,11 @@ def _cache_request(messages: tuple[ChatMessage, ...]) -> ChatRequest:
 
 @inlineCallbacks
 def _check_cache(client: Client) -> Generator[Deferred[Any], Any, CheckResult]:
+    """
+    Check 3: turn 1 opens a conversation, turn 2 repeats it with turn 1's answer and one
+    more question, and L{judge_cache} compares their timings. A turn failing with an
+    L{InferError} fails the check, naming the turn.
+    """
     threshold = client.config.cache_loss_tokens
     opening = (System(CACHE_SYSTEM), User(CACHE_TURN_1))
     try:
@@ -346,6 +371,7 @@ def _check_cache(client: Client) -> Generator[Deferred[Any], Any, CheckResult]:
 def _run(
     client: Client, clock: IReactorTime | None
 ) -> Generator[Deferred[Any], Any, SelftestReport]:
+    """The three checks in order, each after the previous one has ended."""
     props = yield _check_props(client, clock)
     tools = yield _check_tools(client)
     cache = yield _check_cache(client)
@@ -370,6 +396,10 @@ def run_selftest(client: Client, *, clock: IReactorTime | None = None) -> Deferr
 def _require(
     reactor: Any, config: Config, clients: Mapping[str, Client]
 ) -> Generator[Deferred[Any], Any, list[SelftestReport]]:
+    """
+    The body of L{require_selftests}: the endpoints' self-tests one after the other, each
+    with the daemon's client for it when there is one.
+    """
     reports: list[SelftestReport] = []
     for endpoint in config.endpoints:
         if not endpoint.selftest or endpoint.kind != "llama-server":

@@ -1,8 +1,9 @@
 # -*- test-case-name: test.test_tap_loopd,test.test_gateway_e2e -*-
 """
 The C{twist loopd} service: a llama client per endpoint, the startup self-test, then the
-gateway on its listener. Nothing listens before every endpoint with C{selftest = true}
-has passed; a failure ends the process with a non-zero status and the failing check.
+lease queue (and its socket, unless C{[queue] serve} is false) and the gateway on its
+listener. Nothing listens before every endpoint with C{selftest = true} has passed; a
+failure ends the process with a non-zero status and the failing check.
 """
 
 from __future__ import annotations
@@ -120,6 +121,10 @@ class LoopdService(Service):
         return d
 
     def _fire_ready(self, outcome: Failure | None) -> None:
+        """
+        Record how the start ended (C{None}: the gateway listens) and fire every
+        L{when_ready} waiter with it; later waiters get it at once.
+        """
         self._started = True if outcome is None else outcome
         waiters, self._ready_waiters = self._ready_waiters, []
         for d in waiters:
@@ -138,6 +143,12 @@ class LoopdService(Service):
 
     @inlineCallbacks
     def _start(self) -> Any:
+        """
+        The start, after the self-tests pass: log their lines, ask each llama-server endpoint's
+        C{/props} for its slot count (one slot, with a warning, when it does not answer), start
+        the lease queue, build the gateway and listen. Fails with L{SelftestFailed} or whatever
+        stopped the start; L{_start_failed} handles both.
+        """
         reports = yield require_selftests(self._reactor, self.config, self.clients)
         for report in reports:
             for line in report.lines():
@@ -215,6 +226,10 @@ class LoopdService(Service):
         _log.info("queue config {path}: {outcome}", path=self.queue.config_path, outcome=outcome)
 
     def _listen(self, gateway: Gateway) -> Deferred[IListeningPort]:
+        """
+        Listen with the gateway's site: on a Unix socket through L{listen_unix} (0600, stale file
+        reclaimed), else on the strports description C{server.listen} names.
+        """
         path = listen_path(self.config)
         site = gateway.site()
         if path is not None:
@@ -226,6 +241,10 @@ class LoopdService(Service):
         return listening
 
     def _start_failed(self, reason: Failure) -> None:
+        """
+        The start failed: say why on the real stderr and in the log, fail the L{when_ready}
+        waiters, and stop the reactor so that the process exits with status 1 after shutdown.
+        """
         if isinstance(reason.value, SelftestFailed):
             message = f"loopd: {reason.value}"
         else:
@@ -243,7 +262,8 @@ class LoopdService(Service):
 
     def stopService(self) -> Deferred[None] | None:
         """
-        End the exchanges under way with an error, stop listening (removing the socket).
+        End the exchanges under way with an error, stop the lease queue and the config
+        watcher, and stop listening (removing the sockets).
         """
         super().stopService()
         if self.gateway is not None:

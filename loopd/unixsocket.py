@@ -5,7 +5,7 @@ the first instant.
 
 Twisted's C{listenUNIX} binds first and chmods afterwards, leaves a stale socket file in the
 way (C{EADDRINUSE}) and never probes whether another process still serves the path. This
-module does those three things once, for every loopd listener:
+module does these four steps instead, once, for every loopd listener:
 
  1. A path longer than the platform's C{sun_path} is refused (never truncated).
  2. A missing parent directory is created with mode 0700. An existing one is left as it is:
@@ -66,6 +66,9 @@ class SocketPathError(UnixSocketError):
 
 
 def _check_length(path: str) -> None:
+    """
+    @raise SocketPathError: C{path} is longer than L{MAX_PATH_BYTES} once encoded.
+    """
     if len(os.fsencode(path)) > MAX_PATH_BYTES:
         raise SocketPathError(
             f"socket path is {len(os.fsencode(path))} bytes, longer than the "
@@ -105,6 +108,13 @@ def reclaim_stale_socket(path: str) -> bool:
 
 
 def _ensure_parent(path: str) -> None:
+    """
+    Create the directory of C{path} if it is missing. Only the directory itself gets mode
+    0700 (under the umask); parents that C{os.makedirs} creates above it get the default
+    mode.
+
+    @raise SocketPathError: the directory cannot be created.
+    """
     parent = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(parent, mode=_DIRECTORY_MODE, exist_ok=True)

@@ -77,11 +77,19 @@ class Child(ProcessProtocol):
         self._received(2, data)
 
     def _received(self, fd: int, data: bytes) -> None:
+        """
+        Split a piece of the output of C{fd} into lines; the partial last line waits for the
+        rest.
+        """
         *complete, self._partial[fd] = (self._partial[fd] + data).split(b"\n")
         for raw in complete:
             self._line(raw.decode("utf-8", "replace").rstrip("\r"))
 
     def _line(self, line: str) -> None:
+        """
+        Keep one output line (the last L{MAX_LINES} are kept); the first holding the marker
+        fires C{ready} and stops the start timeout.
+        """
         self.lines.append(line)
         del self.lines[:-MAX_LINES]
         if self.marker in line and not self.ready.called:
@@ -93,12 +101,14 @@ class Child(ProcessProtocol):
         self._timer = clock.callLater(seconds, self._timed_out, seconds)
 
     def _timed_out(self, seconds: float) -> None:
+        """The start timeout passed: fail C{ready}, if it has not fired, and kill the child."""
         self._timer = None
         if not self.ready.called:
             self.ready.errback(ChildFailed(self, f"was not ready within {seconds:g} s"))
         self.signal("KILL")
 
     def _cancel_timer(self) -> None:
+        """Stop the start timeout, if it is pending."""
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
@@ -173,6 +183,7 @@ def stop_child(clock: IReactorTime, child: Child, grace: float = 10.0) -> Deferr
     ended: Deferred[int] = Deferred()
 
     def gone(status: int) -> int:
+        """The child is gone: stop the SIGKILL timer and fire with the status."""
         if timer.active():
             timer.cancel()
         ended.callback(status)

@@ -132,6 +132,7 @@ class _ServerProtocol(ProcessProtocol):
     """Watches a server child: its ready line, a stderr tail, its end."""
 
     def __init__(self, owner: RealServer) -> None:
+        """Report to `owner`; no output seen yet."""
         self._owner = owner
         self._partial = b""
         self.stderr_tail = b""
@@ -257,11 +258,16 @@ class RealServer:
         return run_query(self._reactor, self.base_url + path, body, timeout=self.query_timeout)
 
     def _cancel_start(self) -> None:
+        """The canceller of `start`'s Deferred: stop the start timeout and kill the child."""
         _cancel(self._start_timer)
         self._starting = self._start_timer = None
         _signal(self._process, "KILL")
 
     def _start_timed_out(self) -> None:
+        """
+        No ready line in time: kill the child; `start` fails with `ServerStartTimeoutError`
+        once the child has ended.
+        """
         self._start_timer = None
         self._start_error = ServerStartTimeoutError(
             f"no ready line within {self.start_timeout} s; killed.\n" + self.stderr_tail()[-2000:]
@@ -269,6 +275,7 @@ class RealServer:
         _signal(self._process, "KILL")
 
     def _end(self, name: str) -> Deferred[None]:
+        """Send signal `name` to the child; fire once it has ended (at once when none runs)."""
         if self._process is None:
             return succeed(None)
         done: Deferred[None] = Deferred()
@@ -277,6 +284,10 @@ class RealServer:
         return done
 
     def _child_ready(self, info: dict[str, Any]) -> None:
+        """
+        The child's ready line: keep the port it serves on (later starts reuse it) and fire
+        `start` with it. Ignored when no start is pending.
+        """
         if self._starting is None:
             return
         _cancel(self._start_timer)
@@ -286,6 +297,11 @@ class RealServer:
         starting.callback(self.port)
 
     def _child_ended(self, protocol: _ServerProtocol, reason: Failure) -> None:
+        """
+        The current child ended: forget it and its timers, note how it ended (`last_end`),
+        fail a pending `start` (with the timeout's error, or `ServerExitedError` and the stderr
+        tail) and fire every `stop` or `kill` waiter. The end of an earlier child is ignored.
+        """
         if protocol is not self._protocol:
             return
         _cancel(self._start_timer)
@@ -308,6 +324,10 @@ class _QueryProtocol(ProcessProtocol):
     """Collects a query child's output and turns it into a result."""
 
     def __init__(self, clock: IReactorTime, timeout: float) -> None:
+        """
+        @param clock: runs the timeout.
+        @param timeout: seconds the query child may run before it is killed.
+        """
         self.finished: Deferred[QueryResult] = Deferred()
         self._clock = clock
         self._timeout = timeout
@@ -321,6 +341,7 @@ class _QueryProtocol(ProcessProtocol):
         self._timer = self._clock.callLater(self._timeout, self._expire)
 
     def _expire(self) -> None:
+        """The query child ran too long: kill it; `processEnded` fails with `QueryTimeoutError`."""
         self._timed_out = True
         _signal(self.transport, "KILL")
 

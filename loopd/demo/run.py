@@ -140,10 +140,12 @@ class DemoStack:
         started = self._reactor.seconds()
 
         def done(result: T) -> T:
+            """Say done, with the step's time; the result passes on."""
             self._write(f"done ({self._reactor.seconds() - started:.1f} s)\n")
             return result
 
         def failed(reason: Failure) -> Failure:
+            """Say failed, unless a stop is under way; the failure passes on."""
             if not self.stopping:  # else the stop is what is being told
                 self._write("failed\n")
             return reason
@@ -165,6 +167,11 @@ class DemoStack:
             self._write(f"      {line}\n")
 
     def _build_model(self) -> Deferred[None]:
+        """
+        Step 1: write the tiny model into the directory.
+
+        @raise RuntimeError: the demo's extra (the C{xllamacpp} wheel, C{gguf}) is not installed.
+        """
         if importlib.util.find_spec("xllamacpp") is None:
             raise RuntimeError("the xllamacpp wheel is missing: pip install 'loopd[demo]'")
         try:
@@ -175,12 +182,17 @@ class DemoStack:
         return succeed(None)
 
     def _start_server(self) -> Deferred[int]:
+        """Step 2: start the llama.cpp server; fires with its port."""
         self.server = RealServer(
             self._reactor, self.model_path, port=self._port, start_timeout=self._start_timeout
         )
         return self.server.start()
 
     def _start_proxy(self) -> Deferred[None]:
+        """
+        Step 3: start C{twist inferproxy} from the infer socket to the server's port; fires
+        when it logs that it listens.
+        """
         assert self.server is not None
         upstream = f"127.0.0.1:{self.server.port}"
         args = ["inferproxy", "--listen", self.infer_socket, "--upstream", upstream]
@@ -189,6 +201,13 @@ class DemoStack:
 
     @inlineCallbacks
     def _start_loopd(self) -> Generator[Deferred[Any], Any, None]:
+        """
+        Step 4: ask the server's C{/props} through the inferproxy, write a loopd.toml that
+        expects what it says, and start C{twist loopd} with it; fires when loopd logs that it
+        serves, that is, after its self-test passed.
+
+        @raise RuntimeError: C{/props} answered another status than 200.
+        """
         response = yield http.request(self._reactor, self.infer_socket, "GET", "/props")
         raw = yield response.read_body()
         if response.status != 200:
@@ -205,6 +224,10 @@ class DemoStack:
         yield self.loopd.ready
 
     def _selftest(self) -> Deferred[list[str]]:
+        """
+        Step 5: the self-test lines that loopd logged, or, when its log shows none, those of
+        a self-test run from here against the same config.
+        """
         assert self.loopd is not None
         logged = selftest_lines_from_log(self.loopd.lines)
         if logged:
@@ -214,12 +237,17 @@ class DemoStack:
         config = load_config(self.config_path)
 
         def lines(reports: list[Any]) -> list[str]:
+            """Keep the reports' lines, each naming its endpoint, as C{selftest_lines}."""
             self.selftest_lines = [f"{r.endpoint}: {line}" for r in reports for line in r.lines()]
             return self.selftest_lines
 
         return require_selftests(self._reactor, config, {}).addCallback(lines)
 
     def _spawn(self, name: str, marker: str, args: list[str]) -> Child:
+        """
+        Start one C{twist} child in the directory, ready at the first log line holding
+        C{marker}.
+        """
         return spawn_twist(
             self._reactor, name, marker, args, start_timeout=self._start_timeout, cwd=self.directory
         )
@@ -240,6 +268,7 @@ class DemoStack:
         )
 
         def told(view: TurnView) -> TurnView:
+            """Say the step is done, with its time, when the answer came whole."""
             if view.succeeded:
                 elapsed = self._reactor.seconds() - started
                 self._write(f"6/{STEPS} done ({elapsed:.1f} s)\n")
@@ -253,6 +282,7 @@ class DemoStack:
         first = DeferredList([c.ended for c in children], fireOnOneCallback=True)
 
         def told(result: tuple[int, int]) -> str:
+            """The message for the child that ended first."""
             index = result[1]
             child = children[index]
             return f"{child.name} ended unexpectedly (status {child.status})"
@@ -270,6 +300,10 @@ class DemoStack:
         waiter: Deferred[None] = Deferred()
 
         def release(result: object) -> object:
+            """
+            Fire this caller's waiter, however the stop ended; the outcome passes on to the next
+            caller's.
+            """
             waiter.callback(None)
             return result
 
@@ -278,6 +312,10 @@ class DemoStack:
 
     @inlineCallbacks
     def _stop(self) -> Generator[Deferred[Any], Any, None]:
+        """
+        Stop loopd, then the inferproxy (each SIGTERM, SIGKILL after the grace), then the
+        server, and remove the directory even if a stop failed.
+        """
         try:
             for child in (self.loopd, self.proxy):
                 if child is not None:
@@ -313,6 +351,10 @@ def run_demo(
     interrupted = []
 
     def on_shutdown() -> Deferred[None]:
+        """
+        The reactor is shutting down (Ctrl-C): end the serving wait with 0, and stop the stack
+        before the reactor goes (the shutdown waits for the returned Deferred).
+        """
         interrupted.append(True)
         if not serving.called:
             serving.callback(0)
@@ -353,6 +395,7 @@ def _give_up(serving: Deferred[int], write: Write, message: str) -> None:
 
 
 def _serving_text(socket: str) -> str:
+    """What to tell while serving: the socket and two commands to try it with."""
     return (
         f"loopd is serving model {MODEL!r} on {socket}. From another terminal, try:\n"
         f"  loopd chat --socket {socket}\n"

@@ -258,6 +258,7 @@ def build_vocab() -> Vocab:
     ids: dict[str, int] = {}
 
     def add(token: str, kind: gguf.TokenType) -> None:
+        """Give `token` the next id, unless it has one already."""
         if token not in ids:
             ids[token] = len(tokens)
             tokens.append(token)

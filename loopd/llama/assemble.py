@@ -68,6 +68,7 @@ class _CallParts:
     __slots__ = ("arguments", "id", "name")
 
     def __init__(self) -> None:
+        """No id yet, and no piece of the name or arguments."""
         self.id: str | None = None
         self.name: list[str] = []
         self.arguments: list[str] = []

@@ -153,9 +153,18 @@ class ChatCall:
         return self._result
 
     def _fail(self, reason: BaseException | Failure) -> None:
+        """
+        End the call with C{reason} (wrapped in a L{Failure} when it is a bare exception); does
+        nothing once the call has ended.
+        """
         self._end(reason if isinstance(reason, Failure) else Failure(reason))
 
     def _end(self, outcome: Completion | Failure) -> None:
+        """
+        End the call, once: stop the timer, detach from the flow, abort the response and cancel
+        every request still out (a C{/slots} poll, the control), then fire the result with
+        C{outcome}. Whichever end comes first wins; later ones do nothing.
+        """
         if self._finished:
             return
         self._finished = True
@@ -191,9 +200,16 @@ class ChatCall:
 
     @staticmethod
     def _seconds(ms: int) -> float:
+        """
+        C{ms} milliseconds as the seconds that reactor timers take.
+        """
         return ms / 1000.0
 
     def _arm(self, ms: int, action: Callable[[], None]) -> None:
+        """
+        Run C{action} in C{ms} milliseconds, in place of whatever the call's one timer was set
+        to do. The same action still pending is postponed rather than replaced.
+        """
         timer = self._timer
         if timer is not None and timer.active() and self._timer_action == action:
             # Postponing a pending call is cheaper than a new one for every chunk.
@@ -204,17 +220,31 @@ class ChatCall:
         self._timer_action = action
 
     def _disarm(self) -> None:
+        """
+        Cancel the timer, if one is pending.
+        """
         timer, self._timer = self._timer, None
         if timer is not None and timer.active():
             timer.cancel()
 
     def _first_byte_limit(self) -> int:
+        """
+        How long the headers may take before L{_poll} acts, in milliseconds: C{poll_ms} for a
+        llama-server (which is then asked about its slots), C{busy_wait_ms} in all for an
+        C{openai} endpoint.
+        """
         limits = self._config.limits
         return limits.poll_ms if self._llama else limits.busy_wait_ms
 
     # -- before the first byte -----------------------------------------------------------
 
     def _poll(self) -> None:
+        """
+        No headers within the interval. A llama-server is asked for its C{/slots} on a second
+        connection, allowed C{poll_ms} to answer, and the answer is judged by L{_observe}; no
+        timer runs meanwhile, so the next poll is armed only once this one is judged. For an
+        C{openai} endpoint the first-byte wait is over: L{WaitTimeout}.
+        """
         self._timer = None
         if not self._llama:
             self._fail(WaitTimeout(f"no answer within {self._config.limits.busy_wait_ms} ms"))
@@ -234,6 +264,11 @@ class ChatCall:
         polling.addCallbacks(self._slots_answered, self._slots_failed)
 
     def _slots_answered(self, value: object) -> None:
+        """
+        Judge a C{/slots} answer as C{busy} or C{idle} for the request's slot. An answer that
+        does not parse as slots ends the call with L{Protocol}. Ignored once the headers have
+        arrived or the call has ended.
+        """
         if self._finished or self._response is not None:
             return
         try:
@@ -244,6 +279,10 @@ class ChatCall:
         self._observe("busy" if busy else "idle")
 
     def _slots_failed(self, reason: Failure) -> None:
+        """
+        C{/slots} could not be asked, answered a status other than 200 or a body that is not
+        JSON, or took longer than C{poll_ms}: the server counts as loading or restarting.
+        """
         if self._finished:
             return
         self._observe("loading")
@@ -276,6 +315,12 @@ class ChatCall:
     # -- the answer ----------------------------------------------------------------------
 
     def _headers_arrived(self, response: http.HttpResponse) -> None:
+        """
+        The headers are in, which ends the wait (later C{/slots} answers are ignored). A status
+        other than 200 has its body read as the error (L{_read_error}). A 200 attaches to the
+        flow, if any, and streams its body into L{_data_received}, the liveness limit replacing
+        the first-byte timer. Headers that arrive after the call has ended are aborted.
+        """
         if self._finished:
             response.abort()
             return
@@ -303,6 +348,10 @@ class ChatCall:
         received = 0
 
         def collect(data: bytes) -> None:
+            """
+            Keep one piece of the error body, a sign of life; past the body cap, raising
+            L{Protocol} aborts the read and fails the call with it.
+            """
             nonlocal received
             self._alive()
             received += len(data)
@@ -311,6 +360,10 @@ class ChatCall:
             pieces.append(data)
 
         def failed(_: object) -> None:
+            """
+            The whole error body is in: fail the call with L{Http}, its status, text and
+            C{Retry-After}.
+            """
             text = b"".join(pieces).decode("utf-8", "replace")
             self._fail(Http(response.status, text, retry_after_seconds(response.headers)))
 
@@ -326,10 +379,18 @@ class ChatCall:
             self._arm(self._config.limits.liveness_ms, self._silent)
 
     def _silent(self) -> None:
+        """
+        The liveness limit passed without a sign of life: L{Stalled}.
+        """
         self._timer = None
         self._fail(Stalled(f"no data for {self._config.limits.liveness_ms} ms"))
 
     def _data_received(self, data: bytes) -> None:
+        """
+        A piece of the stream: a sign of life, pings included. Its SSE events are handled in
+        order until one ends the call; bytes that are not a valid event stream (a line over
+        C{sse_line_bytes} included) fail it with L{Protocol}.
+        """
         if self._finished:
             return
         self._alive()
@@ -344,6 +405,12 @@ class ChatCall:
                 self._event(item)
 
     def _event(self, event: SSEEvent) -> None:
+        """
+        Handle one SSE event: C{[DONE]} completes the call; any other is a chunk for the
+        assembler, whose events go to C{on_event}, after which the thinking cap is checked. A
+        chunk that does not parse or does not fit the stream so far fails the call with its
+        L{InferError}.
+        """
         if event.done:
             self._complete()
             return
@@ -357,9 +424,16 @@ class ChatCall:
         self._check_thinking()
 
     def _body_ended(self, _: object) -> None:
+        """
+        The body ended cleanly without C{[DONE]}: complete the call all the same.
+        """
         self._complete()
 
     def _complete(self) -> None:
+        """
+        End the call with the assembled L{Completion}, marked as thinking-capped if the cap
+        fired, or with L{StreamClosedEarly} if no chunk carried a C{finish_reason}.
+        """
         if self._finished:
             return
         try:
@@ -403,6 +477,12 @@ class ChatCall:
     # -- the thinking cap ----------------------------------------------------------------
 
     def _check_thinking(self) -> None:
+        """
+        Apply the thinking cap after a chunk, for a llama-server request with thinking on while
+        the answer is still in its reasoning: at C{thinking.cap} reasoning tokens ask the server
+        to end the reasoning (L{_cap}); C{thinking.overrun} more tokens after that fail the call
+        with L{ThinkingOverrun}. Once the answer has left its reasoning nothing is checked.
+        """
         if not (self._llama and self._request.thinking):
             return
         assembler = self._assembler
@@ -419,6 +499,11 @@ class ChatCall:
             )
 
     def _cap(self, tokens: int) -> None:
+        """
+        Ask the server to end the reasoning: a C{reasoning_end} control for this completion's id
+        on a second connection. Reports L{ThinkingCapped}; C{tokens}, the count reached, is where
+        the overrun is measured from.
+        """
         self._capped_at = tokens
         control: dict[str, object] = {"id": self._assembler.id, "action": "reasoning_end"}
         if self._endpoint.model:
@@ -438,11 +523,19 @@ class ChatCall:
         self._on_event(ThinkingCapped(tokens))
 
     def _control_answered(self, value: object) -> None:
+        """
+        The control's answer: anything but C{success: true} means the server will not end the
+        reasoning, so the call fails with L{ThinkingOverrun}.
+        """
         if isinstance(value, dict) and value.get("success") is True:
             return
         self._fail(ThinkingOverrun(f"the server did not end the reasoning: {value!r}"))
 
     def _control_failed(self, reason: Failure) -> None:
+        """
+        The control could not be sent, or answered a status other than 200: L{ThinkingOverrun},
+        unless the call has already ended (which cancels the control).
+        """
         if self._finished:
             return
         self._fail(ThinkingOverrun(f"the reasoning_end control failed: {reason.value}"))

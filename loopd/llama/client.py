@@ -73,6 +73,10 @@ class Client:
         running: list[Deferred[Completion]] = []
 
         def go(grant: Any) -> Deferred[Completion]:
+            """
+            The slot is granted: run the request, keeping the call for the canceller, and release
+            the grant however the call ends.
+            """
             call = ChatCall(
                 self._reactor, self.config, self.endpoint, request, on_event, flow
             ).run()
@@ -86,6 +90,9 @@ class Client:
             return call
 
         def cancel(d: Deferred[Completion]) -> None:
+            """
+            Cancel the running call once the slot was granted, else leave the gate's queue.
+            """
             if running:
                 running[0].cancel()
             else:
@@ -124,6 +131,9 @@ class Client:
         )
 
     def _get(self, method: str, path: str, body: object = None) -> Deferred[Any]:
+        """
+        One JSON request to this endpoint (L{get_json}), connecting within C{limits.poll_ms}.
+        """
         return get_json(
             self._reactor,
             self.endpoint.socket,
@@ -168,6 +178,10 @@ class Client:
         answer = self._get("POST", "/tokenize", {"content": text, "add_special": False})
 
         def tokens(value: object) -> list[int]:
+            """
+            The C{tokens} list of the answer; L{Protocol} for anything but an object holding a list
+            of integers.
+            """
             ids = _expect_object(value, "/tokenize").get("tokens")
             if not isinstance(ids, list) or not all(
                 isinstance(i, int) and not isinstance(i, bool) for i in ids
@@ -180,6 +194,9 @@ class Client:
 
 
 def _expect_object(value: object, path: str) -> dict[str, Any]:
+    """
+    C{value} itself if it is a JSON object; else L{Protocol}, naming C{path}.
+    """
     if not isinstance(value, dict):
         raise Protocol(f"{path} did not answer a JSON object")
     return value

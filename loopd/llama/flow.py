@@ -58,6 +58,9 @@ class Flow:
     """
 
     def __init__(self) -> None:
+        """
+        Start neither paused nor stopped, with no reader attached.
+        """
         self._paused = False
         self._stopped = False
         self._readers: list[IFlowReader] = []

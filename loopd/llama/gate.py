@@ -113,6 +113,7 @@ class _Grant:
     """A L{SlotGate} grant: the first release hands the slot on, later ones do nothing."""
 
     def __init__(self, gate: SlotGate, slot: int) -> None:
+        """Hold C{slot} of C{gate}, not yet released."""
         self._gate = gate
         self._slot = slot
         self._released = False
@@ -138,6 +139,7 @@ class _Slot:
     """One slot's state: the grant in flight (if any) and the waiters, oldest first."""
 
     def __init__(self) -> None:
+        """Free, with nobody waiting."""
         self.holder: _Grant | None = None
         self.waiters: deque[_Waiter] = deque()
 

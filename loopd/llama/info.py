@@ -127,6 +127,10 @@ def get_json(
         return reading
 
     def decode(raw: bytes, status: int) -> Any:
+        """
+        The decoded body of a 200 (strict JSON); L{Http} with the body's text for any other
+        status, L{Protocol} for a 200 whose body is not JSON.
+        """
         text = raw.decode("utf-8", "replace")
         if status != 200:
             raise Http(status, text)
@@ -181,6 +185,10 @@ def check_health(
     cancelled = False
 
     def cancel(result: Deferred[Health]) -> None:
+        """
+        Note the cancellation, so that C{failed} passes it on instead of calling it
+        unreachable, and close the connection.
+        """
         nonlocal cancelled
         cancelled = True
         probe.cancel()
@@ -188,17 +196,26 @@ def check_health(
     result: Deferred[Health] = Deferred(cancel)
 
     def answered(response: http.HttpResponse) -> Health:
+        """
+        Headers are enough: close the connection unread and judge the status.
+        """
         response.abort()
         if response.status == 200 or endpoint.kind == "openai":
             return Health(True, "ok")
         return Health(False, f"HTTP {response.status}")
 
     def failed(reason: Failure) -> Health | Failure:
+        """
+        No connection or no headers in time: unhealthy. A cancellation passes through.
+        """
         if cancelled:
             return reason
         return Health(False, f"unreachable: {reason.getErrorMessage()}")
 
     def settle(outcome: Health | Failure) -> None:
+        """
+        Fire the result with the outcome, unless it has fired already.
+        """
         if result.called:
             return
         if isinstance(outcome, Failure):

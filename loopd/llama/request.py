@@ -184,6 +184,7 @@ def chat_body(
 
 
 def _max_tokens(request: ChatRequest, config: Config) -> int:
+    """The request's C{max_tokens}, never above the config's (which is the default)."""
     if request.max_tokens is None:
         return config.max_tokens
     return min(request.max_tokens, config.max_tokens)

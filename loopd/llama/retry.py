@@ -93,10 +93,10 @@ def with_retry(
     @param attempt: starts one attempt; called once per attempt.
     @param clock: the timers of the waits, and the time since the first attempt started.
     @param random: draws the jitter of each wait, a number in C{[0, 1]}.
+    @param retryable: which failures are tried again (L{is_retryable} unless given).
     @return: a Deferred with the first success, or the failure of the last attempt (at once
         for one that is not retryable). Cancelling it cancels the running attempt or the
         pending wait and fails it with C{CancelledError}.
-    @param retryable: which failures are tried again (L{is_retryable} unless given).
     """
     return _Retrier(attempt, clock, policy, on_event, random, retryable).start()
 
@@ -113,6 +113,7 @@ class _Retrier(Generic[_T]):
         random: Callable[[], float],
         retryable: Callable[[BaseException], bool] = is_retryable,
     ) -> None:
+        """Nothing tried yet; L{start} begins the run."""
         self._attempt = attempt
         self._retryable = retryable
         self._clock = clock

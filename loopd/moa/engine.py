@@ -4,7 +4,7 @@ One mesh turn, driven over time (reference C{mesh-moa.md} §1.7 dispatch and gat
 resolution, §1.11 the ladder; DESIGN §3 decisions 28-33).
 
 L{MeshTurn} joins the pure pieces: the roles (L{assign_roles}), the packing per role and the
-knobs (L{upstream_body}), the fan-out (L{Fanout}: timeouts, one 429 retry), the normalizer,
+knobs (L{upstream_request}), the fan-out (L{Fanout}: timeouts, one 429 retry), the normalizer,
 the arbiter (L{decide}, re-asked after every worker and every timer) and the hedged reducer
 ladder (L{HedgedLadder}, carried out with reactor timers). It does no I/O of its own: each
 upstream call is the caller's C{call(name, request)}, whose Deferred fires with the reply's
@@ -222,6 +222,10 @@ class MeshTurn:
         }
 
         def call(a: Assignment) -> Deferred[Outcome]:
+            """
+            Send worker C{a} its request; its reply is normalized into an L{Outcome} (the
+            request's declared tools allowed, the call's own time recorded).
+            """
             began = self._reactor.seconds()
             d = self._call(a.name, requests[a])
             return d.addCallback(
@@ -267,10 +271,17 @@ class MeshTurn:
         self._arbitrate()
 
     def _grace_passed(self) -> None:
+        """
+        The grace has passed since dispatch: a qualifying answer may ship now; ask the arbiter.
+        """
         self._grace_elapsed = True
         self._arbitrate()
 
     def _patience_passed(self) -> None:
+        """
+        The strong patience has passed: a small-tier consensus need not wait for a running
+        big-tier Strong worker any more; ask the arbiter.
+        """
         self._patience_elapsed = True
         self._arbitrate()
 
@@ -353,6 +364,10 @@ class MeshTurn:
                 self._fail(action.code, action.message)
 
     def _hedge_fired(self) -> None:
+        """
+        No reducer result within the hedge delay: let the ladder start the next candidate
+        alongside.
+        """
         self._hedge = None
         if self._ladder is not None:
             self._apply(self._ladder.on_hedge_timer())
@@ -368,6 +383,10 @@ class MeshTurn:
         )
 
         def call(index: int) -> Deferred[Outcome]:
+            """
+            Send the reducer request to the candidate; its reply is normalized, and a tool call the
+            reducer may not make is demoted (L{enforce_declared_tools}) before the ladder sees it.
+            """
             d = self._call(launch.name, self._reducer_request)
             return d.addCallback(
                 lambda completion: enforce_declared_tools(
@@ -382,6 +401,12 @@ class MeshTurn:
             )
 
         def landed(index: int, outcome: Outcome | None, failure: Failure | None) -> None:
+            """
+            The candidate's call ended: a reply with an outcome goes to the ladder as a success
+            (the ladder judges whether it is usable). A failed call, a timeout, or an empty or
+            reasoning-only reply is reported as C{mesh_reducer_failed} and goes to the ladder
+            as a failure.
+            """
             self._reducer_calls.pop(index, None)
             if outcome is not None and not outcome.failed:
                 self._apply(ladder.on_success(index, outcome))
@@ -419,12 +444,18 @@ class MeshTurn:
         )
 
     def _finish(self, outcome: Outcome, tool_call: bool) -> None:
+        """End the turn with C{outcome} shipped, as a tool call if C{tool_call}."""
         self._end(TurnResult(self._report(True), outcome=outcome, tool_call=tool_call))
 
     def _fail(self, code: str, message: str) -> None:
+        """End the turn with the error C{code} and its C{message}."""
         self._end(TurnResult(self._report(False), error_code=code, error_message=message))
 
     def _end(self, result: TurnResult) -> None:
+        """
+        End the turn once: stop every call and timer, then fire the result. Later endings (a
+        call landing as the turn ends) do nothing.
+        """
         if self._done:
             return
         self._abort()
@@ -443,17 +474,20 @@ class MeshTurn:
             fanout.cancel_all()
 
     def _stop_timers(self) -> None:
+        """Cancel the grace and patience timers still pending."""
         timers, self._timers = self._timers, []
         for timer in timers:
             if timer.active():
                 timer.cancel()
 
     def _stop_hedge(self) -> None:
+        """Cancel the hedge timer, if it is pending."""
         hedge, self._hedge = self._hedge, None
         if hedge is not None and hedge.active():
             hedge.cancel()
 
     def _elapsed_ms(self) -> float:
+        """Milliseconds since L{run} started the turn."""
         return (self._reactor.seconds() - self._started_at) * 1000.0
 
 

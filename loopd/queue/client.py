@@ -325,6 +325,10 @@ class LeaseClient:
             )
 
         def write(wire: LeaseWire) -> None:
+            """
+            Connected: send the C{acquire}, unless the lease stopped waiting meanwhile, and note
+            the connection it went out on (a reply on another one is not for it).
+            """
             if self._waiting.get(lease.key) is not lease:
                 return
             message: dict[str, object] = {
@@ -340,6 +344,10 @@ class LeaseClient:
             wire.send(message)
 
         def unreachable(failure: Failure) -> None:
+            """
+            No connection to the daemon: a lease still waiting goes through unqueued or fails
+            (L{_release_waiter}).
+            """
             if self._waiting.get(lease.key) is lease:
                 self._release_waiter(lease, failure)
 

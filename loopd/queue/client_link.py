@@ -101,6 +101,9 @@ class DaemonLink:
         """
 
         def ask(wire: LeaseWire) -> Deferred[Any]:
+            """
+            Register the expected reply before writing, so that replies match requests in order.
+            """
             answered: Deferred[Any] = Deferred()
             self.expect(kind, answered)
             wire.send(message)

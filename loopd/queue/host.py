@@ -90,6 +90,10 @@ class QueueHost:
         return None if path is None else os.path.expanduser(path)
 
     def _router(self) -> PolicyRouter:
+        """
+        A router over the policy in force, the catalog and loopd's slot counts; built afresh
+        for the scheduler at start and at every applied reload.
+        """
         return PolicyRouter(self.policy, self.catalog, self._slot_counts)
 
     def reload(self) -> tuple[ReloadOutcome, tuple[str, ...]]:

@@ -105,12 +105,14 @@ class _StatusAsker(LineOnlyReceiver):
         self._fail("the socket closed before it answered")
 
     def _done(self, queues: list[dict[str, Any]]) -> None:
+        """Fire with the queues, once, and close the connection."""
         if not self._answer.called:
             self._answer.callback(queues)
         if self.transport is not None:
             self.transport.loseConnection()
 
     def _fail(self, why: str) -> None:
+        """Fail with L{QueueStatusError} saying C{why}, once, and close the connection."""
         if not self._answer.called:
             self._answer.errback(QueueStatusError(why))
         if self.transport is not None:
@@ -135,6 +137,10 @@ def fetch_status(
     connecting = endpoint.connect(Factory.forProtocol(lambda: _StatusAsker(answer)))
 
     def unreachable(reason: Failure) -> None:
+        """
+        The connection was not made: fail with L{QueueStatusError}, unless the answer has
+        fired already (the timeout came first).
+        """
         if not answer.called:
             answer.errback(
                 QueueStatusError(f"cannot reach {socket_path}: {reason.getErrorMessage()}")
@@ -161,10 +167,15 @@ def queue_status_command(
     """
 
     def show(queues: list[dict[str, Any]]) -> int:
+        """Print the rendered status; exit status 0."""
         write(render_status(queues))
         return 0
 
     def failed(reason: Failure) -> int:
+        """
+        Say on C{err} why the status could not be had; exit status 1. Failures other than
+        L{QueueStatusError} pass on.
+        """
         reason.trap(QueueStatusError)
         err(f"loopd queue status: {reason.getErrorMessage()}\n")
         return 1

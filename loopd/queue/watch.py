@@ -132,6 +132,10 @@ class INotifyNotifier:
         own = watched.asBytesMode().path
 
         def relay(ignored: object, path: FilePath[bytes], events: int) -> None:
+            """
+            Pass an inotify event on as C{callback(name, events)}, C{name} being C{None} for the
+            directory itself.
+            """
             callback(None if path.path == own else os.fsdecode(path.basename()), events)
 
         self._inotify.watch(watched, mask=mask, callbacks=[relay])
