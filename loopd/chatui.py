@@ -13,10 +13,10 @@ prompt-processing progress bar. No I/O: the caller writes what the methods retur
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from loopd import strict_json
 from loopd.sse import SSEComment, SSEEvent, SSEItem
 
 __all__ = [
@@ -63,7 +63,7 @@ def http_error_text(status: int, body: bytes) -> str:
     message and code of an OpenAI error body when there is one, else the body itself.
     """
     try:
-        error = json.loads(body).get("error")
+        error = strict_json.decode(body).get("error")
     except (ValueError, AttributeError):
         error = None
     if isinstance(error, dict) and isinstance(error.get("message"), str):
@@ -154,7 +154,7 @@ class TurnView:
             self.done = True
             return ""
         try:
-            payload = json.loads(item.data)
+            payload = strict_json.decode(item.data)
         except ValueError:
             return self.fail(f"the stream sent data that is not JSON: {item.data[:80]!r}")
         if not isinstance(payload, dict):
@@ -166,7 +166,7 @@ class TurnView:
         if not text.startswith(LOOPD_COMMENT):
             return ""
         try:
-            event = json.loads(text[len(LOOPD_COMMENT) :])
+            event = strict_json.decode(text[len(LOOPD_COMMENT) :])
         except ValueError:
             return ""
         if not isinstance(event, dict):

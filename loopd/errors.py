@@ -124,15 +124,16 @@ class Http(InferError):
         """
         @param status: the status (or an error event's code).
         @param body: the error body, kept up to L{HTTP_BODY_CAP} bytes of UTF-8 (cut at a
-            character boundary); C{context_exceeded} is read from what is kept.
+            character boundary); C{context_exceeded} is read from the whole body, so a
+            long context error is still recognised.
         @param retry_after: the C{Retry-After} in seconds, if given.
         """
+        self.context_exceeded = _is_context_exceeded(status, body)
         body = _cap_text(body, HTTP_BODY_CAP)
         super().__init__(f"HTTP {status}: {body}")
         self.status = status
         self.body = body
         self.retry_after = retry_after
-        self.context_exceeded = _is_context_exceeded(status, body)
 
 
 class Protocol(InferError):

@@ -12,7 +12,6 @@ serves.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.interfaces import IReactorTime
 
+from loopd import strict_json
 from loopd.config import Config, Expect
 from loopd.digest import sha256_hex
 from loopd.llama import (
@@ -231,9 +231,9 @@ def judge_props(props: Mapping[str, Any], expect: Expect) -> CheckResult:
 
 
 def _is_json_object(text: str) -> bool:
-    """Whether C{text} decodes as a JSON object (Python's C{json}, so C{NaN} passes too)."""
+    """Whether C{text} decodes as a JSON object, read as L{loopd.strict_json} reads JSON."""
     try:
-        return isinstance(json.loads(text), dict)
+        return isinstance(strict_json.decode(text), dict)
     except ValueError:
         return False
 

@@ -12,7 +12,6 @@ socket makes the second daemon exit 0), so there is no liveness probe and no loc
 from __future__ import annotations
 
 import errno
-import json
 import math
 import os
 import sys
@@ -28,6 +27,7 @@ from twisted.internet.task import deferLater
 from twisted.protocols.basic import LineReceiver
 from twisted.python.failure import Failure
 
+from loopd import strict_json
 from loopd.queue.client_lease import QueueUnavailable
 from loopd.queue.protocol import encode_message
 
@@ -80,7 +80,7 @@ class LeaseWire(LineReceiver):
         Decode one reply; anything but a JSON object is dropped.
         """
         try:
-            message = json.loads(line.decode("utf-8", errors="replace"))
+            message = strict_json.decode(line.decode("utf-8", errors="replace"))
         except ValueError:
             return
         if isinstance(message, dict):

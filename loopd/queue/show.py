@@ -10,7 +10,6 @@ L{render_status} is pure; L{fetch_status} does the one round trip.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -20,6 +19,7 @@ from twisted.internet.protocol import Factory
 from twisted.protocols.basic import LineOnlyReceiver
 from twisted.python.failure import Failure
 
+from loopd import strict_json
 from loopd.queue.protocol import MAX_LINE_BYTES, encode_message
 
 __all__ = ["QueueStatusError", "fetch_status", "queue_status_command", "render_status"]
@@ -85,7 +85,7 @@ class _StatusAsker(LineOnlyReceiver):
     def lineReceived(self, line: bytes) -> None:
         """Take the first line as the reply."""
         try:
-            message = json.loads(line)
+            message = strict_json.decode(line)
         except ValueError:
             self._fail("the socket answered something that is not JSON")
             return

@@ -62,3 +62,16 @@ class InferErrorTests(SynchronousTestCase):
         self.assertFalse(errors.Http(400, json.dumps(other)).context_exceeded)
         self.assertFalse(errors.Http(500, json.dumps(body)).context_exceeded)
         self.assertFalse(errors.Http(400, "not json").context_exceeded)
+
+    def test_long_context_error_recognised(self) -> None:
+        """A context error body longer than the 4 KiB kept is still flagged."""
+        body = {
+            "error": {
+                "code": 400,
+                "message": "request exceeds the available context size " + "x" * 5000,
+                "type": "exceed_context_size_error",
+            }
+        }
+        error = errors.Http(400, json.dumps(body))
+        self.assertTrue(error.context_exceeded)
+        self.assertLessEqual(len(error.body.encode("utf-8")), errors.HTTP_BODY_CAP)
