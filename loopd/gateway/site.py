@@ -143,13 +143,9 @@ class Gateway:
             return None
         return tuple(self.config.endpoint(c.name) for c in chosen.candidates)
 
-    def slot_count(self, name: str) -> int:
-        """How many slots endpoint C{name} has."""
-        return self.upstreams.slot_count(name)
-
     def _queue_depth(self, name: str, waiting: Callable[[int], int]) -> Callable[[], int]:
         """How many requests wait at endpoint C{name}'s gate, over all its slots."""
-        return lambda: sum(waiting(slot) for slot in range(self.slot_count(name)))
+        return lambda: sum(waiting(slot) for slot in range(self.upstreams.slot_count(name)))
 
     def site(self) -> Site:
         """

@@ -29,7 +29,6 @@ __all__ = [
     "comment_line",
     "data_line",
     "done_line",
-    "encode_json",
     "open_event_stream",
     "write_json",
 ]
@@ -45,9 +44,9 @@ class Exchange(Protocol):
         """The daemon is stopping: answer the client with an error and stop."""
 
 
-def encode_json(payload: object) -> bytes:
-    """C{payload} as compact UTF-8 JSON, non-ASCII text kept as it is."""
-    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+def _compact(payload: object) -> str:
+    """C{payload} as compact JSON text, non-ASCII text kept as it is."""
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
 
 
 def write_json(request: Request, status: int, body: object) -> bytes:
@@ -69,7 +68,7 @@ def open_event_stream(request: Request) -> None:
 
 def data_line(payload: object) -> bytes:
     """One SSE C{data:} event carrying C{payload} as JSON."""
-    return encode_data(json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
+    return encode_data(_compact(payload))
 
 
 def done_line() -> bytes:
@@ -79,7 +78,7 @@ def done_line() -> bytes:
 
 def comment_line(payload: object) -> bytes:
     """One C{: loopd} comment line carrying C{payload} as JSON (OpenAI clients ignore it)."""
-    return encode_comment("loopd " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
+    return encode_comment("loopd " + _compact(payload))
 
 
 class CappedSite(Site):
