@@ -177,6 +177,12 @@ def _guarded(endpoint: str, source: Callable[[], int]) -> Callable[[], float]:
 class SchedulerCollector(Collector):
     """
     A collector over one L{Scheduler}; it keeps no numbers of its own.
+
+    The per-queue series (C{loopd_lease_switches}, C{loopd_lease_holders},
+    C{loopd_lease_waiters}) cover the queues that exist now: a queue the config does not name
+    is forgotten once idle, and its series go with it; its switches are then counted in
+    C{loopd_lease_forgotten_switches}, so the per-queue switches and that total add up to
+    every switch.
     """
 
     def __init__(self, scheduler: Scheduler) -> None:
@@ -206,6 +212,16 @@ class SchedulerCollector(Collector):
                 "loopd_lease_evictions",
                 "Leases reclaimed because their TTL lapsed.",
                 counters.evictions,
+            ),
+            (
+                "loopd_lease_forgotten_queues",
+                "Queues gone: unnamed ones dropped once idle, or merged away by a reload.",
+                counters.forgotten_queues,
+            ),
+            (
+                "loopd_lease_forgotten_switches",
+                "Session switches of the queues that are gone (no per-queue series left).",
+                counters.forgotten_switches,
             ),
         )
         for name, documentation, value in totals:

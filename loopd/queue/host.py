@@ -5,6 +5,10 @@ optional C{models.json}), its sweep timer, and reloads that keep the last good p
 
 Both C{twist loopd} and C{twist llmqueue} need this much; each adds its own listener and
 its own way of learning that the config file changed.
+
+Which queues are named (L{QueueHost.names}) is decided here: those stay when idle, and every
+other queue a client's key created is forgotten once it has no holder and no waiter, so keys
+invented by clients cost nothing for long.
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ class QueueHost:
             self.policy, config_problems = load_policy(config_path)
         self.config_invalid = bool(config_problems)
         self.problems = config_problems + catalog_problems
-        self.scheduler = Scheduler(reactor, self._router(), on_grant, on_event)
+        self.scheduler = Scheduler(reactor, self._router(), on_grant, on_event, keep=self.names)
         self._sweep = LoopingCall(self.scheduler.sweep)
         self._sweep.clock = reactor
         self._sweep_seconds = sweep_ms / 1000.0
@@ -88,6 +92,18 @@ class QueueHost:
         """
         path = self.policy.defaults.log_file
         return None if path is None else os.path.expanduser(path)
+
+    def names(self, queue_key: str) -> bool:
+        """
+        Return whether the queue C{queue_key} is named, so it stays when nobody holds or
+        waits for it: a key of the policy in force (an entry or a group), an endpoint of
+        loopd's, or an endpoint whose settings come from a provider's entry through the
+        catalog. Every other queue is forgotten once empty (the scheduler's keep rule).
+        """
+        policy = self.policy
+        if queue_key in self._slot_counts or policy.entry(queue_key) is not None:
+            return True
+        return any(policy.entry(name) is not None for name in self.catalog.providers_at(queue_key))
 
     def _router(self) -> PolicyRouter:
         """

@@ -9,7 +9,19 @@ decoded whole. A line longer than L{MAX_LINE_BYTES} (102,400 bytes) disconnects 
 is never parsed; that holds whether or not its newline has arrived, so the outcome does not
 depend on how the stream was split into reads. JSON follows JavaScript's C{JSON.parse}
 (C{NaN}/C{Infinity} are invalid); invalid UTF-8 is replaced, as a non-fatal C{TextDecoder}
-does.
+does. A lone surrogate is valid JSON when spelled as an escape (C{"\\ud800"}), but it is not
+text: UTF-8 cannot carry it back out in a reply, a C{status} or a metric label. So every
+field an op reads (L{TEXT_FIELDS}) must be Unicode text; one that is not is an C{error} reply
+naming the field, and nothing of that message is stored.
+
+Output is bounded per connection (a peer that sends requests and never reads the replies must
+not make the daemon buffer them): the connection is a streaming producer on its own transport.
+When the transport's unwritten output passes its buffer size (64 KiB) it pauses the connection,
+which stops reading the peer and leaves any complete lines it already read unhandled until the
+output drains; nothing is lost, and the peer's further requests wait in the kernel's socket
+buffers, not in the daemon. Only what the daemon must send unasked while paused (grants) still
+adds to the output; past L{MAX_OUTPUT_BYTES} of that the peer is disconnected, as for the input
+rule, and its buffers go with the connection.
 
 Each op maps to one scheduler call; C{granted} replies, direct or queued, are written by
 L{deliver_grant}, the scheduler's C{on_grant} callback, to the connection that asked.
@@ -21,10 +33,11 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from twisted.internet.interfaces import IAddress, IReactorTime
+from twisted.internet.interfaces import IAddress, IPushProducer, IReactorTime
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from loopd.queue.policy import PolicySyntaxError, decode_json
 from loopd.queue.scheduler import Scheduler
@@ -33,15 +46,22 @@ from loopd.queue.scheduler_types import Grant, Tier
 __all__ = [
     "COUNTED_OPS",
     "MAX_LINE_BYTES",
+    "MAX_OUTPUT_BYTES",
+    "TEXT_FIELDS",
     "LeaseFactory",
     "LeaseProtocol",
     "deliver_grant",
     "encode_message",
     "granted_message",
+    "is_text",
 ]
 
 #: The longest line a peer may send, in bytes without its newline ("100 KB", DESIGN §11).
 MAX_LINE_BYTES = 102_400
+
+#: Bytes a paused connection may be sent on top of its transport's full buffer (grants that
+#: cannot wait) before the peer is disconnected for not reading.
+MAX_OUTPUT_BYTES = 1_048_576
 
 #: The state-touching ops that make a connection a counted client (seed, Idle-exit).
 COUNTED_OPS = frozenset({"acquire", "renew", "role", "cancel"})
@@ -50,15 +70,42 @@ _KEYED_OPS = frozenset({"acquire", "release", "cancel"})
 _TIERS: Mapping[object, Tier] = {"parent": "parent", "child": "child"}
 
 
+#: The string fields the ops read; each must be Unicode text wherever it appears.
+TEXT_FIELDS = ("op", "queueKey", "sessionKey", "role", "group")
+
 # One encoder for every reply: json.dumps with options builds a new one per call.
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+_ASCII_ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), allow_nan=False)
 
 
 def encode_message(message: Mapping[str, object]) -> bytes:
     """
     Return one wire line: compact JSON in UTF-8 and its newline.
+
+    A string that UTF-8 cannot carry (a lone surrogate) never gets this far from a peer, but
+    should one come from elsewhere, the line is written with every non-ASCII character
+    escaped (C{\\ud800}), as JavaScript's C{JSON.stringify} does: still one valid line.
     """
-    return _ENCODER.encode(message).encode("utf-8") + b"\n"
+    text = _ENCODER.encode(message)
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:
+        data = _ASCII_ENCODER.encode(message).encode("ascii")
+    return data + b"\n"
+
+
+def is_text(value: str) -> bool:
+    """
+    Return whether C{value} is Unicode text: no lone surrogate, which a JSON escape can
+    spell (C{"\\ud800"}, valid JSON as C{JSON.parse} reads it) but UTF-8 cannot carry.
+    """
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def granted_message(grant: Grant) -> dict[str, object]:
@@ -93,13 +140,18 @@ def _session_key(message: Mapping[str, Any]) -> str:
     return value if isinstance(value, str) else ""
 
 
+@implementer(IPushProducer)
 class LeaseProtocol(Protocol):
     """
     One client connection. It is its own scheduler connection key: every lease and waiter
-    it creates is tied to it and goes away with it.
+    it creates is tied to it and goes away with it. It is also the producer of its replies
+    (see the module's note on bounded output).
     """
 
     factory: LeaseFactory
+    # A real socket transport (IUNIXTransport plus IConsumer and IPushProducer), or a test's
+    # StringTransport: ITransport alone does not name the producer methods used here.
+    transport: Any
 
     def __init__(self) -> None:
         """
@@ -108,6 +160,8 @@ class LeaseProtocol(Protocol):
         self._buffer = b""
         self._gone = False
         self._counted = False
+        self._paused = False
+        self._sent_while_paused = 0
         self._ops: Mapping[str, Callable[[Mapping[str, Any]], None]] = {
             "acquire": self._acquire,
             "release": self._release,
@@ -120,14 +174,56 @@ class LeaseProtocol(Protocol):
 
     # -- Twisted overrides -------------------------------------------------------------
 
+    def connectionMade(self) -> None:
+        """
+        Register as the producer of this connection's output, so the transport can pause it.
+        """
+        if self.transport is not None:
+            self.transport.registerProducer(self, True)
+
     def dataReceived(self, data: bytes) -> None:
         """
-        Buffer C{data} and handle every complete line; drop the peer on an over-long line.
+        Buffer C{data} and handle every complete line (while not paused); drop the peer on
+        an over-long line.
         """
         if self._gone:
             return
         self._buffer += data
-        while not self._gone:
+        self._handle_lines()
+
+    def pauseProducing(self) -> None:
+        """
+        The transport's output is full: stop reading the peer and handling its lines.
+        """
+        if self._paused or self._gone:
+            return
+        self._paused = True
+        self._sent_while_paused = 0
+        if self.transport is not None:
+            self.transport.pauseProducing()
+
+    def resumeProducing(self) -> None:
+        """
+        The output drained: handle the lines held meanwhile, then read the peer again.
+        """
+        if not self._paused or self._gone:
+            return
+        self._paused = False
+        self._handle_lines()
+        if not self._paused and not self._gone and self.transport is not None:
+            self.transport.resumeProducing()
+
+    def stopProducing(self) -> None:
+        """
+        The transport is going away; L{connectionLost} does the cleaning up.
+        """
+
+    def _handle_lines(self) -> None:
+        """
+        Handle every complete line in the buffer until it is empty, the connection is
+        paused or gone; drop the peer on an over-long line.
+        """
+        while not self._gone and not self._paused:
             end = self._buffer.find(b"\n")
             if end < 0:
                 if len(self._buffer) > MAX_LINE_BYTES:
@@ -153,19 +249,32 @@ class LeaseProtocol(Protocol):
         """
         Write one message to the peer, unless the connection is gone.
         """
-        if not self._gone and self.transport is not None:
-            self.transport.write(encode_message(message))
+        if self._gone or self.transport is None:
+            return
+        data = encode_message(message)
+        if self._paused:
+            self._sent_while_paused += len(data)
+            if self._sent_while_paused > MAX_OUTPUT_BYTES:
+                self._drop(abort=True)
+                return
+        self.transport.write(data)
 
     # -- input -------------------------------------------------------------------------
 
-    def _drop(self) -> None:
+    def _drop(self, abort: bool = False) -> None:
         """
-        Disconnect a peer that overran the line limit; nothing of that line is parsed.
+        Disconnect a peer that overran the line limit (nothing of that line is parsed) or,
+        with C{abort}, the output limit (its unread output is thrown away with the
+        connection, not written first).
         """
         self._buffer = b""
         self._forget()
         self._gone = True
-        if self.transport is not None:
+        if self.transport is None:
+            return
+        if abort:
+            self.transport.abortConnection()
+        else:
             self.transport.loseConnection()
 
     def _forget(self) -> None:
@@ -199,6 +308,11 @@ class LeaseProtocol(Protocol):
         if not isinstance(message, dict):
             self._error("message must be a JSON object")
             return
+        for name in TEXT_FIELDS:
+            value = message.get(name)
+            if isinstance(value, str) and not is_text(value):
+                self._error(f"{name} must be Unicode text (got a lone surrogate)")
+                return
         op = message.get("op")
         if not isinstance(op, str) or op not in self._ops:
             self._error(f"unknown op: {json.dumps(op, ensure_ascii=False)}")

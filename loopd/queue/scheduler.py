@@ -9,6 +9,9 @@ on its own timer.
 
 Rules (the seed's, with DESIGN §3 decisions 10 and 20-23):
  - a queue is created on first use; an unknown key gets the defaults;
+ - with a C{keep} rule, a queue it does not keep (one the config does not name) is forgotten
+   as soon as it has no holder and no waiter, its switches folded into a total, so keys a
+   client invents cost nothing once they are idle;
  - a grant is a lease whose terms (TTL, idle-yield window) are fixed at grant, except that
    the TTL term only ever grows to the queue's current TTL;
  - waiters are granted by tier (parent over child, FIFO inside a tier); the longest-waiting
@@ -43,6 +46,7 @@ from loopd.queue.scheduler_queue import (
 from loopd.queue.scheduler_types import (
     Clock,
     Grant,
+    Keep,
     Lease,
     QueueEvent,
     Route,
@@ -75,6 +79,7 @@ class Scheduler:
         router: Router,
         on_grant: Callable[[Grant], None],
         on_event: Callable[[QueueEvent], None] = _ignore,
+        keep: Keep | None = None,
     ) -> None:
         """
         @param clock: the time source (C{seconds()}).
@@ -82,15 +87,19 @@ class Scheduler:
             replaces it.
         @param on_grant: receives every grant, direct or queued, once per grant.
         @param on_event: receives the seed's log events in order.
+        @param keep: which queues stay when empty (asked each time one empties, so it may
+            follow a reloaded config); C{None} keeps every queue.
         """
         self._clock = clock
         self._router = router
         self._on_grant = on_grant
         self._on_event = on_event
+        self._keep = keep
         self._queues: dict[str, QueueState] = {}
         self._pending: deque[Grant] = deque()
         self._seq = 0
         self._grants = self._releases = self._evictions = self._switches = 0
+        self._forgotten_queues = self._forgotten_switches = 0
         self._conns = ConnIndex()
         self._lapses = LapseHeap(self._holds)
 
@@ -152,6 +161,7 @@ class Scheduler:
         if queue is not None and session_key in queue.holders:
             self._drop_lease(queue, session_key, None)
             self._fill(queue, now)
+            self._settle(queue)
         self._flush()
 
     def cancel(self, queue_key: str, session_key: str) -> None:
@@ -168,6 +178,7 @@ class Scheduler:
             if session_key in queue.holders:
                 self._drop_lease(queue, session_key, "cancel")
             self._fill(queue, now)
+            self._settle(queue)
         self._flush()
 
     def role(self, session_key: str, role: Tier) -> None:
@@ -230,6 +241,7 @@ class Scheduler:
             for session_key in in_grant_order(queue, held.get(queue.key, set())):
                 self._drop_lease(queue, session_key, "disconnect")
             self._fill(queue, now)
+            self._settle(queue)
         self._flush()
 
     def sweep(self) -> None:
@@ -257,6 +269,7 @@ class Scheduler:
         it drains. A lengthened TTL applies to held leases at once, a shortened one at the
         next grant. A session met twice in one merged queue keeps its earlier lease (the
         other is released) or its earlier place; a waiter that meets its own lease is granted.
+        A queue merged away, or left empty and no longer kept, is forgotten.
         """
         now = self._now()
         self._evict_lapsed(now)
@@ -302,6 +315,12 @@ class Scheduler:
                     )
                 )
             self._fill(queue, now)
+        live = {id(queue) for queue in self._queues.values()}
+        for queue in old.values():
+            if id(queue) not in live:
+                self._fold(queue)
+        for queue in list(self._queues.values()):
+            self._settle(queue)
         self._flush()
 
     def _reindex(self) -> None:
@@ -348,9 +367,17 @@ class Scheduler:
 
     def counters(self) -> SchedulerCounters:
         """
-        Return the grant, release, eviction and switch totals (for C{/metrics}).
+        Return the grant, release, eviction and switch totals, and those of the forgotten
+        queues (for C{/metrics}).
         """
-        return SchedulerCounters(self._grants, self._releases, self._evictions, self._switches)
+        return SchedulerCounters(
+            self._grants,
+            self._releases,
+            self._evictions,
+            self._switches,
+            self._forgotten_queues,
+            self._forgotten_switches,
+        )
 
     # -- internals ---------------------------------------------------------------------
 
@@ -369,6 +396,23 @@ class Scheduler:
             queue = QueueState(route.queue_key, route.settings)
             self._queues[route.queue_key] = queue
         return queue
+
+    def _settle(self, queue: QueueState) -> None:
+        """
+        Forget C{queue} if it is empty and the keep rule does not keep it.
+        """
+        if queue.holders or queue.waiting or self._keep is None or self._keep(queue.key):
+            return
+        if self._queues.get(queue.key) is queue:
+            del self._queues[queue.key]
+            self._fold(queue)
+
+    def _fold(self, queue: QueueState) -> None:
+        """
+        Count a queue that is gone, and its switches, in the forgotten totals.
+        """
+        self._forgotten_queues += 1
+        self._forgotten_switches += queue.switches
 
     def _holds(self, lease: Lease) -> bool:
         """
@@ -468,6 +512,7 @@ class Scheduler:
                 self._evictions += 1
                 self._emit(QueueEvent("evict", queue.key, session_key, lease.role, "ttl"))
             self._fill(queue, now)
+            self._settle(queue)
 
     def _emit(self, event: QueueEvent) -> None:
         """

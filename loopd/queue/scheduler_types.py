@@ -18,6 +18,7 @@ __all__ = [
     "Clock",
     "EventName",
     "Grant",
+    "Keep",
     "Lease",
     "ParentRun",
     "QueueEvent",
@@ -51,12 +52,18 @@ class Clock(Protocol):
 class SchedulerCounters:
     """
     Totals since the scheduler started: C{grants - releases - evictions} is the holder count.
+
+    C{forgotten_queues} counts the queues that are gone (an unnamed queue dropped once empty,
+    or a queue a reload merged away) and C{forgotten_switches} their switches, so that the
+    live queues' C{switches} plus C{forgotten_switches} is always C{switches}.
     """
 
     grants: int
     releases: int
     evictions: int
     switches: int
+    forgotten_queues: int = 0
+    forgotten_switches: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,10 @@ class Route(Protocol):
 Router = Callable[[str], Route]
 """Resolves a client's queue key; C{loopd.queue.policy.address_endpoint} curried fits."""
 
+Keep = Callable[[str], bool]
+"""Whether a queue (by its owner key) stays when it has no holder and no waiter: the queues
+the config names do, the others are forgotten."""
+
 
 @dataclass(frozen=True)
 class StaticRoute:
@@ -161,6 +172,13 @@ class StaticRouter:
         """
         owner = next((g for g, keys in self.groups.items() if queue_key in keys), queue_key)
         return StaticRoute(owner, self.queues.get(owner, self.defaults))
+
+    def names(self, queue_key: str) -> bool:
+        """
+        Return whether C{queue_key} is a queue this router names (an entry or a group): a
+        L{Keep} rule.
+        """
+        return queue_key in self.queues or queue_key in self.groups
 
 
 @dataclass(frozen=True)

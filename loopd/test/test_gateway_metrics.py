@@ -6,10 +6,15 @@ import math
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.llama.types import Timings
+from loopd.queue.protocol import LeaseFactory, deliver_grant
+from loopd.queue.scheduler import Scheduler
+from loopd.queue.scheduler_types import QueuePolicy, StaticRouter
 
 #: A sample's labels, and a family's samples keyed by (sample name, labels).
 Labels = frozenset[tuple[str, str]]
@@ -189,4 +194,58 @@ class IsolationTests(SynchronousTestCase):
         self.assertIsNone(REGISTRY.get_sample_value("loopd_requests_total", {}))
         self.assertIsNone(
             REGISTRY.get_sample_value("loopd_requests_total", {"endpoint": "main", "outcome": "ok"})
+        )
+
+
+class SchedulerCollectorTests(SynchronousTestCase):
+    """The lease scheduler's families: totals, per-queue series, and forgotten queues."""
+
+    def setUp(self) -> None:
+        self.router = StaticRouter(defaults=QueuePolicy(), queues={"named": QueuePolicy()})
+        self.scheduler = Scheduler(Clock(), self.router, deliver_grant, keep=self.router.names)
+        self.metrics = GatewayMetrics()
+        self.metrics.watch_scheduler(self.scheduler)
+
+    def test_forgotten_queue_series_vanish(self) -> None:
+        """An unnamed queue's series go with it; its switches stay in the forgotten total."""
+        for key in ("k1", "named"):
+            self.scheduler.acquire("c1", key, "s1")
+            self.scheduler.acquire("c2", key, "s2")
+            self.scheduler.release(key, "s1")
+        families = scrape(self.metrics)
+        self.assertEqual(
+            families["loopd_lease_switches"],
+            {
+                ("loopd_lease_switches_total", labels(queue="k1")): 1.0,
+                ("loopd_lease_switches_total", labels(queue="named")): 1.0,
+            },
+        )
+        self.scheduler.disconnect("c2")
+        families = scrape(self.metrics)
+        for name in ("loopd_lease_switches", "loopd_lease_holders", "loopd_lease_waiters"):
+            self.assertEqual({dict(key[1])["queue"] for key in families[name]}, {"named"}, name)
+        self.assertEqual(
+            families["loopd_lease_forgotten_switches"],
+            {("loopd_lease_forgotten_switches_total", labels()): 1.0},
+        )
+        self.assertEqual(
+            families["loopd_lease_forgotten_queues"],
+            {("loopd_lease_forgotten_queues_total", labels()): 1.0},
+        )
+        self.assertEqual(
+            families["loopd_lease_grants"], {("loopd_lease_grants_total", labels()): 4.0}
+        )
+
+    def test_lone_surrogate_key_leaves_metrics_working(self) -> None:
+        """The issue's acquire with a key that is not text is refused; /metrics still renders."""
+        factory = LeaseFactory(self.scheduler)
+        connection = factory.buildProtocol(None)
+        transport = StringTransport()
+        connection.makeConnection(transport)
+        connection.dataReceived(b'{"op":"acquire","queueKey":"\\ud800"}\n')
+        self.assertIn(b'"op":"error"', transport.value())
+        families = scrape(self.metrics)
+        self.assertEqual(families["loopd_lease_holders"], {})
+        self.assertEqual(
+            families["loopd_lease_grants"], {("loopd_lease_grants_total", labels()): 0.0}
         )

@@ -105,6 +105,43 @@ class StartTests(HostTestCase):
         self.assertEqual(streams, {"tiny": 3, "big": 1, "other": 1})
 
 
+class ForgetTests(HostTestCase):
+    """
+    A queue the config does not name, and that is not one of loopd's endpoints, is dropped
+    once it has no holder and no waiter; the named ones stay.
+    """
+
+    def keys(self, host: QueueHost) -> list[str]:
+        """The queue keys status lists."""
+        return [q["queueKey"] for q in host.scheduler.status()]
+
+    def test_unnamed_goes_named_stay(self) -> None:
+        """After each key is acquired and released only the named queues are listed."""
+        catalog = os.path.join(self.directory, "models.json")
+        with open(catalog, "w") as f:
+            json.dump({"providers": {"zen": {"baseUrl": "http://z/v1"}}}, f)
+        self.write(
+            {"queues": {"q": {"maxStreams": 1}, "gpu": {"match": ["http://g/v1"]}, "zen": {}}}
+        )
+        host = self.host(slot_counts={"tiny": 2}, models_json=catalog)
+        for key in ("q", "http://g/v1", "tiny", "zen", "other", "http://x/v1"):
+            host.scheduler.acquire("c", key, "a")
+            host.scheduler.release(key, "a")
+        self.assertEqual(self.keys(host), ["q", "gpu", "tiny", "http://z/v1"])
+        self.assertEqual(host.scheduler.counters().forgotten_queues, 2)
+
+    def test_reload_that_unnames_forgets(self) -> None:
+        """An idle queue whose entry an edit removed goes at the reload."""
+        self.write({"queues": {"q": {"maxStreams": 1}}})
+        host = self.host()
+        host.scheduler.acquire("c", "q", "a")
+        host.scheduler.release("q", "a")
+        self.assertEqual(self.keys(host), ["q"])
+        self.write({"queues": {}})
+        self.assertEqual(host.reload(), ("applied", ()))
+        self.assertEqual(self.keys(host), [])
+
+
 class ReloadTests(HostTestCase):
     """
     A reload applies a valid edit to the live queues and keeps the last good policy

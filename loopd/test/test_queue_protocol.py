@@ -16,16 +16,18 @@ from hypothesis import strategies as st
 from twisted.internet.defer import Deferred, DeferredList, inlineCallbacks
 from twisted.internet.endpoints import UNIXClientEndpoint, connectProtocol
 from twisted.internet.protocol import Protocol, connectionDone
-from twisted.internet.task import Clock
+from twisted.internet.task import Clock, deferLater
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from loopd.queue.protocol import (
     MAX_LINE_BYTES,
+    MAX_OUTPUT_BYTES,
     LeaseFactory,
     LeaseProtocol,
     deliver_grant,
+    encode_message,
 )
 from loopd.queue.scheduler import Scheduler
 from loopd.queue.scheduler_types import QueuePolicy, StaticRouter
@@ -275,6 +277,139 @@ class ErrorTests(SynchronousTestCase):
         self.assertEqual(replies(self.out), [])
 
 
+class TextTests(SynchronousTestCase):
+    """
+    A string field that is not Unicode text (a lone surrogate, which JSON may spell as an
+    escape but UTF-8 cannot carry) is an error reply naming the field, and nothing is stored.
+    """
+
+    def setUp(self) -> None:
+        self.h = Harness()
+        self.conn, self.out = self.h.connect()
+
+    def test_lone_surrogate_key_then_status(self) -> None:
+        """The issue's exact input: an error naming queueKey; a later status works."""
+        self.conn.dataReceived(b'{"op":"acquire","queueKey":"\\ud800"}\n')
+        self.assertEqual(
+            replies(self.out),
+            [{"op": "error", "reason": "queueKey must be Unicode text (got a lone surrogate)"}],
+        )
+        self.conn.dataReceived(b'{"op":"status"}\n')
+        self.assertEqual(replies(self.out), [{"op": "status", "queues": []}])
+        self.assertEqual(self.h.scheduler.status(), [])
+        self.assertEqual(self.h.counts, [])
+        self.assertFalse(self.out.disconnecting)
+
+    def test_every_field_is_named(self) -> None:
+        """sessionKey, role, group and op are refused by name, for every op that reads them."""
+        bad = "\\udc00"
+        cases = [
+            ('{"op":"acquire","queueKey":"k","sessionKey":"%s"}', "sessionKey"),
+            ('{"op":"acquire","queueKey":"k","role":"%s"}', "role"),
+            ('{"op":"acquire","queueKey":"k","group":"x%s"}', "group"),
+            ('{"op":"release","queueKey":"%s"}', "queueKey"),
+            ('{"op":"cancel","queueKey":"k","sessionKey":"%s"}', "sessionKey"),
+            ('{"op":"renew","queueKey":"%s","sessionKey":"s"}', "queueKey"),
+            ('{"op":"role","sessionKey":"s","role":"%s"}', "role"),
+            ('{"op":"%s"}', "op"),
+        ]
+        for template, field in cases:
+            self.conn.dataReceived((template % bad).encode() + b"\n")
+            reason = f"{field} must be Unicode text (got a lone surrogate)"
+            self.assertEqual(replies(self.out), [{"op": "error", "reason": reason}], template)
+        self.assertEqual(self.h.scheduler.status(), [])
+        self.assertEqual(self.h.counts, [])
+
+    def test_paired_surrogates_are_text(self) -> None:
+        """A surrogate pair written as escapes is one character, and is accepted."""
+        self.conn.dataReceived(b'{"op":"acquire","queueKey":"k","sessionKey":"\\ud83d\\ude42"}\n')
+        self.assertEqual(replies(self.out)[0]["sessionKey"], "\U0001f642")
+
+    def test_reply_escapes_what_utf8_cannot_carry(self) -> None:
+        """A reply quoting a non-text value is still one valid line, the value escaped."""
+        self.conn.dataReceived(b'{"op":["\\ud800"]}\n')
+        self.assertEqual(
+            self.out.value(), b'{"op":"error","reason":"unknown op: [\\"\\ud800\\"]"}\n'
+        )
+        self.assertEqual(encode_message({"k": "\ud800\u00e9"}), b'{"k":"\\ud800\\u00e9"}\n')
+
+    def test_unread_field_is_ignored(self) -> None:
+        """A lone surrogate in a field no op reads stores nothing and is not an error."""
+        self.conn.dataReceived(b'{"op":"status","note":"\\ud800"}\n')
+        self.assertEqual(replies(self.out), [{"op": "status", "queues": []}])
+
+    @given(st.text(alphabet=st.characters(min_codepoint=0xD7F0, max_codepoint=0xE010)))
+    def test_any_key_leaves_status_working(self, key: str) -> None:
+        """Whatever the key, status still encodes as UTF-8 and the connection stays up."""
+        h = Harness()
+        conn, out = h.connect()
+        conn.dataReceived(json.dumps(acquire("s", key or "k")).encode() + b"\n")
+        conn.dataReceived(b'{"op":"status"}\n')
+        status = replies(out)[-1]
+        self.assertEqual(status["op"], "status")
+        self.assertFalse(out.disconnecting)
+        json.dumps(h.scheduler.status(), ensure_ascii=False).encode("utf-8")
+
+
+class OutputBoundTests(SynchronousTestCase):
+    """
+    A connection whose transport is full stops handling its lines until the output drains;
+    grants it must still be sent are bounded by L{MAX_OUTPUT_BYTES}, past which it is dropped.
+    """
+
+    def setUp(self) -> None:
+        self.h = Harness()
+        self.conn, self.out = self.h.connect()
+
+    def test_registered_as_streaming_producer(self) -> None:
+        """The connection is its transport's streaming producer."""
+        self.assertIs(self.out.producer, self.conn)
+        self.assertTrue(self.out.streaming)
+
+    def test_paused_holds_lines_and_stops_reading(self) -> None:
+        """Lines read while paused wait, in order, and are all answered on resume."""
+        self.conn.pauseProducing()
+        self.assertEqual(self.out.producerState, "paused")
+        send(self.conn, {"op": "status"}, acquire("s1"), {"op": "renew"})
+        self.assertEqual(self.out.value(), b"")
+        self.assertEqual(self.h.scheduler.status(), [])
+        self.conn.resumeProducing()
+        self.assertEqual(self.out.producerState, "producing")
+        self.assertEqual([r["op"] for r in replies(self.out)], ["status", "granted", "ok"])
+
+    def test_pause_inside_a_batch(self) -> None:
+        """A pause raised by one reply's write stops the batch at that line."""
+        written: list[bytes] = []
+
+        def write(data: bytes) -> None:
+            written.append(data)
+            if len(written) == 2:
+                self.conn.pauseProducing()
+
+        self.out.write = write  # type: ignore[method-assign]
+        self.conn.dataReceived(b'{"op":"status"}\n' * 5)
+        self.assertEqual(len(written), 2)
+        self.conn.resumeProducing()
+        self.assertEqual(len(written), 5)
+
+    def test_grants_past_the_bound_drop_the_peer(self) -> None:
+        """A paused peer sent more than the bound in grants is aborted; its leases go."""
+        h = Harness(QueuePolicy(max_streams=1))
+        holder, _ = h.connect()
+        send(holder, *[acquire("h", f"k{n}") for n in range(200)])
+        waiter, out = h.connect()
+        session = "w" + "x" * 8000
+        send(waiter, *[acquire(session, f"k{n}") for n in range(200)])
+        waiter.pauseProducing()
+        self.assertGreater(200 * len(session), MAX_OUTPUT_BYTES)
+        releases = [{"op": "release", "queueKey": f"k{n}", "sessionKey": "h"} for n in range(200)]
+        send(holder, *releases)
+        self.assertTrue(out.disconnecting)
+        self.assertLessEqual(len(out.value()), MAX_OUTPUT_BYTES)
+        for queue in h.scheduler.status():
+            self.assertEqual((queue["holders"], queue["waiting"]), ([], []))
+
+
 class FramingTests(SynchronousTestCase):
     """
     Lines are split on bytes and decoded whole; over-long lines disconnect.
@@ -406,6 +541,100 @@ class _Client(Protocol):
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.lost.callback(None)
+
+
+class _Silent(Protocol):
+    """Writes its lines at once and reads nothing until told to."""
+
+    transport: Any
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.received = bytearray()
+
+    def connectionMade(self) -> None:
+        assert self.transport is not None
+        self.transport.pauseProducing()
+        self.transport.write(self.data)
+
+    def dataReceived(self, data: bytes) -> None:
+        self.received += data
+
+
+def unwritten(transport: Any) -> int:
+    """
+    The bytes a Twisted socket transport holds that the kernel has not taken yet (the
+    daemon's own output buffer; private attributes of C{FileDescriptor}, read for the test).
+    """
+    held: int = len(transport.dataBuffer) - transport.offset + transport._tempDataLen
+    return held
+
+
+class UnreadRepliesTests(TestCase):
+    """
+    Issue 12 item 3: a client that sends C{status} requests and never reads the replies
+    makes the daemon stop reading it, not buffer every reply; once it reads, every reply
+    arrives.
+    """
+
+    @inlineCallbacks
+    def test_status_flood_without_reading(self) -> Any:
+        """1.6 MB of status requests, unread: the daemon's buffers stay bounded; nothing lost."""
+        reactor = real_reactor()
+        directory = tempfile.mkdtemp(prefix="ld", dir="/tmp")
+        self.addCleanup(shutil.rmtree, directory, True)
+        path = os.path.join(directory, "q.sock")
+        scheduler = Scheduler(reactor, StaticRouter(), deliver_grant)
+        for n in range(4):
+            scheduler.acquire(object(), f"queue-{n}", "s", "parent", None, False)
+        factory = _TrackingFactory(scheduler)
+        servers: list[LeaseProtocol] = []
+        build = factory.buildProtocol
+
+        read: list[int] = [0]
+
+        def record(addr: Any) -> LeaseProtocol:
+            server = build(addr)
+            original = server.dataReceived
+
+            def counting(data: bytes) -> None:
+                read[0] += len(data)
+                original(data)
+
+            server.dataReceived = counting  # type: ignore[method-assign]
+            servers.append(server)
+            return server
+
+        factory.buildProtocol = record  # type: ignore[method-assign]
+        port = listen_unix(reactor, path, factory)
+        self.addCleanup(port.stopListening)
+        count = 100_000
+        client = _Silent(b'{"op":"status"}\n' * count)
+        yield connectProtocol(UNIXClientEndpoint(reactor, path), client)
+        reply = len(encode_message({"op": "status", "queues": scheduler.status()}))
+        total = count * reply
+        while not servers:
+            yield deferLater(reactor, 0.01, lambda: None)
+        server: Any = servers[0]
+        # Wait until the daemon either stopped reading or took every request in.
+        while not (server.transport.producerPaused or read[0] >= 16 * count):
+            yield deferLater(reactor, 0.01, lambda: None)
+        for _ in range(20):
+            yield deferLater(reactor, 0.01, lambda: None)
+        self.assertLess(read[0], 16 * count)
+        self.assertLessEqual(unwritten(server.transport), 65_536 + reply)
+        self.assertLessEqual(len(server._buffer), 2 * 65_536)
+        client.transport.resumeProducing()
+        while len(client.received) < total:
+            yield deferLater(reactor, 0.01, lambda: None)
+        lines = bytes(client.received).split(b"\n")
+        self.assertEqual(len(lines) - 1, count)
+        self.assertEqual(
+            set(lines[:-1]), {encode_message({"op": "status", "queues": scheduler.status()})[:-1]}
+        )
+        client.transport.loseConnection()
+        yield DeferredList(factory.lost)
+        self.assertEqual(unwritten(server.transport), 0)
 
 
 class _TrackingFactory(LeaseFactory):

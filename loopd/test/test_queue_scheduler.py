@@ -22,13 +22,31 @@ ONE = QueuePolicy(max_streams=1, lease_ttl_ms=10_000, idle_yield_ms=4_000)
 class Harness:
     """A scheduler on a C{task.Clock} recording its grants and events."""
 
-    def __init__(self, router: StaticRouter | None = None) -> None:
+    def __init__(self, router: StaticRouter | None = None, forget: bool = False) -> None:
+        """
+        @param forget: drop a queue the router does not name once it is empty, as the
+            daemons do; otherwise every queue is kept.
+        """
         self.clock = Clock()
         self.grants: list[Grant] = []
         self.events: list[QueueEvent] = []
+        self.router = router or StaticRouter(defaults=ONE)
         self.sched = Scheduler(
-            self.clock, router or StaticRouter(defaults=ONE), self.grants.append, self.events.append
+            self.clock,
+            self.router,
+            self.grants.append,
+            self.events.append,
+            keep=(lambda key: self.router.names(key)) if forget else None,
         )
+
+    def reload(self, router: StaticRouter) -> None:
+        """Apply a new router (and the names it keeps)."""
+        self.router = router
+        self.sched.reload(router)
+
+    def keys(self) -> list[str]:
+        """The queue keys status lists."""
+        return [str(q["queueKey"]) for q in self.sched.status()]
 
     def sessions(self) -> list[str]:
         """Granted session keys in grant order."""
@@ -463,6 +481,111 @@ class ReloadTests(SynchronousTestCase):
         h.sched.reload(StaticRouter(defaults=ONE))
         self.assertEqual((h.holders("u1"), h.holders("u2")), (["a"], ["b"]))
         self.assertEqual(h.sessions(), ["a", "b"])
+
+
+class ForgetTests(SynchronousTestCase):
+    """
+    A queue the config does not name is dropped once it has no holder and no waiter; its
+    switches fold into the scheduler's total of forgotten queues. Named queues stay.
+    """
+
+    def test_unnamed_queue_goes_after_release(self) -> None:
+        """Acquire then release: the queue is gone from status, counted as forgotten."""
+        h = Harness(forget=True)
+        h.sched.acquire("c1", "q", "s1")
+        self.assertEqual(h.keys(), ["q"])
+        h.sched.release("q", "s1")
+        self.assertEqual(h.sched.status(), [])
+        self.assertEqual(h.sched.counters().forgotten_queues, 1)
+
+    def test_a_waiter_keeps_it(self) -> None:
+        """A queue whose holder leaves while a session waits stays, with the waiter granted."""
+        h = Harness(forget=True)
+        h.sched.acquire("c1", "q", "s1")
+        h.sched.acquire("c2", "q", "s2")
+        h.sched.release("q", "s1")
+        self.assertEqual((h.keys(), h.holders()), (["q"], ["s2"]))
+
+    def test_switches_fold_into_the_total(self) -> None:
+        """The switches of a forgotten queue stay counted; a new queue of that key starts at 0."""
+        h = Harness(forget=True)
+        h.sched.acquire("c1", "q", "s1")
+        h.sched.acquire("c2", "q", "s2")
+        h.sched.release("q", "s1")
+        h.sched.release("q", "s2")
+        counters = h.sched.counters()
+        self.assertEqual((counters.switches, counters.forgotten_switches), (1, 1))
+        self.assertEqual((counters.grants, counters.releases), (2, 2))
+        h.sched.acquire("c1", "q", "s3")
+        self.assertEqual(h.queue()["switches"], 0)
+
+    def test_every_way_out(self) -> None:
+        """cancel, disconnect and a TTL eviction forget an emptied queue too."""
+        h = Harness(forget=True)
+        h.sched.acquire("c1", "a", "s1")
+        h.sched.acquire("c1", "b", "s1")
+        h.sched.acquire("c2", "c", "s2")
+        h.sched.acquire("c3", "c", "s3")
+        h.sched.cancel("a", "s1")
+        self.assertEqual(h.keys(), ["b", "c"])
+        h.sched.disconnect("c1")
+        self.assertEqual(h.keys(), ["c"])
+        h.sched.cancel("c", "s3")
+        h.advance_ms(10_000)
+        self.assertEqual(h.sched.status(), [])
+        self.assertEqual(h.sched.counters().forgotten_queues, 3)
+
+    def test_named_queues_stay(self) -> None:
+        """A queue the config names, and a group, stay when empty, with their switches."""
+        router = StaticRouter(defaults=ONE, queues={"z": ONE}, groups={"gpu": ("u1",)})
+        h = Harness(router, forget=True)
+        h.sched.acquire("c1", "z", "s1")
+        h.sched.acquire("c2", "z", "s2")
+        h.sched.acquire("c1", "u1", "s1")
+        h.sched.disconnect("c1")
+        h.sched.disconnect("c2")
+        self.assertEqual(
+            [(q["queueKey"], q["switches"]) for q in h.sched.status()], [("z", 1), ("gpu", 0)]
+        )
+        self.assertEqual(h.sched.counters().forgotten_queues, 0)
+
+    def test_reload_forgets_what_it_no_longer_names(self) -> None:
+        """An empty queue whose entry a reload removed goes; its switches are folded."""
+        h = Harness(StaticRouter(defaults=ONE, queues={"z": ONE}), forget=True)
+        h.sched.acquire("c1", "z", "s1")
+        h.sched.acquire("c2", "z", "s2")
+        h.sched.disconnect("c1")
+        h.sched.disconnect("c2")
+        h.reload(StaticRouter(defaults=ONE))
+        self.assertEqual(h.sched.status(), [])
+        self.assertEqual(h.sched.counters().forgotten_switches, 1)
+
+    def test_reload_merge_folds_the_merged_queue(self) -> None:
+        """A queue merged into a group by a reload is gone: its switches stay counted."""
+        h = Harness()
+        h.sched.acquire("c1", "u1", "s1")
+        h.sched.acquire("c2", "u1", "s2")
+        h.sched.release("u1", "s1")
+        h.reload(StaticRouter(defaults=ONE, groups={"gpu": ("u1",)}))
+        counters = h.sched.counters()
+        self.assertEqual(h.keys(), ["gpu"])
+        self.assertEqual((counters.forgotten_queues, counters.forgotten_switches), (1, 1))
+
+    def test_twenty_thousand_keys_leave_nothing(self) -> None:
+        """20,000 distinct keys acquired and released leave no queue and a short status."""
+        h = Harness(forget=True)
+        for n in range(20_000):
+            h.sched.acquire("c", f"k{n}", "s")
+            h.sched.release(f"k{n}", "s")
+        self.assertEqual(h.sched.status(), [])
+        self.assertEqual(h.sched.counters().forgotten_queues, 20_000)
+
+    def test_kept_without_a_keep_rule(self) -> None:
+        """A scheduler given no keep rule keeps every queue (as embedders had it)."""
+        h = Harness()
+        h.sched.acquire("c1", "q", "s1")
+        h.sched.release("q", "s1")
+        self.assertEqual(h.keys(), ["q"])
 
 
 class SchedulerMachineTests(SynchronousTestCase):

@@ -5,12 +5,14 @@ socket, and the command line that picks the socket.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from typing import Any
 
-from twisted.internet.defer import inlineCallbacks
+from twisted.internet.defer import Deferred, DeferredList, inlineCallbacks
+from twisted.internet.endpoints import UNIXClientEndpoint, connectProtocol
 from twisted.internet.error import ConnectError
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactor
@@ -22,7 +24,7 @@ from loopd.queue.protocol import LeaseFactory, LeaseProtocol, deliver_grant
 from loopd.queue.scheduler import Scheduler
 from loopd.queue.scheduler_types import QueuePolicy, StaticRouter
 from loopd.queue.show import QueueStatusError, fetch_status, render_status
-from loopd.test.support.peers import real_reactor
+from loopd.test.support.peers import Peer, real_reactor
 from loopd.unixsocket import listen_unix
 
 
@@ -110,6 +112,31 @@ class FetchTests(TestCase):
         self.assertEqual([q["queueKey"] for q in queues], ["gpu"])
         self.assertEqual(queues[0]["holders"], [entry("s1", "child")])
         self.assertEqual(factory.clients, 0)
+
+    @inlineCallbacks
+    def test_status_after_a_key_that_is_not_text(self) -> Any:
+        """
+        The issue's acquire with a lone-surrogate key is an error reply on its connection,
+        and C{loopd queue status} still answers afterwards.
+        """
+        reactor = real_reactor()
+        scheduler = Scheduler(reactor, StaticRouter(defaults=QueuePolicy()), deliver_grant)
+        port = listen_unix(reactor, self.path, LeaseFactory(scheduler))
+        self.addCleanup(port.stopListening)
+        peer = Peer()
+        peer.on_connect = lambda p: p.transport.write(b'{"op":"acquire","queueKey":"\\ud800"}\n')
+        replied: Deferred[None] = Deferred()
+        peer.on_data = lambda p, data: None if replied.called else replied.callback(None)
+        yield connectProtocol(UNIXClientEndpoint(reactor, self.path), peer)
+        yield DeferredList([replied, peer.closed], fireOnOneCallback=True)
+        self.assertEqual(
+            json.loads(bytes(peer.received)),
+            {"op": "error", "reason": "queueKey must be Unicode text (got a lone surrogate)"},
+        )
+        queues = yield fetch_status(reactor, self.path)
+        self.assertEqual(queues, [])
+        peer.transport.loseConnection()
+        yield peer.closed
 
     @inlineCallbacks
     def test_no_socket(self) -> Any:

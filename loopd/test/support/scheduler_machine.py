@@ -36,6 +36,7 @@ POLICIES = st.builds(
 ROUTERS = st.builds(
     StaticRouter,
     defaults=POLICIES,
+    queues=st.sampled_from([{}, {"u1": QueuePolicy(max_streams=2, lease_ttl_ms=3_000)}]),
     groups=st.sampled_from([{}, {"gpu": ("u1", "u2")}]),
 )
 
@@ -51,7 +52,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                 max_streams=1, lease_ttl_ms=3_000, aging_after_slots=1, aging_after_ms=2_000
             )
         )
-        self.sched = Scheduler(self.clock, self.router, self.on_grant, self.on_event)
+        # The daemons' rule: a queue the router does not name is forgotten once empty.
+        self.sched = Scheduler(
+            self.clock,
+            self.router,
+            self.on_grant,
+            self.on_event,
+            keep=lambda key: self.router.names(key),
+        )
+        self.switches = 0
         self.grants = self.releases = self.evictions = 0
         self.refreshed: dict[tuple[str, str], float] = {}
         self.longest_ttl = 3_000
@@ -76,6 +85,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert len(queue.holders) <= queue.policy.max_streams, "granted past capacity"
         elif event.event == "switch":
             assert queue is not None
+            self.switches += 1
             self.check_order(queue, event)
         elif event.event == "release":
             self.releases += 1
@@ -196,6 +206,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             for h in q["holders"]:
                 last = self.refreshed[(q["queueKey"], h["sessionKey"])]
                 assert self.now() - last < self.longest_ttl, "lapsed lease reported"
+
+    @invariant()
+    def forgetting(self) -> None:
+        """
+        Every queue status lists has a holder or a waiter or is named; the switches of the
+        listed queues and of the forgotten ones add up to every switch made.
+        """
+        status = self.sched.status()
+        for q in status:
+            named = self.router.names(q["queueKey"])
+            assert q["holders"] or q["waiting"] or named, "an empty unnamed queue is kept"
+        counters = self.sched.counters()
+        listed = sum(q["switches"] for q in status)
+        assert listed + counters.forgotten_switches == counters.switches == self.switches
 
     @invariant()
     def capacity(self) -> None:
