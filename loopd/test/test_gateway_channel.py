@@ -311,6 +311,36 @@ class ConnectionCapTests(SynchronousTestCase):
         self.assertEqual([r.status for r in later.responses()], [200])
 
 
+class HoldTests(SynchronousTestCase):
+    """
+    While the transport has asked the channel to pause (its buffer is full), pipelined
+    requests after the one answered are held unparsed, and parsed once it drains.
+    """
+
+    def test_held_until_transport_drains(self) -> None:
+        """Three pipelined requests under a full transport: one answer, then all three."""
+        harness = GatewayHarness()
+        connection = harness.connect()
+        connection.channel.pauseProducing()
+        connection.send(MODELS * 3)
+        self.assertEqual(len(connection.responses()), 1)
+        connection.channel.resumeProducing()
+        self.assertEqual([r.status for r in connection.responses()], [200, 200, 200])
+        self.assertFalse(connection.transport.disconnecting)
+
+    def test_held_client_dropped_by_idle_timeout(self) -> None:
+        """A client that never drains what it was sent is dropped by the idle timeout."""
+        harness = GatewayHarness()
+        connection = harness.connect()
+        connection.channel.pauseProducing()
+        connection.send(MODELS * 2)
+        harness.advance(59)
+        self.assertFalse(connection.transport.disconnecting)
+        harness.advance(1)
+        self.assertTrue(connection.transport.disconnecting)
+        self.assertEqual(len(connection.responses()), 1)
+
+
 #: Pipelined requests sent by a client that does not read.
 PIPELINED = 4000
 #: What loopd may hold for that connection: the transport's own 64 KiB write buffer before
