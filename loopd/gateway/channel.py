@@ -43,6 +43,8 @@ from loopd.settings import Server
 __all__ = ["GatewayChannel", "GatewaySite", "error_response"]
 
 _DIGITS = re.compile(rb"[0-9]+")
+#: Reason phrases twisted.web's table lacks.
+_REASONS = {431: b"Request Header Fields Too Large"}
 
 
 def error_response(error: GatewayError) -> bytes:
@@ -51,7 +53,7 @@ def error_response(error: GatewayError) -> bytes:
     closes the connection.
     """
     body = json.dumps(error.body(), separators=(",", ":")).encode()
-    reason = RESPONSES.get(error.status, b"Error")
+    reason = _REASONS.get(error.status) or RESPONSES.get(error.status, b"Error")
     return (
         b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
         b"connection: close\r\n\r\n%s" % (error.status, reason, len(body), body)
@@ -78,6 +80,7 @@ class GatewayChannel(HTTPChannel):
     _body_received = 0
     _window_start = 0
     _held = False
+    _parsing = "the request line"
 
     # --- refusals ---
 
@@ -99,7 +102,7 @@ class GatewayChannel(HTTPChannel):
 
     def _respondToBadRequestAndDisconnect(self) -> None:
         """Every refusal twisted.web itself detects: a JSON 400 instead of a bare one."""
-        self._refuse(_bad_request("malformed HTTP request"))
+        self._refuse(_bad_request(f"malformed HTTP: {self._parsing} is not valid"))
 
     def lineLengthExceeded(self, line: bytes) -> None:
         """A request or header line past C{MAX_LENGTH}: 431."""
@@ -146,7 +149,11 @@ class GatewayChannel(HTTPChannel):
             return False
         if self._receivedHeaderCount >= self.maxHeaders:
             return self._refuse(self._header_too_large(f"over {self.maxHeaders} header lines"))
-        accepted: bool = super().headerReceived(line)
+        self._parsing = "a header line"
+        try:
+            accepted: bool = super().headerReceived(line)
+        finally:
+            self._parsing = "the request line"
         return accepted
 
     def _maybeChooseTransferDecoder(self, header: bytes, data: bytes) -> bool:
@@ -227,7 +234,11 @@ class GatewayChannel(HTTPChannel):
             if sum(map(len, self._dataBuffer)) > self._optimisticEagerReadSize:
                 self._networkProducer.pauseProducing()
             return
-        super().rawDataReceived(data)
+        self._parsing = "the chunked body"
+        try:
+            super().rawDataReceived(data)
+        finally:
+            self._parsing = "the request line"
 
     # --- deadlines ---
 

@@ -104,14 +104,34 @@ BAD_INPUTS: list[tuple[str, bytes, int, str]] = [
 ]
 
 
+#: What the error message says for some of L{BAD_INPUTS}, by name.
+MESSAGES = {
+    "request_line_one_word": "the request line",
+    "header_without_colon": "a header line",
+    "header_value_with_nul": "a header line",
+    "content_length_words": "Content-Length is not a number",
+    "content_length_twice": "more than one",
+    "identity_with_content_length": "'identity' is not supported",
+    "chunked_with_content_length": "more than one",
+    "chunk_size_not_hex": "the chunked body",
+    "content_length_4301_digits": str(BODY_BYTES),
+    "header_line_over_16k": "16384",
+    "headers_over_500": "500",
+}
+
+
 class BadInputTests(SynchronousTestCase):
     """
     Each protocol-level bad input is one JSON error in the gateway's shape, then the
     connection closes, nothing is logged as an error, and a new connection still works.
     """
 
-    def refused(self, raw: bytes, status: int, code: str) -> None:
-        """Send C{raw} on a fresh connection; assert the refusal and that the gateway lives."""
+    def refused(self, name: str, raw: bytes, status: int, code: str) -> None:
+        """
+        Send C{raw} on a fresh connection; assert the refusal (its message naming what
+        was wrong, for the inputs of L{MESSAGES}) and that the gateway lives on.
+        """
+        reason = MESSAGES
         harness = GatewayHarness()
         connection = harness.connect()
         connection.send(raw)
@@ -123,6 +143,7 @@ class BadInputTests(SynchronousTestCase):
         error = response.json()["error"]
         self.assertEqual(sorted(error), ["code", "message", "type"])
         self.assertEqual((error["code"], error["type"]), (code, "invalid_request_error"))
+        self.assertIn(reason.get(name, ""), error["message"])
         self.assertTrue(connection.transport.disconnecting)
         self.assertEqual(harness.fake.requests, [])
         self.assertEqual(self.flushLoggedErrors(), [])
@@ -154,17 +175,19 @@ class BadInputTests(SynchronousTestCase):
         self.assertTrue(connection.transport.disconnecting)
 
 
-def _bad_input_test(raw: bytes, status: int, code: str) -> Callable[[BadInputTests], None]:
+def _bad_input_test(
+    name: str, raw: bytes, status: int, code: str
+) -> Callable[[BadInputTests], None]:
     """A test method that sends C{raw} and expects C{status} with C{code}."""
 
     def test(self: BadInputTests) -> None:
-        self.refused(raw, status, code)
+        self.refused(name, raw, status, code)
 
     return test
 
 
 for _name, _raw, _status, _code in BAD_INPUTS:
-    _method = _bad_input_test(_raw, _status, _code)
+    _method = _bad_input_test(_name, _raw, _status, _code)
     _method.__name__ = f"test_{_name}"
     _method.__doc__ = f"{_name.replace('_', ' ')}: {_status} {_code}."
     setattr(BadInputTests, _method.__name__, _method)
