@@ -15,6 +15,8 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from hypothesis import given
+from hypothesis import strategies as st
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.protocol import ClientFactory, Protocol, connectionDone
 from twisted.internet.task import deferLater
@@ -173,6 +175,70 @@ class BadInputTests(SynchronousTestCase):
         connection.send(b"1\r\nx\r\n")
         self.assertEqual([r.status for r in connection.responses()], [413])
         self.assertTrue(connection.transport.disconnecting)
+
+
+#: Pieces of HTTP, right and wrong, that L{AnyBytesTests} strings together.
+PIECES = st.sampled_from(
+    [
+        b"GET",
+        b"POST",
+        b" ",
+        b"/v1/models",
+        b"/metrics",
+        b"/nope",
+        b"HTTP/1.1",
+        b"HTTP/1.0",
+        b"\r\n",
+        b"\r\n\r\n",
+        b"\n",
+        b":",
+        b"Host: loopd",
+        b"Content-Length: ",
+        b"Transfer-Encoding: ",
+        b"chunked",
+        b"identity",
+        b"0",
+        b"5",
+        b"ff",
+        b"99999999999999999999999",
+        b"Connection: close",
+        b"Expect: 100-continue",
+        b"\x00",
+        b"\t",
+        b"xxxxx",
+    ]
+)
+
+
+class AnyBytesTests(SynchronousTestCase):
+    """
+    Whatever bytes arrive, in whatever pieces, the channel raises nothing, logs no error,
+    answers every refusal in the gateway's JSON shape, and after every deadline has passed
+    no request is left half-read on an open connection.
+    """
+
+    @given(
+        st.lists(PIECES | st.binary(max_size=6), max_size=40).map(b"".join),
+        st.lists(st.integers(1, 64), max_size=6),
+    )
+    def test_any_bytes(self, raw: bytes, cuts: list[int]) -> None:
+        """Every answer is well-formed; an error is JSON; nothing is left pending."""
+        harness = GatewayHarness()
+        connection = harness.connect()
+        for cut in cuts:
+            piece, raw = raw[:cut], raw[cut:]
+            connection.send(piece)
+        connection.send(raw)
+        harness.advance(30)
+        for response in connection.responses():
+            self.assertTrue(response.complete)
+            if response.status >= 400:
+                self.assertEqual(response.headers["content-type"], "application/json")
+                self.assertEqual(sorted(response.json()["error"]), ["code", "message", "type"])
+        self.assertEqual(self.flushLoggedErrors(), [])
+        channel = connection.channel
+        if not connection.transport.disconnecting:
+            self.assertEqual(channel._buffer.strip(), b"")
 
 
 def _bad_input_test(
