@@ -192,6 +192,10 @@ _ENDPOINT_RULES: Final[Mapping[str, Rule]] = {
 _SERVER_RULES: Final[Mapping[str, Rule]] = {
     "listen": string(),
     "body_bytes": integer(1),
+    "header_timeout_ms": integer(1, INT32_MAX),
+    "body_timeout_ms": integer(1, INT32_MAX),
+    "body_min_bytes_per_s": integer(0, INT32_MAX),
+    "max_connections": integer(1, INT32_MAX),
 }
 
 

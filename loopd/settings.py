@@ -164,7 +164,20 @@ class Server:
     listen: str | None = None
     """A strports description; None: a Unix socket C{loopd.sock} in the default directory."""
     body_bytes: int = 8 * 1024 * 1024
-    """The largest request body the gateway accepts; a larger one is refused with 413."""
+    """The largest request body the gateway accepts; a larger one is refused with 413 as soon
+    as its declared or received length passes this, and the connection closed."""
+    header_timeout_ms: int = 10_000
+    """How long the whole header block of a request may take from its first byte; past it
+    the request is refused with 408 and the connection closed."""
+    body_timeout_ms: int = 10_000
+    """The window of the body's rate floor: each such window, the body must grow by at least
+    C{body_min_bytes_per_s} times its length in seconds (and by one byte at least), or the
+    request is refused with 408 and the connection closed."""
+    body_min_bytes_per_s: int = 1024
+    """The body's rate floor, in bytes per second over each C{body_timeout_ms} window."""
+    max_connections: int = 256
+    """The open connections the listener keeps at most; a newer one is answered 503 and
+    closed, while the open ones carry on."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,6 +16,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
+from loopd.gateway.channel import GatewaySite
 from loopd.gateway.chat import ChatCompletions
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.leases import GatewayLeases, queue_status
@@ -25,7 +26,7 @@ from loopd.gateway.request import GatewayRequest
 from loopd.gateway.router import AUTO_MODEL, AutoRouter, RandomSource
 from loopd.gateway.sessions import Sessions
 from loopd.gateway.upstream import Upstreams
-from loopd.gateway.web import CappedSite, Exchange, JsonRoute, Root
+from loopd.gateway.web import Exchange, JsonRoute, Root
 from loopd.llama import Client, Health
 from loopd.moa.roles import VIRTUAL_MODEL_NAME as MESH_MODEL
 from loopd.settings import Config, Endpoint
@@ -160,7 +161,7 @@ class Gateway:
         if self.leases is not None and self.leases.scheduler is not None:
             scheduler = self.leases.scheduler
             routes[b"/v1/queue"] = JsonRoute(lambda: (200, queue_status(scheduler)))
-        return CappedSite(Root(routes), self.config.server.body_bytes, reactor=self.reactor)
+        return GatewaySite(Root(routes), self.config.server, reactor=self.reactor)
 
     def stop(self) -> None:
         """

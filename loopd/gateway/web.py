@@ -2,8 +2,8 @@
 """
 The gateway's twisted.web layer: how its routes write answers (a JSON body with its status;
 the head, data events and comment lines of a server-sent event stream, framed by
-L{loopd.sse}), the resources that route by path and method with JSON refusals, and a
-request body cap that twisted.web lacks (L{CappedRequest} on a L{CappedSite}).
+L{loopd.sse}), and the resources that route by path and method with JSON refusals. The
+connection's own limits (body cap, deadlines, malformed HTTP) are L{loopd.gateway.channel}'s.
 """
 
 from __future__ import annotations
@@ -15,14 +15,12 @@ from typing import Protocol
 from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET, Request, Site
+from twisted.web.server import NOT_DONE_YET, Request
 
 from loopd.gateway.errors import GatewayError
 from loopd.sse import DONE, encode_comment, encode_data
 
 __all__ = [
-    "CappedRequest",
-    "CappedSite",
     "Exchange",
     "JsonRoute",
     "Root",
@@ -79,73 +77,6 @@ def done_line() -> bytes:
 def comment_line(payload: object) -> bytes:
     """One C{: loopd} comment line carrying C{payload} as JSON (OpenAI clients ignore it)."""
     return encode_comment("loopd " + _compact(payload))
-
-
-class CappedSite(Site):
-    """
-    A twisted.web site whose requests (L{CappedRequest}) may not carry a body over
-    C{body_bytes}.
-    """
-
-    def __init__(self, root: Resource, body_bytes: int, **kwargs: object) -> None:
-        """
-        @param body_bytes: the largest request body accepted (C{[server] body_bytes}).
-        @param kwargs: as for C{Site} (C{reactor}, ...).
-        """
-        super().__init__(root, **kwargs)
-        self.body_bytes = body_bytes
-        self.requestFactory = CappedRequest
-        self.displayTracebacks = False
-        self.noisy = False
-
-
-class CappedRequest(Request):
-    """
-    A request whose body may not pass the site's C{body_bytes}: a larger body is read and
-    dropped, and the request is answered 413. twisted.web itself keeps any body, spilling
-    big ones to a temporary file.
-    """
-
-    _too_large = False
-    _received = 0
-
-    def _cap(self) -> int:
-        """The body cap of the site this request came in on."""
-        site = getattr(self.channel, "site", None)
-        if not isinstance(site, CappedSite):
-            raise TypeError("a CappedRequest is served by a CappedSite")
-        return site.body_bytes
-
-    def gotLength(self, length: int | None) -> None:
-        """
-        Refuse a declared length over the cap before any of the body arrives.
-        """
-        if length is not None and length > self._cap():
-            self._too_large = True
-        super().gotLength(None if self._too_large else length)
-
-    def handleContentChunk(self, data: bytes) -> None:
-        """
-        Keep body bytes only while under the cap.
-        """
-        self._received += len(data)
-        if self._received > self._cap():
-            self._too_large = True
-        if not self._too_large:
-            super().handleContentChunk(data)
-
-    def process(self) -> None:
-        """
-        Answer 413 for a body over the cap; route anything else.
-        """
-        if not self._too_large:
-            super().process()
-            return
-        error = GatewayError(
-            413, f"request body over {self._cap()} bytes", "invalid_request_error", "too_large"
-        )
-        self.write(write_json(self, 413, error.body()))
-        self.finish()
 
 
 class JsonRoute(Resource):

@@ -171,12 +171,13 @@ class ValidDocumentTests(SynchronousTestCase):
         self.assertEqual(config.retry, Retry(backoff_ms=(1,)))
 
     def test_zero_where_allowed(self) -> None:
-        """Waits, queue depth, overrun, cache loss, backoff and jitter may be 0."""
+        """Waits, queue depth, overrun, cache loss, backoff, jitter, body rate floor may be 0."""
         config = parse_config(
             "cache_loss_tokens = 0\n[limits]\nbusy_wait_ms = 0\nload_wait_ms = 0\n"
             "idle_grace_ms = 0\nqueue_depth = 0\n[thinking]\noverrun = 0\n"
-            "[retry]\nbackoff_ms = [0]\njitter = 0\n" + EP
+            "[retry]\nbackoff_ms = [0]\njitter = 0\n[server]\nbody_min_bytes_per_s = 0\n" + EP
         )
+        self.assertEqual(config.server.body_min_bytes_per_s, 0)
         self.assertEqual((config.limits.queue_depth, config.limits.busy_wait_ms), (0, 0))
         self.assertEqual((config.thinking.overrun, config.cache_loss_tokens), (0, 0))
         self.assertEqual((config.retry.backoff_ms, config.retry.jitter), ((0,), 0.0))
@@ -293,6 +294,14 @@ BAD_VALUES = [
     *[("retry.backoff_ms", bad, BACKOFF) for bad in ("[]", "[1, -1]", "[1.5]")],
     *[("retry.backoff_ms", bad, BACKOFF) for bad in ("[true]", "2000", '"2000"')],
     ("caps.body_bytes", "0", "a positive integer"),
+    ("server.body_bytes", "0", "a positive integer"),
+    ("server.header_timeout_ms", "0", "an integer from 1 to 2147483647"),
+    ("server.header_timeout_ms", "10000.0", "an integer from 1 to 2147483647"),
+    ("server.body_timeout_ms", "0", "an integer from 1 to 2147483647"),
+    ("server.body_min_bytes_per_s", "-1", "an integer from 0 to 2147483647"),
+    ("server.body_min_bytes_per_s", "true", "an integer from 0 to 2147483647"),
+    ("server.max_connections", "0", "an integer from 1 to 2147483647"),
+    ("server.max_connections", "2147483648", "an integer from 1 to 2147483647"),
     ("caps.header_bytes", "16384.0", "a positive integer"),
     ("sampling.temperature", "-0.1", "a number from 0 to 5"),
     ("sampling.top_p", "1.5", "a number from 0 to 1"),

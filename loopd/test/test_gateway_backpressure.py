@@ -179,8 +179,7 @@ class GatewayBackpressureTests(TestCase):
         upstream_closed.addBoth(too_early)
         yield upstream_paused
         (channel,) = channels
-        # twisted.web wraps its HTTP/1.1 channel; the transport is the socket's.
-        held = buffered(channel._channel.transport)
+        held = buffered(channel.transport)
         self.assertLess(held, BOUND)
         self.assertLess(upstream.sent, upstream.total // 2)
         # What loopd read and did not yet hand to the kernel is at most what it read.

@@ -210,6 +210,14 @@ configs = st.builds(
         frequency_penalty=optional(reals(-2, 2)),
         seed=optional(st.integers(0, 2**32 - 1)),
     ),
+    server=st.builds(
+        Server,
+        body_bytes=counts(1),
+        header_timeout_ms=st.integers(1, 2**31 - 1),
+        body_timeout_ms=st.integers(1, 2**31 - 1),
+        body_min_bytes_per_s=st.integers(0, 2**31 - 1),
+        max_connections=st.integers(1, 2**31 - 1),
+    ),
     mesh=st.builds(Mesh, strong_patience_ms=st.integers(0, 2**31 - 1)),
     queue=st.builds(
         Queue,

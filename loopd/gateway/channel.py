@@ -1,0 +1,395 @@
+# -*- test-case-name: loopd.test.test_gateway_channel -*-
+"""
+The gateway's HTTP connection, hardened against careless and hostile clients:
+L{GatewayChannel} (a twisted.web C{HTTPChannel}) and the L{GatewaySite} that makes it.
+
+What twisted.web leaves open and the channel closes:
+ - every protocol-level refusal is one JSON error in the gateway's shape (400; 431 for a
+   header line or block too large; 413 as soon as a body's declared or received length
+   passes C{[server] body_bytes}; 408 past a deadline), then the connection closes;
+ - a header block has C{header_timeout_ms} from its first byte, and a body must keep a rate
+   floor (C{body_min_bytes_per_s} over each C{body_timeout_ms} window);
+ - a client that pipelines requests and does not read its answers is not read from either
+   while the transport holds a full buffer of unsent answers, so what loopd holds for one
+   connection stays bounded (twisted.web goes on parsing and answering);
+ - C{Transfer-Encoding} other than C{chunked}, and both C{Transfer-Encoding} and
+   C{Content-Length}, are refused (request smuggling), and a C{Content-Length} of any number
+   of digits is read without Python's integer-digits limit;
+ - a listener keeps at most C{max_connections} open; a newer connection is answered 503.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.protocol import Protocol, connectionDone
+from twisted.python.failure import Failure
+from twisted.web.http import (
+    RESPONSES,
+    HTTPChannel,
+    _ChunkedTransferDecoder,
+    _IdentityTransferDecoder,
+)
+from twisted.web.resource import Resource
+from twisted.web.server import Site
+
+from loopd.gateway.errors import GatewayError
+from loopd.settings import Server
+
+__all__ = ["GatewayChannel", "GatewaySite", "error_response"]
+
+_DIGITS = re.compile(rb"[0-9]+")
+#: Reason phrases twisted.web's table lacks.
+_REASONS = {431: b"Request Header Fields Too Large"}
+
+
+def error_response(error: GatewayError) -> bytes:
+    """
+    A whole HTTP/1.1 response carrying C{error} as the gateway's JSON error body, which
+    closes the connection.
+    """
+    body = json.dumps(error.body(), separators=(",", ":")).encode()
+    reason = _REASONS.get(error.status) or RESPONSES.get(error.status, b"Error")
+    return (
+        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"connection: close\r\n\r\n%s" % (error.status, reason, len(body), body)
+    )
+
+
+def _bad_request(message: str) -> GatewayError:
+    """A 400 for a request that is not well-formed HTTP."""
+    return GatewayError(400, message, "invalid_request_error", "bad_request")
+
+
+class GatewayChannel(HTTPChannel):
+    """
+    One client connection of the gateway: twisted.web's HTTP/1.1 parsing with the refusals,
+    deadlines and bounds the module docstring lists. Every timer comes from the site's
+    reactor (C{callLater}, set by the factory).
+    """
+
+    site: GatewaySite
+    _refused = False
+    _header_call: IDelayedCall | None = None
+    _header_started = False
+    _body_call: IDelayedCall | None = None
+    _body_received = 0
+    _window_start = 0
+    _held = False
+    _parsing = "the request line"
+
+    # --- refusals ---
+
+    def _refuse(self, error: GatewayError) -> bool:
+        """
+        Answer C{error}, stop reading and close (forcibly after C{abortTimeout} if the
+        client does not take the answer). Returns C{False}, the "stop" of header parsing.
+        """
+        if self._refused:
+            return False
+        self._refused = True
+        self._cancel_timers()
+        assert self.transport is not None
+        self.transport.write(error_response(error))
+        self.loseConnection()
+        if self.abortTimeout is not None and self._abortingCall is None:
+            self._abortingCall = self.callLater(self.abortTimeout, self.forceAbortClient)
+        return False
+
+    def _respondToBadRequestAndDisconnect(self) -> None:
+        """Every refusal twisted.web itself detects: a JSON 400 instead of a bare one."""
+        self._refuse(_bad_request(f"malformed HTTP: {self._parsing} is not valid"))
+
+    def lineLengthExceeded(self, line: bytes) -> None:
+        """A request or header line past C{MAX_LENGTH}: 431."""
+        self._refuse(self._header_too_large(f"a header line is over {self.MAX_LENGTH} bytes"))
+
+    def _header_too_large(self, message: str) -> GatewayError:
+        """A 431 with C{message}."""
+        return GatewayError(431, message, "invalid_request_error", "header_too_large")
+
+    def _too_large(self) -> GatewayError:
+        """The 413 of a body over C{body_bytes}."""
+        cap = self.site.server.body_bytes
+        return GatewayError(
+            413, f"request body over {cap} bytes", "invalid_request_error", "too_large"
+        )
+
+    # --- input ---
+
+    def dataReceived(self, data: bytes) -> None:
+        """Read nothing after a refusal; start the header deadline at a request's first byte."""
+        if self._refused:
+            return
+        if self.line_mode and not self._handlingRequest and self._header_call is None:
+            timeout = self.site.server.header_timeout_ms / 1000
+            self._header_call = self.callLater(timeout, self._header_deadline)
+        super().dataReceived(data)
+
+    def lineReceived(self, line: bytes) -> None:
+        """Refuse a header block past C{totalHeadersSize} with 431; else parse the line."""
+        if self._refused:
+            return
+        if line:
+            self._header_started = True
+        if self._receivedHeaderSize + len(line) > self.totalHeadersSize:
+            self._refuse(
+                self._header_too_large(f"the header block is over {self.totalHeadersSize} bytes")
+            )
+            return
+        super().lineReceived(line)
+
+    def headerReceived(self, line: bytes) -> bool:
+        """Refuse a header past C{maxHeaders} with 431; else parse it."""
+        if self._refused:
+            return False
+        if self._receivedHeaderCount >= self.maxHeaders:
+            return self._refuse(self._header_too_large(f"over {self.maxHeaders} header lines"))
+        self._parsing = "a header line"
+        try:
+            accepted: bool = super().headerReceived(line)
+        finally:
+            self._parsing = "the request line"
+        return accepted
+
+    def _maybeChooseTransferDecoder(self, header: bytes, data: bytes) -> bool:
+        """
+        Choose the body's decoder from C{Content-Length} or C{Transfer-Encoding: chunked};
+        refuse any other coding, both headers, either twice, a length that is not digits
+        (400) and one over C{body_bytes} (413), without converting a huge digit string.
+        """
+        if header == b"Content-Length":
+            if not _DIGITS.fullmatch(data):
+                return self._refuse(_bad_request("Content-Length is not a number"))
+            if self._transferDecoder is not None:
+                return self._refuse(
+                    _bad_request("more than one Content-Length or Transfer-Encoding")
+                )
+            digits = data.lstrip(b"0") or b"0"
+            cap = self.site.server.body_bytes
+            if len(digits) > len(str(cap)) or int(digits) > cap:
+                return self._refuse(self._too_large())
+            self.length = int(digits)
+            self._transferDecoder = _IdentityTransferDecoder(
+                self.length, self._body_chunk, self._finishRequestBody
+            )
+            return True
+        if header == b"Transfer-Encoding":
+            if data.lower() != b"chunked":
+                coding = data.decode("latin-1")
+                return self._refuse(_bad_request(f"Transfer-Encoding {coding!r} is not supported"))
+            if self._transferDecoder is not None:
+                return self._refuse(
+                    _bad_request("more than one Content-Length or Transfer-Encoding")
+                )
+            self.length = None
+            self._transferDecoder = _ChunkedTransferDecoder(
+                self._body_chunk, self._finishRequestBody
+            )
+            return True
+        return True
+
+    def allHeadersReceived(self) -> None:
+        """End the header deadline; a body starts its first rate window."""
+        self._cancel_header_deadline()
+        super().allHeadersReceived()
+        if self.length != 0 and not self._refused:
+            self._body_received = self._window_start = 0
+            self._body_call = self.callLater(self._window(), self._body_window_ended)
+
+    def _body_chunk(self, data: bytes) -> None:
+        """Count body bytes; refuse past C{body_bytes}, else hand them to the request."""
+        if self._refused:
+            return
+        self._body_received += len(data)
+        if self._body_received > self.site.server.body_bytes:
+            self._refuse(self._too_large())
+            return
+        self.requests[-1].handleContentChunk(data)
+
+    def allContentReceived(self) -> None:
+        """End the body's rate windows and process the request, unless refused already."""
+        if self._refused:
+            return
+        if self._body_call is not None and self._body_call.active():
+            self._body_call.cancel()
+        self._body_call = None
+        self._header_started = False
+        super().allContentReceived()
+
+    def rawDataReceived(self, data: bytes) -> None:
+        """
+        Buffer pipelined bytes while a request is handled and stop reading once the buffer
+        passes twisted.web's eager-read size, whether or not the transport is full (twisted.web
+        itself forgets to stop in that case).
+        """
+        if self._refused:
+            return
+        if self._handlingRequest:
+            self._dataBuffer.append(data)
+            if sum(map(len, self._dataBuffer)) > self._optimisticEagerReadSize:
+                self._networkProducer.pauseProducing()
+            return
+        self._parsing = "the chunked body"
+        try:
+            super().rawDataReceived(data)
+        finally:
+            self._parsing = "the request line"
+
+    # --- deadlines ---
+
+    def _window(self) -> float:
+        """The body's rate window, in seconds."""
+        return self.site.server.body_timeout_ms / 1000
+
+    def _header_deadline(self) -> None:
+        """The header block ran out of time: 408, unless nothing of a request came yet."""
+        self._header_call = None
+        if not self._header_started and not self._buffer.strip():
+            return
+        timeout = self.site.server.header_timeout_ms
+        self._refuse(
+            GatewayError(
+                408,
+                f"the request's header block took over {timeout} ms",
+                "invalid_request_error",
+                "request_timeout",
+            )
+        )
+
+    def _body_window_ended(self) -> None:
+        """One rate window ended: 408 if the body grew by less than the floor, else go on."""
+        self._body_call = None
+        server = self.site.server
+        floor = max(1, math.ceil(server.body_min_bytes_per_s * self._window()))
+        grown = self._body_received - self._window_start
+        if grown < floor:
+            self._refuse(
+                GatewayError(
+                    408,
+                    f"the request body arrived too slowly: {grown} bytes in "
+                    f"{server.body_timeout_ms} ms, under the floor of "
+                    f"{server.body_min_bytes_per_s} bytes per second",
+                    "invalid_request_error",
+                    "request_timeout",
+                )
+            )
+            return
+        self._window_start = self._body_received
+        self._body_call = self.callLater(self._window(), self._body_window_ended)
+
+    def _cancel_header_deadline(self) -> None:
+        """Cancel the header deadline, if it runs."""
+        if self._header_call is not None and self._header_call.active():
+            self._header_call.cancel()
+        self._header_call = None
+
+    def _cancel_timers(self) -> None:
+        """Cancel the header deadline and the body's window."""
+        self._cancel_header_deadline()
+        if self._body_call is not None and self._body_call.active():
+            self._body_call.cancel()
+        self._body_call = None
+
+    # --- output bound ---
+
+    def requestDone(self, request: Any) -> None:
+        """
+        A request was answered. While the transport holds a full buffer (it asked this
+        channel to pause), hold the next pipelined request, and stop reading, until the
+        buffer drains (L{resumeProducing}); else go on as twisted.web does.
+        """
+        self._header_started = False
+        if not (self.persistent and self._waitingForTransport):
+            super().requestDone(request)
+            return
+        if request != self.requests[0]:
+            raise TypeError(request)
+        del self.requests[0]
+        self._held = True
+        self._networkProducer.pauseProducing()
+        # The idle timeout runs while held: a client that never reads is dropped by it.
+        if self._savedTimeOut:
+            self.setTimeout(self._savedTimeOut)
+
+    def resumeProducing(self) -> None:
+        """The transport's buffer drained: parse the requests held, and read again."""
+        super().resumeProducing()
+        if not self._held or self._refused:
+            return
+        self._held = False
+        self._handlingRequest = False
+        self._networkProducer.resumeProducing()
+        data = b"".join(self._dataBuffer)
+        self._dataBuffer = []
+        self.setLineMode(data)
+
+    # --- the site's count ---
+
+    def connectionMade(self) -> None:
+        """Count this connection on the site."""
+        self.site.open_channels.add(self)
+        super().connectionMade()
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        """Uncount it, and stop every timer."""
+        self.site.open_channels.discard(self)
+        self._cancel_timers()
+        super().connectionLost(reason)
+
+
+class GatewaySite(Site):
+    """
+    The gateway's twisted.web site: its connections are L{GatewayChannel}s under the limits
+    of C{[server]}, at most C{max_connections} of them open at once.
+
+    @ivar server: the limits (C{[server]}).
+    @ivar open_channels: the channels connected now.
+    """
+
+    protocol = GatewayChannel  # type: ignore[assignment]
+
+    def __init__(self, root: Resource, server: Server, **kwargs: Any) -> None:
+        """
+        @param server: the limits: C{body_bytes}, the deadlines, the rate floor and
+            C{max_connections}.
+        @param kwargs: as for C{Site} (C{reactor}, ...).
+        """
+        super().__init__(root, **kwargs)
+        self.server = server
+        self.open_channels: set[GatewayChannel] = set()
+        self.displayTracebacks = False
+        self.noisy = False
+
+    def buildProtocol(self, addr: Any) -> Any:
+        """
+        A L{GatewayChannel}, or, past C{max_connections} open, a protocol that answers 503
+        and closes (the open connections are not disturbed).
+        """
+        if len(self.open_channels) >= self.server.max_connections:
+            return _Overloaded(self.server.max_connections)
+        return super().buildProtocol(addr)
+
+
+class _Overloaded(Protocol):
+    """A connection past the listener's cap: answered 503 at once, then closed."""
+
+    def __init__(self, cap: int) -> None:
+        """@param cap: the cap, named in the answer."""
+        self._cap = cap
+
+    def connectionMade(self) -> None:
+        """Answer and close."""
+        error = GatewayError(
+            503,
+            f"the gateway has its maximum of {self._cap} connections open; try again later",
+            "server_error",
+            "too_many_connections",
+        )
+        assert self.transport is not None
+        self.transport.write(error_response(error))
+        self.transport.loseConnection()

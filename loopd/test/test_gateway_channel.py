@@ -1,0 +1,553 @@
+"""
+Tests for L{loopd.gateway.channel}: the gateway's hardened HTTP connection. Protocol-level
+bad input gets a JSON error in the gateway's shape and the connection closes; header blocks
+and bodies have deadlines and a rate floor on the site's clock; a listener keeps at most
+C{[server] max_connections} open; a pipelining client that does not read makes the channel
+stop reading, so what loopd holds stays bounded (that one over a real Unix socket).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.protocol import ClientFactory, Protocol, connectionDone
+from twisted.internet.task import deferLater
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+
+from loopd.config import Config, Endpoint, Limits, Server
+from loopd.gateway.site import Gateway
+from loopd.llama import Client
+from loopd.test.support.peers import buffered, real_reactor
+from loopd.testing.gateway import (
+    BODY_BYTES,
+    ClientConnection,
+    GatewayHarness,
+    Response,
+    make_config,
+    read_responses,
+)
+
+#: A request that always works: the models list.
+MODELS = b"GET /v1/models HTTP/1.1\r\nHost: loopd\r\n\r\n"
+
+
+def head(*lines: str) -> bytes:
+    """A request head to C{/v1/models} with the given header lines, up to its blank line."""
+    return ("\r\n".join(["GET /v1/models HTTP/1.1", "Host: loopd", *lines]) + "\r\n\r\n").encode()
+
+
+def chunked(body: bytes) -> bytes:
+    """A chunked POST head to the chat route followed by C{body} (raw chunk framing)."""
+    start = b"POST /v1/chat/completions HTTP/1.1\r\nHost: loopd\r\nTransfer-Encoding: chunked\r\n"
+    return start + b"\r\n" + body
+
+
+#: Each bad input the hardening issue names: (name, raw bytes, status, error code).
+BAD_INPUTS: list[tuple[str, bytes, int, str]] = [
+    ("request_line_one_word", b"GARBAGE\r\n\r\n", 400, "bad_request"),
+    ("request_line_bad_version", b"GET /v1/models HTTP/2.0\r\n\r\n", 400, "bad_request"),
+    ("request_line_bad_method", b"G(T /v1/models HTTP/1.1\r\n\r\n", 400, "bad_request"),
+    ("request_line_space_in_target", b"GET /v1/ models HTTP/1.1\r\n\r\n", 400, "bad_request"),
+    ("header_without_colon", head("Accept json"), 400, "bad_request"),
+    ("header_name_with_space", head("Bad Name: x"), 400, "bad_request"),
+    ("header_value_with_nul", head("X-Thing: a\x00b"), 400, "bad_request"),
+    ("content_length_words", head("Content-Length: ten"), 400, "bad_request"),
+    ("content_length_negative", head("Content-Length: -1"), 400, "bad_request"),
+    ("content_length_signed", head("Content-Length: +5"), 400, "bad_request"),
+    ("content_length_list", head("Content-Length: 1, 1"), 400, "bad_request"),
+    ("content_length_twice", head("Content-Length: 1", "Content-Length: 2"), 400, "bad_request"),
+    ("content_length_4301_digits", head("Content-Length: " + "9" * 4301), 413, "too_large"),
+    ("content_length_10_to_12", head("Content-Length: 1000000000000"), 413, "too_large"),
+    ("content_length_past_cap", head(f"Content-Length: {BODY_BYTES + 1}"), 413, "too_large"),
+    (
+        "identity_with_content_length",
+        head("Transfer-Encoding: identity", "Content-Length: 2") + b"{}",
+        400,
+        "bad_request",
+    ),
+    ("transfer_encoding_gzip", head("Transfer-Encoding: gzip"), 400, "bad_request"),
+    (
+        "chunked_with_content_length",
+        head("Transfer-Encoding: chunked", "Content-Length: 5"),
+        400,
+        "bad_request",
+    ),
+    (
+        "chunked_twice",
+        head("Transfer-Encoding: chunked", "Transfer-Encoding: chunked"),
+        400,
+        "bad_request",
+    ),
+    ("chunk_size_not_hex", chunked(b"zz\r\nab\r\n0\r\n\r\n"), 400, "bad_request"),
+    ("chunk_without_crlf", chunked(b"2\r\nabXY"), 400, "bad_request"),
+    (
+        "chunks_past_cap",
+        chunked(b"".join(b"400\r\n" + b"x" * 1024 + b"\r\n" for _ in range(3))),
+        413,
+        "too_large",
+    ),
+    ("header_line_over_16k", head("X-Long: " + "a" * 17_000), 431, "header_too_large"),
+    (
+        "headers_over_16k_in_all",
+        head(*[f"X-Pad-{n}: " + "a" * 1000 for n in range(20)]),
+        431,
+        "header_too_large",
+    ),
+    ("headers_over_500", head(*[f"X-H{n}: v" for n in range(501)]), 431, "header_too_large"),
+]
+
+
+#: What the error message says for some of L{BAD_INPUTS}, by name.
+MESSAGES = {
+    "request_line_one_word": "the request line",
+    "header_without_colon": "a header line",
+    "header_value_with_nul": "a header line",
+    "content_length_words": "Content-Length is not a number",
+    "content_length_twice": "more than one",
+    "identity_with_content_length": "'identity' is not supported",
+    "chunked_with_content_length": "more than one",
+    "chunk_size_not_hex": "the chunked body",
+    "content_length_4301_digits": str(BODY_BYTES),
+    "header_line_over_16k": "16384",
+    "headers_over_500": "500",
+}
+
+
+class BadInputTests(SynchronousTestCase):
+    """
+    Each protocol-level bad input is one JSON error in the gateway's shape, then the
+    connection closes, nothing is logged as an error, and a new connection still works.
+    """
+
+    def refused(self, name: str, raw: bytes, status: int, code: str) -> None:
+        """
+        Send C{raw} on a fresh connection; assert the refusal (its message naming what
+        was wrong, for the inputs of L{MESSAGES}) and that the gateway lives on.
+        """
+        reason = MESSAGES
+        harness = GatewayHarness()
+        connection = harness.connect()
+        connection.send(raw)
+        responses = connection.responses()
+        self.assertEqual([r.status for r in responses], [status], connection.transport.value())
+        (response,) = responses
+        self.assertEqual(response.headers["content-type"], "application/json")
+        self.assertEqual(response.headers["connection"], "close")
+        error = response.json()["error"]
+        self.assertEqual(sorted(error), ["code", "message", "type"])
+        self.assertEqual((error["code"], error["type"]), (code, "invalid_request_error"))
+        self.assertIn(reason.get(name, ""), error["message"])
+        self.assertTrue(connection.transport.disconnecting)
+        self.assertEqual(harness.fake.requests, [])
+        self.assertEqual(self.flushLoggedErrors(), [])
+        later = harness.connect()
+        later.send(MODELS)
+        self.assertEqual(later.response().status, 200)
+
+    def test_nothing_more_after_a_refusal(self) -> None:
+        """
+        Bytes after the refused part (here a whole good request) are not read: one answer.
+        """
+        harness = GatewayHarness()
+        connection = harness.connect()
+        connection.send(head("Content-Length: 1000000000000") + MODELS)
+        self.assertEqual([r.status for r in connection.responses()], [413])
+
+    def test_chunks_past_cap_answered_before_the_end(self) -> None:
+        """
+        A chunked body is refused as soon as it passes the cap, before its last chunk.
+        """
+        harness = GatewayHarness()
+        connection = harness.connect()
+        connection.send(chunked(b""))
+        for _ in range(BODY_BYTES // 512):
+            connection.send(b"200\r\n" + b"x" * 512 + b"\r\n")
+            self.assertEqual(connection.responses(), [])
+        connection.send(b"1\r\nx\r\n")
+        self.assertEqual([r.status for r in connection.responses()], [413])
+        self.assertTrue(connection.transport.disconnecting)
+
+
+#: Pieces of HTTP, right and wrong, that L{AnyBytesTests} strings together.
+PIECES = st.sampled_from(
+    [
+        b"GET",
+        b"POST",
+        b" ",
+        b"/v1/models",
+        b"/metrics",
+        b"/nope",
+        b"HTTP/1.1",
+        b"HTTP/1.0",
+        b"\r\n",
+        b"\r\n\r\n",
+        b"\n",
+        b":",
+        b"Host: loopd",
+        b"Content-Length: ",
+        b"Transfer-Encoding: ",
+        b"chunked",
+        b"identity",
+        b"0",
+        b"5",
+        b"ff",
+        b"99999999999999999999999",
+        b"Connection: close",
+        b"Expect: 100-continue",
+        b"\x00",
+        b"\t",
+        b"xxxxx",
+    ]
+)
+
+
+class AnyBytesTests(SynchronousTestCase):
+    """
+    Whatever bytes arrive, in whatever pieces, the channel raises nothing, logs no error,
+    answers every refusal in the gateway's JSON shape, and after every deadline has passed
+    no request is left half-read on an open connection.
+    """
+
+    @given(
+        st.lists(PIECES | st.binary(max_size=6), max_size=40).map(b"".join),
+        st.lists(st.integers(1, 64), max_size=6),
+    )
+    def test_any_bytes(self, raw: bytes, cuts: list[int]) -> None:
+        """Every answer is well-formed; an error is JSON; nothing is left pending."""
+        harness = GatewayHarness()
+        connection = harness.connect()
+        for cut in cuts:
+            piece, raw = raw[:cut], raw[cut:]
+            connection.send(piece)
+        connection.send(raw)
+        harness.advance(30)
+        for response in connection.responses():
+            self.assertTrue(response.complete)
+            if response.status >= 400:
+                self.assertEqual(response.headers["content-type"], "application/json")
+                self.assertEqual(sorted(response.json()["error"]), ["code", "message", "type"])
+        self.assertEqual(self.flushLoggedErrors(), [])
+        channel = connection.channel
+        if not connection.transport.disconnecting:
+            self.assertEqual(channel._buffer.strip(), b"")
+
+
+def _bad_input_test(
+    name: str, raw: bytes, status: int, code: str
+) -> Callable[[BadInputTests], None]:
+    """A test method that sends C{raw} and expects C{status} with C{code}."""
+
+    def test(self: BadInputTests) -> None:
+        self.refused(name, raw, status, code)
+
+    return test
+
+
+for _name, _raw, _status, _code in BAD_INPUTS:
+    _method = _bad_input_test(_name, _raw, _status, _code)
+    _method.__name__ = f"test_{_name}"
+    _method.__doc__ = f"{_name.replace('_', ' ')}: {_status} {_code}."
+    setattr(BadInputTests, _method.__name__, _method)
+
+
+def _slow_harness(**server: Any) -> GatewayHarness:
+    """A harness whose [server] table has C{server}'s fields over the test defaults."""
+    base = make_config()
+    return GatewayHarness(make_config(server=dataclasses.replace(base.server, **server)))
+
+
+def _timed_out(case: SynchronousTestCase, connection: ClientConnection) -> Response:
+    """Assert one 408 JSON refusal and a closed connection; return it."""
+    (response,) = connection.responses()
+    case.assertEqual(response.status, 408)
+    case.assertEqual(response.json()["error"]["code"], "request_timeout")
+    case.assertTrue(connection.transport.disconnecting)
+    return response
+
+
+class DeadlineTests(SynchronousTestCase):
+    """
+    A header block has C{header_timeout_ms} from its first byte; a body must keep the rate
+    floor over each C{body_timeout_ms} window. Both on the site's clock.
+    """
+
+    def test_header_byte_every_9s_closed_at_10s(self) -> None:
+        """
+        A header block that trickles one byte every 9 s (each byte well inside the idle
+        timeout) is refused with 408 at 10 s from its first byte.
+        """
+        harness = GatewayHarness()
+        connection = harness.connect()
+        connection.send(b"G")
+        harness.advance(9)
+        connection.send(b"E")
+        harness.advance(0.999)
+        self.assertEqual((connection.responses(), connection.transport.disconnecting), ([], False))
+        harness.advance(0.001)
+        _timed_out(self, connection)
+
+    def test_header_in_time_answered(self) -> None:
+        """A header block completed just inside the deadline is answered as usual."""
+        harness = GatewayHarness()
+        connection = harness.connect()
+        connection.send(MODELS[:10])
+        harness.advance(9.9)
+        connection.send(MODELS[10:])
+        harness.advance(1)
+        self.assertEqual([r.status for r in connection.responses()], [200])
+        self.assertFalse(connection.transport.disconnecting)
+
+    def test_deadline_per_request(self) -> None:
+        """Each request on a kept-alive connection gets its own header deadline."""
+        harness = GatewayHarness()
+        connection = harness.connect()
+        for _ in range(3):
+            connection.send(MODELS[:5])
+            harness.advance(9)
+            connection.send(MODELS[5:])
+            harness.advance(9)
+        self.assertEqual([r.status for r in connection.responses()], [200, 200, 200])
+
+    def test_idle_keepalive_not_refused(self) -> None:
+        """A kept-alive connection idle between requests gets no 408 (the idle timeout rules)."""
+        harness = GatewayHarness()
+        connection = harness.connect()
+        connection.send(MODELS + b"\r\n")
+        harness.advance(30)
+        self.assertEqual([r.status for r in connection.responses()], [200])
+        self.assertFalse(connection.transport.disconnecting)
+
+    def test_body_below_floor_refused(self) -> None:
+        """
+        A body that trickles at 1 byte per second, under the floor of 1024 per second, is
+        refused with 408 when its first window of 10 s ends.
+        """
+        harness = GatewayHarness()
+        connection = harness.connect()
+        connection.send(head("Content-Length: 1000"))
+        for _ in range(9):
+            connection.send(b"x")
+            harness.advance(1)
+        connection.send(b"x")
+        harness.advance(0.999)
+        self.assertEqual(connection.responses(), [])
+        harness.advance(0.001)
+        response = _timed_out(self, connection)
+        self.assertIn("1024", response.json()["error"]["message"])
+
+    def test_silent_body_refused(self) -> None:
+        """With no rate floor, a body that stops for a whole window is still refused."""
+        harness = _slow_harness(body_min_bytes_per_s=0, body_timeout_ms=5000)
+        connection = harness.connect()
+        connection.send(head("Content-Length: 10") + b"12345")
+        harness.advance(4)
+        connection.send(b"6")
+        harness.advance(5)
+        self.assertEqual(connection.responses(), [])
+        harness.advance(1)
+        _timed_out(self, connection)
+
+    def test_body_at_floor_accepted(self) -> None:
+        """A body that keeps the floor in every window is read to its end and answered."""
+        harness = _slow_harness(body_min_bytes_per_s=100)
+        connection = harness.connect()
+        connection.send(head(f"Content-Length: {BODY_BYTES}"))
+        for _ in range(BODY_BYTES // 128):
+            connection.send(b"x" * 128)
+            harness.advance(1)
+        self.assertEqual([r.status for r in connection.responses()], [200])
+        self.assertFalse(connection.transport.disconnecting)
+
+
+class ConnectionCapTests(SynchronousTestCase):
+    """
+    A listener keeps at most C{max_connections} open: a newer connection is answered 503
+    and closed, the open ones carry on, and a freed place is taken again.
+    """
+
+    def test_newest_refused_others_work(self) -> None:
+        """The third connection under a cap of 2 is refused; the first two still answer."""
+        harness = _slow_harness(max_connections=2)
+        first, second = harness.connect(), harness.connect()
+        third = harness.connect()
+        (refusal,) = third.responses()
+        self.assertEqual(refusal.status, 503)
+        error = refusal.json()["error"]
+        self.assertEqual((error["code"], error["type"]), ("too_many_connections", "server_error"))
+        self.assertTrue(third.transport.disconnecting)
+        for connection in (first, second):
+            connection.send(MODELS)
+            self.assertEqual([r.status for r in connection.responses()], [200])
+            self.assertFalse(connection.transport.disconnecting)
+
+    def test_place_freed_when_a_connection_goes(self) -> None:
+        """Once an open connection closes, a new one is served."""
+        harness = _slow_harness(max_connections=1)
+        first = harness.connect()
+        self.assertEqual(harness.connect().responses()[0].status, 503)
+        first.drop()
+        later = harness.connect()
+        later.send(MODELS)
+        self.assertEqual([r.status for r in later.responses()], [200])
+
+
+class HoldTests(SynchronousTestCase):
+    """
+    While the transport has asked the channel to pause (its buffer is full), pipelined
+    requests after the one answered are held unparsed, and parsed once it drains.
+    """
+
+    def test_held_until_transport_drains(self) -> None:
+        """Three pipelined requests under a full transport: one answer, then all three."""
+        harness = GatewayHarness()
+        connection = harness.connect()
+        connection.channel.pauseProducing()
+        connection.send(MODELS * 3)
+        self.assertEqual(len(connection.responses()), 1)
+        connection.channel.resumeProducing()
+        self.assertEqual([r.status for r in connection.responses()], [200, 200, 200])
+        self.assertFalse(connection.transport.disconnecting)
+
+    def test_held_client_dropped_by_idle_timeout(self) -> None:
+        """A client that never drains what it was sent is dropped by the idle timeout."""
+        harness = GatewayHarness()
+        connection = harness.connect()
+        connection.channel.pauseProducing()
+        connection.send(MODELS * 2)
+        harness.advance(59)
+        self.assertFalse(connection.transport.disconnecting)
+        harness.advance(1)
+        self.assertTrue(connection.transport.disconnecting)
+        self.assertEqual(len(connection.responses()), 1)
+
+
+#: Pipelined requests sent by a client that does not read.
+PIPELINED = 4000
+#: What loopd may hold for that connection: the transport's own 64 KiB write buffer before
+#: it pushes back, one answer past it, and one read of input (64 KiB) beside.
+PIPELINE_BOUND = 192 * 1024
+
+
+class PipelinedWriter(Protocol):
+    """
+    A client that writes many pipelined requests and reads nothing until told to; then it
+    keeps everything it reads and fires C{done} when the connection closes.
+    """
+
+    transport: Any
+
+    def __init__(self, wire: bytes, done: Deferred[bytes]) -> None:
+        self._wire = wire
+        self._done = done
+        self.received: list[bytes] = []
+
+    def connectionMade(self) -> None:
+        """Stop reading, then send everything."""
+        self.transport.pauseProducing()
+        self.transport.write(self._wire)
+
+    def read_again(self) -> None:
+        """Read everything from now on."""
+        self.transport.resumeProducing()
+
+    def dataReceived(self, data: bytes) -> None:
+        """Keep it."""
+        self.received.append(data)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        """Hand over everything read."""
+        self._done.callback(b"".join(self.received))
+
+
+def _held(channel: Any) -> int:
+    """
+    What loopd holds for one connection: its transport's unsent bytes and the request bytes
+    read but not yet parsed (twisted.web's private buffers).
+    """
+    queued = sum(len(piece) for piece in channel._dataBuffer) + len(channel._buffer)
+    return buffered(channel.transport) + queued
+
+
+class PipelineTests(TestCase):
+    """A pipelining client that does not read, over a real Unix socket."""
+
+    timeout = 120
+
+    @inlineCallbacks
+    def test_pipelined_unread_bounded(self) -> Any:
+        """
+        4,000 pipelined C{GET /v1/models} from a client that does not read: the channel
+        stops reading while its answers wait, so what loopd holds stays under the bound;
+        when the client reads, every answer arrives, in order.
+        """
+        reactor = real_reactor()
+        directory = tempfile.mkdtemp(prefix="ld", dir="/tmp")
+        self.addCleanup(shutil.rmtree, directory, True)
+        path = os.path.join(directory, "loopd.sock")
+        endpoint = Endpoint(name="tiny", socket=os.path.join(directory, "no.sock"), selftest=False)
+        config = Config(endpoints=(endpoint,), limits=Limits(), server=Server())
+        gateway = Gateway(reactor, config, {"tiny": Client(reactor, config, endpoint)})
+        site = gateway.site()
+        channels: list[Any] = []
+        peak = [0]
+        build = site.buildProtocol
+
+        def recording(addr: Any) -> Any:
+            channel = build(addr)
+            channels.append(getattr(channel, "_channel", channel))
+            return channel
+
+        site.buildProtocol = recording  # type: ignore[method-assign]
+        port = reactor.listenUNIX(path, site)
+        self.addCleanup(port.stopListening)
+
+        done: Deferred[bytes] = Deferred()
+        last = MODELS.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
+        client = PipelinedWriter(MODELS * (PIPELINED - 1) + last, done)
+        reactor.connectUNIX(path, ClientFactory.forProtocol(lambda: client))
+
+        def close() -> Deferred[Any]:
+            if client.transport is not None and not client.transport.disconnected:
+                client.transport.abortConnection()
+            return done
+
+        self.addCleanup(close)
+        answered = [0]
+        while not channels:
+            yield deferLater(reactor, 0, lambda: None)
+        (channel,) = channels
+        transport = channel.transport
+        write, write_sequence = transport.write, transport.writeSequence
+
+        def measured(data: bytes) -> None:
+            write(data)
+            peak[0] = max(peak[0], _held(channel))
+
+        def measured_sequence(pieces: list[bytes]) -> None:
+            write_sequence(pieces)
+            answered[0] += pieces[0].startswith(b"HTTP/")
+            peak[0] = max(peak[0], _held(channel))
+
+        transport.write, transport.writeSequence = measured, measured_sequence
+        # Wait until loopd stops reading (it holds the rest), or has answered everything
+        # regardless of the client (no bound at all).
+        while transport in reactor.getReaders() and answered[0] < PIPELINED:
+            yield deferLater(reactor, 0, lambda: None)
+        peak[0] = max(peak[0], _held(channel))
+        self.assertLess(answered[0], PIPELINED, f"every answer written unread, peak {peak[0]}")
+        self.assertLess(peak[0], PIPELINE_BOUND)
+
+        client.read_again()
+        responses = read_responses((yield done))
+        self.assertEqual({(r.status, r.complete) for r in responses}, {(200, True)})
+        self.assertEqual(len(responses), PIPELINED)
+        self.assertLess(peak[0], PIPELINE_BOUND)
