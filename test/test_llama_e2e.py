@@ -16,6 +16,7 @@ from twisted.trial.unittest import SkipTest, TestCase
 
 from loopd.config import Config, Endpoint, Limits, Retry, Thinking
 from loopd.llama import (
+    Assistant,
     ChatEvent,
     ChatRequest,
     Client,
@@ -154,6 +155,23 @@ class LlamaEndToEndTests(TestCase):
         self.assertGreaterEqual(capped[0].tokens, 40)
         self.assertTrue(completion.thinking_capped)
         self.assertEqual(completion.content, ANSWER)
+
+    @inlineCallbacks
+    def test_partial_answer_continued(self) -> Any:
+        """
+        What a resume relies on: the server continues a final assistant message. Content
+        is continued after the given text, and reasoning alone is thought on, then answered;
+        only the new text streams.
+        """
+        yield self.start("tiny.gguf")
+        hi = User("Hi")
+        content = yield self.ask(hi, Assistant("Hello from"))
+        self.assertEqual((content.content, content.reasoning_content), (" the tiny model!", None))
+        thinking = yield self.ask(hi, Assistant(None, "Let me think"))
+        self.assertEqual(thinking.reasoning_content, " about this...")
+        self.assertEqual(thinking.content, ANSWER)
+        plain = yield self.ask(hi, Assistant("Hello from"), thinking=False)
+        self.assertEqual(plain.content, " the tiny model!")
 
     def _retrying_config(self) -> dict[str, Any]:
         return {
