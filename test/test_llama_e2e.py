@@ -207,9 +207,10 @@ class LlamaEndToEndTests(TestCase):
     def assert_whole(self, completion: Any, reference: Any) -> None:
         """
         C{completion}, resumed after an interruption, is C{reference}: the same text, once,
-        in the events as in the completion, with one retry and the counts of one answer.
+        in the events as in the completion, after a retry (more than one while the
+        restarted server is not back yet), with the counts of one answer.
         """
-        self.assertEqual(sum(isinstance(e, Retrying) for e in self.events), 1)
+        self.assertTrue(any(isinstance(e, Retrying) for e in self.events))
         streamed = "".join(e.text for e in self.events if isinstance(e, Reasoning))
         self.assertEqual(streamed, reference.reasoning_content)
         self.assertEqual(completion.reasoning_content, reference.reasoning_content)
