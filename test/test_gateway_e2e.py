@@ -233,6 +233,58 @@ class GatewayEndToEndTests(TestCase):
         self.assertEqual(busy, 0)
 
     @inlineCallbacks
+    def streamed(self) -> Any:
+        """
+        One streamed chat read whole on a raw connection: its role chunks and its
+        reasoning text.
+        """
+        stream = yield self.open_stream(b"data: ", 1)
+        yield stream.closed
+        return self.stream_parts(stream)
+
+    def stream_parts(self, stream: RawStream) -> tuple[int, str, list[bytes]]:
+        """A finished stream's role chunks, its reasoning text and its data lines."""
+        lines = [e[6:] for e in stream.received.split(b"\r\n") if e.startswith(b"data: {")]
+        deltas = [json.loads(e)["choices"][0]["delta"] for e in lines if b'"choices":[{' in e]
+        roles = sum("role" in d for d in deltas)
+        return roles, "".join(d.get("reasoning_content") or "" for d in deltas), lines
+
+    @inlineCallbacks
+    def test_stream_resumed_after_server_restart(self) -> Any:
+        """
+        The server killed and restarted mid-stream: the client's stream has one role
+        chunk and the reasoning of an uninterrupted answer, each piece once, then [DONE].
+        """
+        self.directory, self.server, infer = yield serve_behind_proxy(
+            self, "tiny-think.gguf", SLOTS
+        )
+        self.socket = os.path.join(self.directory, "loopd.sock")
+        settings = (
+            "max_tokens = 1500\n[thinking]\ncap = 100000\n"
+            "[retry]\nattempts = 6\nbackoff_ms = [300, 600, 1200]\njitter = 0.0\n"
+            "[limits]\npoll_ms = 500\nload_wait_ms = 20000\n"
+        )
+        config = os.path.join(self.directory, "loopd.toml")
+        with open(config, "w") as f:
+            f.write(settings + loopd_toml(self.socket, infer, None, long=False))
+        self.loopd = spawn_twist(real_reactor(), b"loopd serving", "loopd", "--config", config)
+        self.addCleanup(stop_twist, self.loopd)
+        yield self.loopd.ready
+        roles, reference, _ = yield self.streamed()
+        self.assertEqual(roles, 1)
+        stream = yield self.open_stream(b'"reasoning_content"', 5)
+        yield self.server.kill()
+        yield self.server.start()
+        yield stream.closed
+        roles, reasoning, lines = self.stream_parts(stream)
+        self.assertIn(b"[DONE]", stream.received)
+        self.assertIn(b'"event":"retrying"', stream.received)
+        self.assertEqual(roles, 1)
+        self.assertEqual(reasoning, reference)
+        finish = [e for e in lines if b'"finish_reason":"length"' in e]
+        self.assertEqual(len(finish), 1)
+
+    @inlineCallbacks
     def test_sigterm(self) -> Any:
         """SIGTERM: a shutting_down event ends the stream, then exit and no socket."""
         yield self.start("tiny-think.gguf")

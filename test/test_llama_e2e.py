@@ -16,6 +16,7 @@ from twisted.trial.unittest import SkipTest, TestCase
 
 from loopd.config import Config, Endpoint, Limits, Retry, Thinking
 from loopd.llama import (
+    Assistant,
     ChatEvent,
     ChatRequest,
     Client,
@@ -155,6 +156,23 @@ class LlamaEndToEndTests(TestCase):
         self.assertTrue(completion.thinking_capped)
         self.assertEqual(completion.content, ANSWER)
 
+    @inlineCallbacks
+    def test_partial_answer_continued(self) -> Any:
+        """
+        What a resume relies on: the server continues a final assistant message. Content
+        is continued after the given text, and reasoning alone is thought on, then answered;
+        only the new text streams.
+        """
+        yield self.start("tiny.gguf")
+        hi = User("Hi")
+        content = yield self.ask(hi, Assistant("Hello from"))
+        self.assertEqual((content.content, content.reasoning_content), (" the tiny model!", None))
+        thinking = yield self.ask(hi, Assistant(None, "Let me think"))
+        self.assertEqual(thinking.reasoning_content, " about this...")
+        self.assertEqual(thinking.content, ANSWER)
+        plain = yield self.ask(hi, Assistant("Hello from"), thinking=False)
+        self.assertEqual(plain.content, " the tiny model!")
+
     def _retrying_config(self) -> dict[str, Any]:
         return {
             "max_tokens": 2000,
@@ -179,12 +197,36 @@ class LlamaEndToEndTests(TestCase):
         return seen
 
     @inlineCallbacks
+    def uninterrupted(self) -> Any:
+        """The answer to the interrupted tests' request, asked once without interruption."""
+        request = ChatRequest(slot=1, messages=(User("Think"),))
+        reference = yield self.client.chat_with_retry(request, lambda e: None)
+        self.assertEqual(reference.timings.predicted_n, 2000)
+        return reference
+
+    def assert_whole(self, completion: Any, reference: Any) -> None:
+        """
+        C{completion}, resumed after an interruption, is C{reference}: the same text, once,
+        in the events as in the completion, after a retry (more than one while the
+        restarted server is not back yet), with the counts of one answer.
+        """
+        self.assertTrue(any(isinstance(e, Retrying) for e in self.events))
+        streamed = "".join(e.text for e in self.events if isinstance(e, Reasoning))
+        self.assertEqual(streamed, reference.reasoning_content)
+        self.assertEqual(completion.reasoning_content, reference.reasoning_content)
+        self.assertEqual(completion.content, reference.content)
+        self.assertEqual(completion.finish_reason, FinishReason.LENGTH)
+        self.assertEqual(completion.timings.predicted_n, 2000)
+
+    @inlineCallbacks
     def test_server_restart_survived(self) -> Any:
         """
-        The server killed and restarted under a request: chat_with_retry retries and the
-        completion it returns is whole.
+        The server killed and restarted under a request: chat_with_retry continues the
+        partial answer, and the answer is the one an uninterrupted request gets, each piece
+        delivered once.
         """
         yield self.start("tiny-think.gguf", **self._retrying_config())
+        reference = yield self.uninterrupted()
         midway = self.after_reasoning(5)
         request = ChatRequest(slot=0, messages=(User("Think"),))
         answer = self.client.chat_with_retry(request, lambda e: self.watch(e))
@@ -192,9 +234,7 @@ class LlamaEndToEndTests(TestCase):
         yield self.server.kill()
         yield self.server.start()
         completion = yield answer
-        self.assertTrue(any(isinstance(e, Retrying) for e in self.events))
-        self.assertEqual(completion.finish_reason, FinishReason.LENGTH)
-        self.assertEqual(completion.timings.predicted_n, 2000)
+        self.assert_whole(completion, reference)
 
     @inlineCallbacks
     def test_inferproxy_restart_survived(self) -> Any:
@@ -203,6 +243,7 @@ class LlamaEndToEndTests(TestCase):
         forwarder.
         """
         yield self.start("tiny-think.gguf", **self._retrying_config())
+        reference = yield self.uninterrupted()
         midway = self.after_reasoning(5)
         request = ChatRequest(slot=0, messages=(User("Think"),))
         answer = self.client.chat_with_retry(request, lambda e: self.watch(e))
@@ -210,6 +251,4 @@ class LlamaEndToEndTests(TestCase):
         yield stop_twist(self.proxy)
         yield self.start_proxy()
         completion = yield answer
-        self.assertTrue(any(isinstance(e, Retrying) for e in self.events))
-        self.assertEqual(completion.finish_reason, FinishReason.LENGTH)
-        self.assertEqual(completion.timings.predicted_n, 2000)
+        self.assert_whole(completion, reference)

@@ -15,7 +15,8 @@ What a chunk may carry (reference: llama-server-api.md §1-§2):
     C{tool_calls} (L{ToolCallDelta}, one per entry); C{role} and empty or null pieces
     carry nothing.
   - C{choices[0].finish_reason}: C{stop}, C{tool_calls} or C{length} once, at the end.
-  - C{timings}: the server's counts so far; the latest are kept. A chunk without
+  - C{timings}: the server's counts so far; the latest are kept, and its C{predicted_n}
+    goes on the chunk's text pieces as their C{generated} count. A chunk without
     C{timings} but with a C{usage} object (an OpenAI-compatible server asked for
     C{include_usage}) gives counts from it instead: C{cached_tokens} as C{cache_n}, the
     rest of C{prompt_tokens} as C{prompt_n}, C{completion_tokens} as C{predicted_n}.
@@ -167,7 +168,8 @@ class Assembler:
         if progress is not None:
             events.append(_read_progress(progress))
         choice = _only_choice(choices)
-        self._read_delta(choice.get("delta"), events)
+        generated = None if timings is None else timings.predicted_n
+        self._read_delta(choice.get("delta"), events, generated)
         if not self._answering and timings is not None:
             self._reasoning_tokens = timings.predicted_n
         finish = choice.get("finish_reason")
@@ -221,8 +223,13 @@ class Assembler:
         elif chunk_id != self._id:
             raise Protocol(f"chunk id changed from {self._id!r} to {chunk_id!r}")
 
-    def _read_delta(self, delta: object, events: list[ChatEvent]) -> None:
-        """Append the events of one delta and keep its pieces."""
+    def _read_delta(
+        self, delta: object, events: list[ChatEvent], generated: int | None = None
+    ) -> None:
+        """
+        Append the events of one delta and keep its pieces; C{generated} is the chunk's count
+        of generated tokens, if it had one, for its text pieces.
+        """
         if delta is None:
             return
         if not isinstance(delta, dict):
@@ -230,12 +237,12 @@ class Assembler:
         reasoning = _optional_text(delta, "reasoning_content")
         if reasoning:
             self._reasoning.append(reasoning)
-            events.append(Reasoning(reasoning))
+            events.append(Reasoning(reasoning, generated))
         content = _optional_text(delta, "content")
         if content:
             self._answering = True
             self._content.append(content)
-            events.append(Content(content))
+            events.append(Content(content, generated))
         calls = delta.get("tool_calls")
         if calls is None:
             return

@@ -14,9 +14,10 @@ cap (seed section 4, steps 2 to 5). The slot gate and retries wrap this from out
    progress events, deltas and pings all count as signs of life. There is no total
    deadline.
  - Thinking cap. At C{thinking.cap} reasoning tokens the call asks the server to end the
-   reasoning (C{reasoning_end} on a second connection), reports L{ThinkingCapped} and
-   reads on. C{thinking.overrun} more reasoning tokens, or a control reply without
-   C{success: true}, cancels the request: L{ThinkingOverrun}.
+   reasoning (C{reasoning_end} on a second connection, for the completion's id: never before
+   a chunk has shown it), reports L{ThinkingCapped} and reads on. C{thinking.overrun} more
+   reasoning tokens, or a control reply without C{success: true}, cancels the request:
+   L{ThinkingOverrun}.
  - Done. The chunk with a C{finish_reason} and then C{[DONE]} (or the end of the body)
    give the L{Completion}; a body that ends before a C{finish_reason} is
    L{StreamClosedEarly}.
@@ -491,21 +492,23 @@ class ChatCall:
         tokens = assembler.reasoning_tokens
         thinking = self._config.thinking
         if self._capped_at is None:
-            if tokens >= thinking.cap:
-                self._cap(tokens)
+            # The control names the completion by its id: until a chunk has shown one, the
+            # cap waits (a null id would be refused, and the overrun counts from the cap).
+            if tokens >= thinking.cap and assembler.id is not None:
+                self._cap(tokens, assembler.id)
         elif tokens >= self._capped_at + thinking.overrun:
             self._fail(
                 ThinkingOverrun(f"still thinking {tokens - self._capped_at} tokens after the cap")
             )
 
-    def _cap(self, tokens: int) -> None:
+    def _cap(self, tokens: int, completion_id: str) -> None:
         """
-        Ask the server to end the reasoning: a C{reasoning_end} control for this completion's id
-        on a second connection. Reports L{ThinkingCapped}; C{tokens}, the count reached, is where
-        the overrun is measured from.
+        Ask the server to end the reasoning: a C{reasoning_end} control for C{completion_id},
+        the completion's id, on a second connection. Reports L{ThinkingCapped}; C{tokens}, the
+        count reached, is where the overrun is measured from.
         """
         self._capped_at = tokens
-        control: dict[str, object] = {"id": self._assembler.id, "action": "reasoning_end"}
+        control: dict[str, object] = {"id": completion_id, "action": "reasoning_end"}
         if self._endpoint.model:
             control["model"] = self._endpoint.model
         ending = self._track(

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from twisted.internet.defer import Deferred
+from twisted.logger import Logger
 
 from loopd import http
 from loopd.config import Config, Endpoint
@@ -20,10 +21,14 @@ from loopd.llama.chat import ChatCall, EventSink
 from loopd.llama.flow import Flow
 from loopd.llama.gate import ISlotGate, SlotGate
 from loopd.llama.info import Health, SlotState, check_health, get_json, parse_slots
+from loopd.llama.request import chat_max_tokens
+from loopd.llama.resume import Delivered, continuation, merge, resume_refusal
 from loopd.llama.retry import is_retryable, with_retry
-from loopd.llama.types import ChatRequest, Completion
+from loopd.llama.types import ChatEvent, ChatRequest, Completion
 
 __all__ = ["Client"]
+
+_log = Logger(namespace="loopd.llama.client")
 
 
 class Client:
@@ -115,20 +120,57 @@ class Client:
         L{chat}, repeated after the failures worth repeating (seed §4 "Retry"); each
         attempt goes back through the gate and a L{Retrying} event precedes it.
 
+        A retry never repeats what reached C{on_event} (L{loopd.llama.resume}): while no
+        piece of the answer was delivered the request is sent again as it was; after one, a
+        C{llama-server} endpoint is sent the continuation of the partial answer and the
+        completion is the whole answer, and any other case (an C{openai} endpoint, a tool
+        call that had started) fails with the attempt's error instead of retrying.
+
         @param retryable: which failures are worth repeating; L{is_retryable} unless the
             caller narrows it (the mesh does not retry a refused connection: a dead worker
             must fail at once, DESIGN decision 29).
         @param flow: passed to every attempt (see L{chat}); each attempt's stream attaches
             to it in the state the flow is in at that time, paused or not.
         """
-        return with_retry(
-            lambda: self.chat(request, on_event, flow=flow),
+        delivered = Delivered()
+        limit = chat_max_tokens(request, self.config)
+        kind = self.endpoint.kind
+        attempts = 0
+
+        def sink(event: ChatEvent) -> None:
+            delivered.observe(event)
+            on_event(event)
+
+        def attempt() -> Deferred[Completion]:
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1:
+                delivered.next_attempt()
+            asked = continuation(request, delivered.prefix, limit)
+            return self.chat(asked, sink, flow=flow)
+
+        def worth_repeating(error: BaseException) -> bool:
+            if not retryable(error):
+                return False
+            refusal = resume_refusal(delivered.partial(), kind, limit)
+            if refusal is not None:
+                _log.warn(
+                    "{endpoint}: not retrying a partly delivered answer ({why}): {error}",
+                    endpoint=self.endpoint.name,
+                    why=refusal,
+                    error=error,
+                )
+            return refusal is None
+
+        running = with_retry(
+            attempt,
             clock=self._reactor,
             policy=self.config.retry,
             on_event=on_event,
             random=self._random,
-            retryable=retryable,
+            retryable=worth_repeating,
         )
+        return running.addCallback(lambda completion: merge(delivered.prefix, completion))
 
     def _get(self, method: str, path: str, body: object = None) -> Deferred[Any]:
         """

@@ -27,6 +27,7 @@ from loopd.llama.types import (
 __all__ = [
     "LLAMA_ONLY_FIELDS",
     "chat_body",
+    "chat_max_tokens",
     "encode",
     "render_messages",
     "render_tools",
@@ -158,7 +159,7 @@ def chat_body(
     body["stream"] = stream
     if stream and not llama:
         body["stream_options"] = {"include_usage": True}
-    body["max_tokens"] = _max_tokens(request, config)
+    body["max_tokens"] = chat_max_tokens(request, config)
     body.update(config.sampling.request_fields())
     for name in ("temperature", "top_p"):
         value = getattr(request, name)
@@ -183,8 +184,11 @@ def chat_body(
     return body
 
 
-def _max_tokens(request: ChatRequest, config: Config) -> int:
-    """The request's C{max_tokens}, never above the config's (which is the default)."""
+def chat_max_tokens(request: ChatRequest, config: Config) -> int:
+    """
+    The C{max_tokens} sent for C{request}: its own, never above the config's (which is the
+    default).
+    """
     if request.max_tokens is None:
         return config.max_tokens
     return min(request.max_tokens, config.max_tokens)

@@ -8,7 +8,9 @@ C{Retry.attempts} attempts in all, waiting C{backoff_ms[i]} scaled by a random f
 C{[1 - jitter, 1 + jitter]} before retry C{i + 1}, and never starting a wait that would end
 more than C{total_ms} after the first attempt started. Everything else is returned at once:
 L{WaitTimeout} has already waited, HTTP 400 may ask the caller to compact, and the rest are
-bugs. Retrying is safe because nothing is recorded before a completion is final.
+bugs. Retrying is safe because nothing is recorded before a completion is final; what was
+already streamed to a consumer is the caller's to judge through C{retryable} (the llama
+client retries a partly delivered answer only as its continuation, L{loopd.llama.resume}).
 
 The timers run on an injected C{IReactorTime}, the random source is injectable, and the
 schedule itself is pure (L{backoff_wait}, L{backoff_schedule}).

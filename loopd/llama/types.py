@@ -204,18 +204,26 @@ class Progress(ChatEvent):
 class Reasoning(ChatEvent):
     """
     A piece of the thinking text.
+
+    @ivar generated: the tokens generated so far, this piece's included, when the server
+        said (its chunk's C{timings.predicted_n}); a resumed answer counts from it. Not part
+        of the event's equality: it describes the piece, it is not the piece.
     """
 
     text: str
+    generated: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
 class Content(ChatEvent):
     """
     A piece of the answer.
+
+    @ivar generated: as for L{Reasoning}.
     """
 
     text: str
+    generated: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

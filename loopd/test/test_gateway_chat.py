@@ -14,6 +14,7 @@ from typing import Any
 from twisted.logger import capturedLogs, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
+from loopd.config import Retry
 from loopd.testing.fake_llama import CHAT, LOADING, SLOTS, error_reply, sse_reply
 from loopd.testing.gateway import (
     HI,
@@ -346,6 +347,70 @@ class ErrorTests(ChatTestCase):
         self.harness.advance(0.5)
         self.error_event(connection, "wait_timeout")
         self.assertEqual({c["event"] for c in connection.response().comments()}, {"waiting"})
+
+
+def counted(delta: dict[str, Any], generated: int) -> dict[str, Any]:
+    """An upstream chunk of one token's piece, with llama-server's per-token timings."""
+    return chunk(delta, timings={"cache_n": 0, "prompt_n": 10, "predicted_n": generated})
+
+
+class InterruptedStreamTests(ChatTestCase):
+    """
+    An upstream stream cut after deltas went out is never started again: a llama-server
+    continues it, anything else ends it with the error event.
+    """
+
+    config = make_config(retry=Retry(attempts=3, backoff_ms=(50,), jitter=0.0))
+
+    def test_resumed_once_each(self) -> None:
+        """Cut after "Hel": one role chunk, each piece once, the finish and [DONE]."""
+        role = chunk({"role": "assistant", "content": None})
+        cut = sse_reply(
+            [role, counted({"reasoning_content": "Hmm"}, 2), counted({"content": "Hel"}, 4)],
+            delay_s=0.01,
+            end="cut",
+        )
+
+        def model(request: Any, fake: Any) -> Any:
+            """The whole answer again, or its rest after a partial answer given back."""
+            if request.json["messages"][-1]["role"] == "assistant":
+                return answer({"content": "lo"})
+            return answer({"reasoning_content": "Hmm"}, {"content": "Hel"}, {"content": "lo"})
+
+        self.script(cut)
+        self.fake.set_default("POST", CHAT, model)
+        connection = self.harness.post(STREAM)
+        self.harness.advance(1)
+        response = connection.response()
+        self.assertEqual((response.status, response.complete), (200, True))
+        self.assertEqual(
+            deltas(response),
+            [
+                {"role": "assistant", "content": ""},
+                {"reasoning_content": "Hmm"},
+                {"content": "Hel"},
+                {"content": "lo"},
+                {},
+            ],
+        )
+        self.assertEqual(response.data()[-1], "[DONE]")
+        self.assertEqual([c["event"] for c in response.comments()], ["retrying"])
+        _, again = self.fake.requests_to("POST", CHAT)
+        self.assertEqual(
+            again.json["messages"][-1],
+            {"role": "assistant", "content": "Hel", "reasoning_content": "Hmm"},
+        )
+
+    def test_tool_call_ends_with_error(self) -> None:
+        """Cut inside a tool call: the error event ends the stream; nothing is sent again."""
+        cut = sse_reply([chunk(CALL_DELTAS[0]), chunk(CALL_DELTAS[1])], delay_s=0.01, end="cut")
+        self.script(cut, answer({"content": "never"}))
+        connection = self.harness.post({**STREAM, "tools": [WEATHER_TOOL]})
+        self.harness.advance(1)
+        self.error_event(connection, "stream_closed_early")
+        sent = [d for d in deltas(connection.response()) if "tool_calls" in d]
+        self.assertEqual(len(sent), 2)
+        self.assertEqual(len(self.fake.requests_to("POST", CHAT)), 1)
 
 
 class EndingTests(ChatTestCase):

@@ -627,6 +627,25 @@ class CapTests(ChatTestCase):
         [control] = h.fake.requests_to("POST", CONTROL)
         self.assert_closed_by_client(control.connection, ANSWERED)
 
+    def test_cap_waits_for_an_id(self) -> None:
+        """
+        Chunks without an id up to past the cap: no control with a null id; it goes with
+        the first id that shows, and the overrun counts from there.
+        """
+        h = capped(6)
+        h.fake.set_default("POST", CONTROL, control_reply(True))
+        chunks = transcript_chunks("reasoning-end.sse")
+        # Chunk n + 1 has predicted_n n: the ids of chunks 0..8 (predicted_n up to 7) go.
+        for sent in chunks[:9]:
+            del sent["id"]
+        events = [b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks]
+        d = h.run(stream([*events, b"data: [DONE]\n\n"], STEP))
+        self.assertTrue(self.assert_answered(h, d, ANSWERED).thinking_capped)
+        [control] = h.fake.requests_to("POST", CONTROL)
+        self.assertEqual(control.json["id"], chunks[9]["id"])
+        self.assertEqual(at(control.received_at), at(chunk_time(8)))
+        self.assertEqual(h.of(ThinkingCapped), [ThinkingCapped(8)])
+
     @given(st.integers(min_value=1, max_value=16), st.integers(min_value=0, max_value=16))
     def test_cap_and_overrun_any(self, cap: int, overrun: int) -> None:
         """For any cap and overrun: capped iff reached, overrun iff reasoning went on enough."""

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.testing import MemoryReactorClock
+from twisted.logger import capturedLogs, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
 import loopd.llama
@@ -27,11 +28,13 @@ from loopd.llama import (
     Client,
     Completion,
     Connect,
+    Content,
     FinishReason,
     Http,
     InferError,
     Protocol,
     Queued,
+    Reasoning,
     Retrying,
     SlotGate,
     SlotState,
@@ -97,8 +100,36 @@ def answer(text: str, delay_s: float = 0.0, request_id: str = "chatcmpl-1") -> R
 
 
 def unfinished(end: End = "close") -> Reply:
-    """A stream with content but no finish_reason, ending in C{end}."""
-    return sse_reply([chunk("chatcmpl-x", {"content": "par"})], end=end)
+    """
+    A stream that delivers nothing (a role chunk) and no finish_reason, ending in C{end}.
+    """
+    return sse_reply([chunk("chatcmpl-x", {"role": "assistant", "content": None})], end=end)
+
+
+def counted(
+    delta: dict[str, Any], generated: int, request_id: str = "chatcmpl-a"
+) -> dict[str, Any]:
+    """A chunk of one token's piece, with llama-server's per-token timings."""
+    sent = chunk(request_id, delta)
+    sent["timings"] = {"cache_n": 0, "prompt_n": 12, "predicted_n": generated}
+    return sent
+
+
+def cut_after(*deltas: dict[str, Any], end: End = "cut") -> Reply:
+    """
+    A stream of the role chunk and one counted chunk per delta (the role's token is the
+    first), then an end with no finish_reason: a server killed mid-answer.
+    """
+    role = chunk("chatcmpl-a", {"role": "assistant", "content": None})
+    pieces = [counted(d, n) for n, d in enumerate(deltas, start=2)]
+    return sse_reply([role, *pieces], end=end)
+
+
+def finishing(*deltas: dict[str, Any], timings: dict[str, Any]) -> Reply:
+    """A stream of C{deltas} then the finish chunk with C{timings}."""
+    last = chunk("chatcmpl-b", {}, "stop")
+    last["timings"] = timings
+    return sse_reply([*(chunk("chatcmpl-b", d) for d in deltas), last])
 
 
 def ms(seconds: float | None) -> int:
@@ -370,6 +401,161 @@ class RetryTests(ClientTestCase):
         self.failureResultOf(call.deferred, Connect)
         self.assertEqual([r.attempt for r in call.retries], [1, 2, 3])
         self.assertEqual(self.fake.requests, [])
+        self.assert_quiet()
+
+
+class ResumeTests(ClientTestCase):
+    """
+    A retry never repeats what reached the sink: before the first piece it starts again,
+    after it a llama-server is asked to continue the partial answer, and otherwise the
+    attempt's error ends the answer.
+    """
+
+    def pieces(self, call: Call) -> list[tuple[str, str]]:
+        """The text pieces the sink received, in order, as (kind, text)."""
+        return [
+            ("content" if isinstance(e, Content) else "reasoning", e.text)
+            for e in call.events
+            if isinstance(e, (Content, Reasoning))
+        ]
+
+    def test_nothing_delivered_retried_as_it_was(self) -> None:
+        """A stream cut before any piece is sent again byte for byte."""
+        self.fake.script("POST", CHAT, unfinished("cut"), answer("whole"))
+        call = self.chat_with_retry()
+        self.net.advance(1)
+        self.assertEqual(self.successResultOf(call.deferred).content, "whole")
+        first, second = self.chats()
+        self.assertEqual(first.body, second.body)
+        self.assertEqual(len(call.retries), 1)
+        self.assert_quiet()
+
+    def test_delivered_answer_resumed(self) -> None:
+        """
+        After reasoning and part of the content were delivered, the retry sends the
+        conversation with the partial answer as the final assistant message, max_tokens
+        less the 4 tokens generated; the sink gets the rest once, and the completion is the
+        whole answer with the counts of one.
+        """
+        cut = cut_after(
+            {"reasoning_content": "Let"}, {"reasoning_content": " me"}, {"content": "Hel"}
+        )
+        rest = finishing(
+            {"role": "assistant", "content": None},
+            {"content": "lo"},
+            {"content": "!"},
+            timings={"cache_n": 20, "prompt_n": 3, "predicted_n": 3},
+        )
+        self.fake.script("POST", CHAT, cut, rest)
+        call = self.chat_with_retry()
+        self.net.advance(1)
+        done = self.successResultOf(call.deferred)
+        first, second = self.chats()
+        self.assertEqual(
+            second.json["messages"],
+            [
+                *first.json["messages"],
+                {"role": "assistant", "content": "Hel", "reasoning_content": "Let me"},
+            ],
+        )
+        self.assertEqual(second.json["max_tokens"], first.json["max_tokens"] - 4)
+        others = {k: v for k, v in second.json.items() if k not in ("messages", "max_tokens")}
+        self.assertEqual(others, {k: v for k, v in first.json.items() if k in others})
+        self.assertEqual(sorted(others), sorted(set(first.json) - {"messages", "max_tokens"}))
+        self.assertEqual(
+            self.pieces(call),
+            [
+                ("reasoning", "Let"),
+                ("reasoning", " me"),
+                ("content", "Hel"),
+                ("content", "lo"),
+                ("content", "!"),
+            ],
+        )
+        self.assertEqual((done.content, done.reasoning_content), ("Hello!", "Let me"))
+        self.assertEqual(done.finish_reason, FinishReason.STOP)
+        # 4 + 3 generated; the prompt less the 4 tokens of the partial answer.
+        self.assertEqual(
+            (done.timings.cache_n, done.timings.prompt_n, done.timings.predicted_n), (19, 0, 7)
+        )
+        self.assertEqual(done.reasoning_tokens, 3)
+        self.assertEqual(len(call.retries), 1)
+        self.assert_quiet()
+
+    def test_thinking_answer_resumed(self) -> None:
+        """Cut while still thinking: the prefill is the reasoning alone, content null."""
+        cut = cut_after({"reasoning_content": "Let"}, {"reasoning_content": " me"})
+        rest = finishing(
+            {"reasoning_content": " think"},
+            {"content": "Hi"},
+            timings={"cache_n": 0, "prompt_n": 15, "predicted_n": 4},
+        )
+        self.fake.script("POST", CHAT, cut, rest)
+        call = self.chat_with_retry()
+        self.net.advance(1)
+        done = self.successResultOf(call.deferred)
+        _, second = self.chats()
+        self.assertEqual(
+            second.json["messages"][-1],
+            {"role": "assistant", "content": None, "reasoning_content": "Let me"},
+        )
+        self.assertEqual((done.reasoning_content, done.content), ("Let me think", "Hi"))
+        self.assertEqual((done.timings.prompt_n, done.timings.predicted_n), (12, 7))
+        self.assert_quiet()
+
+    def test_resumed_twice(self) -> None:
+        """A continuation cut in turn is continued from everything delivered by both."""
+        first_cut = cut_after({"content": "Hel"})
+        second_cut = cut_after({"content": "lo"}, {"content": " wo"})
+        rest = finishing(
+            {"content": "rld"}, timings={"cache_n": 0, "prompt_n": 20, "predicted_n": 1}
+        )
+        self.fake.script("POST", CHAT, first_cut, second_cut, rest)
+        call = self.chat_with_retry()
+        self.net.advance(1)
+        done = self.successResultOf(call.deferred)
+        first, second, third = self.chats()
+        self.assertEqual(second.json["messages"][-1], {"role": "assistant", "content": "Hel"})
+        self.assertEqual(third.json["messages"][-1], {"role": "assistant", "content": "Hello wo"})
+        self.assertEqual(first.json["max_tokens"] - third.json["max_tokens"], 2 + 3)
+        self.assertEqual(done.content, "Hello world")
+        self.assertEqual(done.timings.predicted_n, 6)
+        self.assertEqual([c for _, c in self.pieces(call)], ["Hel", "lo", " wo", "rld"])
+        self.assert_quiet()
+
+    def test_tool_call_started_not_retried(self) -> None:
+        """A tool call that had started streaming is not resumed: the error ends the answer."""
+        call_delta = {"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "f"}}]}
+        self.fake.script("POST", CHAT, cut_after({"content": "Ok"}, call_delta), answer("never"))
+        call = self.chat_with_retry()
+        with capturedLogs() as logged:
+            self.net.advance(1)
+        self.failureResultOf(call.deferred, StreamClosedEarly)
+        self.assertEqual((len(self.chats()), call.retries), (1, []))
+        self.assertIn("tool call", " ".join(formatEvent(e) for e in logged))
+        self.assert_quiet()
+
+    def test_openai_endpoint_not_resumed(self) -> None:
+        """An openai endpoint promises no prefill: delivered content ends with the error."""
+        endpoint = Endpoint(name="tiny", socket=PATH, model="tiny", kind="openai")
+        config = Config(endpoints=(endpoint,), limits=LIMITS, retry=RETRY)
+        client = Client(self.reactor, config, endpoint, random=lambda: 0.5)
+        self.fake.script("POST", CHAT, cut_after({"content": "Hel"}), answer("Hello"))
+        call = Call(self.reactor, lambda sink: client.chat_with_retry(request(), sink))
+        self.net.advance(1)
+        self.failureResultOf(call.deferred, StreamClosedEarly)
+        self.assertEqual((len(self.chats()), call.retries), (1, []))
+        self.assertEqual(self.pieces(call), [("content", "Hel")])
+        self.assert_quiet()
+
+    def test_max_tokens_used_up_not_resumed(self) -> None:
+        """A partial answer that has used its max_tokens is not continued."""
+        self.fake.script("POST", CHAT, cut_after({"content": "a"}, {"content": "b"}), answer("c"))
+        limited = dataclasses.replace(request(), max_tokens=3)
+        call = Call(self.reactor, lambda sink: self.client.chat_with_retry(limited, sink))
+        self.net.advance(1)
+        self.failureResultOf(call.deferred, StreamClosedEarly)
+        self.assertEqual(len(self.chats()), 1)
         self.assert_quiet()
 
 

@@ -1,0 +1,223 @@
+# -*- test-case-name: loopd.test.test_llama_resume -*-
+"""
+Resuming an answer that failed after part of it reached the consumer: what was delivered,
+whether it may be resumed, the request that continues it, and the completion of the whole.
+
+A retry that starts the answer again is invisible only while nothing of it was delivered;
+after the first piece of reasoning or content a second run would repeat it. A llama-server
+continues a final assistant message as a prefill (it renders the conversation with that
+message last and without its end of turn; a message with only C{reasoning_content} leaves
+the thinking open, so the model thinks on), and streams only what it generates after it.
+So the continuation sends the conversation again with the delivered part as the final
+assistant message and C{max_tokens} less what was generated for it; the consumer sees the
+continuation's pieces after the ones it has, with nothing skipped and nothing repeated.
+
+Not resumed, so the failure is the answer's: an endpoint of kind C{openai} (no prefill
+promise), a tool call that had started (its arguments cannot be continued as text), and an
+answer that had already used its C{max_tokens}.
+
+Pure: a L{Delivered} watches the events one attempt after another; L{resume_refusal},
+L{continuation} and L{merge} are functions of its L{Partial}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from loopd.llama.types import (
+    Assistant,
+    ChatEvent,
+    ChatRequest,
+    Completion,
+    Content,
+    Reasoning,
+    ThinkingCapped,
+    Timings,
+    ToolCallDelta,
+)
+
+__all__ = ["Delivered", "Partial", "continuation", "merge", "resume_refusal"]
+
+
+@dataclass(frozen=True)
+class Partial:
+    """
+    The part of an answer that reached the consumer.
+
+    @ivar reasoning: the thinking text delivered.
+    @ivar content: the answer text delivered.
+    @ivar tool_call: a piece of a tool call was delivered.
+    @ivar generated: the tokens generated for what was delivered: the server's count at the
+        last piece (C{generated} of L{Reasoning} and L{Content}), added up over the attempts
+        that delivered; a piece without a count counts one token.
+    @ivar reasoning_tokens: of those, the ones generated while the answer was still thinking
+        (up to the last reasoning piece before any content).
+    @ivar thinking_capped: the thinking cap fired in an attempt that delivered.
+    """
+
+    reasoning: str = ""
+    content: str = ""
+    tool_call: bool = False
+    generated: int = 0
+    reasoning_tokens: int = 0
+    thinking_capped: bool = False
+
+    @property
+    def empty(self) -> bool:
+        """Nothing was delivered: a retry may start the answer again."""
+        return not (self.reasoning or self.content or self.tool_call)
+
+    @property
+    def thinking(self) -> bool:
+        """The answer was still in its reasoning: no content or tool call yet."""
+        return not (self.content or self.tool_call)
+
+
+class Delivered:
+    """
+    Watches the events of one answer, attempt after attempt, for what of it was delivered.
+
+    Feed every event passed to the consumer to L{observe}; call L{next_attempt} before each
+    attempt after the first. L{partial} is everything delivered so far; L{prefix} is what
+    the current attempt continues (empty unless it is a continuation).
+    """
+
+    def __init__(self) -> None:
+        """Nothing delivered, the first attempt running."""
+        self._prefix = Partial()
+        self._reasoning: list[str] = []
+        self._content: list[str] = []
+        self._tool_call = False
+        self._pieces = 0
+        self._reported = 0
+        self._reasoning_tokens = 0
+        self._capped = False
+
+    @property
+    def prefix(self) -> Partial:
+        """What the current attempt continues."""
+        return self._prefix
+
+    def observe(self, event: ChatEvent) -> None:
+        """Note one event passed to the consumer; only the pieces of the answer count."""
+        if isinstance(event, ThinkingCapped):
+            self._capped = True
+            return
+        if isinstance(event, ToolCallDelta):
+            self._tool_call = True
+            return
+        if not isinstance(event, (Reasoning, Content)) or not event.text:
+            return
+        self._pieces += 1
+        if event.generated is not None:
+            self._reported = max(self._reported, event.generated)
+        if isinstance(event, Reasoning):
+            self._reasoning.append(event.text)
+            if not self._content and not self._tool_call:
+                self._reasoning_tokens = self._count()
+        else:
+            self._content.append(event.text)
+
+    def _count(self) -> int:
+        """The tokens of the current attempt's delivered pieces."""
+        return max(self._reported, self._pieces)
+
+    def partial(self) -> Partial:
+        """Everything delivered so far, over every attempt."""
+        prefix = self._prefix
+        reasoning = "".join(self._reasoning)
+        content = "".join(self._content)
+        thinking_before = prefix.thinking
+        return Partial(
+            reasoning=prefix.reasoning + reasoning,
+            content=prefix.content + content,
+            tool_call=prefix.tool_call or self._tool_call,
+            generated=prefix.generated + self._count(),
+            reasoning_tokens=prefix.reasoning_tokens
+            + (self._reasoning_tokens if thinking_before else 0),
+            thinking_capped=prefix.thinking_capped or self._capped,
+        )
+
+    def next_attempt(self) -> None:
+        """Another attempt starts: it continues everything delivered so far."""
+        self._prefix = self.partial()
+        self._reasoning, self._content = [], []
+        self._tool_call = self._capped = False
+        self._pieces = self._reported = self._reasoning_tokens = 0
+
+
+def resume_refusal(partial: Partial, kind: str, max_tokens: int) -> str | None:
+    """
+    Why the answer delivered as far as C{partial} cannot be resumed, or None when it can
+    (or when nothing was delivered, so that a retry starts it again).
+
+    @param kind: the endpoint's kind; only a C{llama-server} continues a prefill.
+    @param max_tokens: the answer's limit on generated tokens.
+    """
+    if partial.empty:
+        return None
+    if kind != "llama-server":
+        return f"an endpoint of kind {kind} cannot continue a partial answer"
+    if partial.tool_call:
+        return "a tool call had started streaming"
+    if partial.generated >= max_tokens:
+        return f"the partial answer has used its max_tokens ({max_tokens})"
+    return None
+
+
+def continuation(request: ChatRequest, partial: Partial, max_tokens: int) -> ChatRequest:
+    """
+    The request that continues C{request}'s answer after C{partial}: the same request with
+    the delivered part as its final assistant message (C{reasoning_content} while it has
+    reasoning, C{content} null while it has none) and C{max_tokens} less the tokens it took.
+    C{request} itself when nothing was delivered.
+
+    @param max_tokens: the answer's limit on generated tokens (see L{resume_refusal}, which
+        must have allowed the resume).
+    """
+    if partial.empty:
+        return request
+    prefill = Assistant(
+        content=partial.content or None, reasoning_content=partial.reasoning or None
+    )
+    return replace(
+        request,
+        messages=(*request.messages, prefill),
+        max_tokens=max_tokens - partial.generated,
+    )
+
+
+def merge(prefix: Partial, completion: Completion) -> Completion:
+    """
+    The completion of the whole answer: C{prefix}, what earlier attempts delivered, then
+    C{completion}, the continuation's. C{completion} itself when C{prefix} is empty.
+
+    The texts are joined; the tool calls, the finish reason and the id are the
+    continuation's. The counts are those of one uninterrupted answer: C{predicted_n} is the
+    tokens of both parts, and the prompt counts are the continuation's less the partial
+    answer it was given back (that is answer, not prompt; it is taken from the evaluated
+    tokens first, as it ends the prompt), so that the total is still the context the turn
+    left in the slot. The reasoning tokens add up while the prefix was still thinking.
+    """
+    if prefix.empty:
+        return completion
+    timings = completion.timings
+    back = prefix.generated
+    from_prompt = min(back, timings.prompt_n)
+    merged = Timings(
+        cache_n=max(timings.cache_n - (back - from_prompt), 0),
+        prompt_n=timings.prompt_n - from_prompt,
+        predicted_n=back + timings.predicted_n,
+        predicted_per_second=timings.predicted_per_second,
+    )
+    reasoning_tokens = prefix.reasoning_tokens
+    if prefix.thinking:
+        reasoning_tokens += completion.reasoning_tokens
+    return replace(
+        completion,
+        content=(prefix.content + (completion.content or "")) or None,
+        reasoning_content=(prefix.reasoning + (completion.reasoning_content or "")) or None,
+        timings=merged,
+        reasoning_tokens=reasoning_tokens,
+        thinking_capped=prefix.thinking_capped or completion.thinking_capped,
+    )
