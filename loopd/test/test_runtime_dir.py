@@ -8,14 +8,29 @@ The cases with another user's files need root (C{chown}); they skip otherwise.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
+import socket
 import stat
+import sys
 import tempfile
+from functools import partial
+from typing import Any
 
+from twisted.internet.protocol import Factory
+from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import capturedLogs, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
+from loopd import cli
+from loopd.chatloop import stream_turn
+from loopd.chatui import TurnView
+from loopd.config import parse_config
+from loopd.queue.client_connect import LeaseWire, connect_daemon
+from loopd.queue.client_lease import QueueUnavailable
+from loopd.queue.daemon import LlmQueueService
+from loopd.queue.show import QueueStatusError, fetch_status
 from loopd.runtime_dir import (
     DirectoryError,
     UnsafeDirectoryError,
@@ -23,7 +38,17 @@ from loopd.runtime_dir import (
     describe_owner,
     prepare_directory,
 )
-from loopd.test.support.second_user import NOT_ROOT, OTHER_UID, give_away, is_root
+from loopd.service import LoopdService, default_socket_path, queue_socket_path
+from loopd.test.support.notifier import FakeNotifier
+from loopd.test.support.second_user import (
+    NOT_ROOT,
+    OTHER_UID,
+    as_other_user,
+    give_away,
+    is_root,
+    shared_temp_dir,
+)
+from loopd.unixsocket import UnsafeSocketError, listen_unix
 
 
 def mode_of(path: str) -> int:
@@ -267,3 +292,261 @@ class CheckDirectoryTests(DirectoryCase):
         os.chdir(self.open_directory("here", mode=0o700))
         check_directory(os.path.join("..", "here"))
         self.assertRaises(UnsafeDirectoryError, check_directory, os.path.join("..", "run"))
+
+
+TOML = '[[endpoint]]\nname = "remote"\nsocket = "/tmp/ld/remote.sock"\nkind = "openai"\n'
+
+
+def record_run(ran: list[object], command: Any) -> int:
+    """A runner for C{cli.main} that records the command instead of running it."""
+    ran.append(command)
+    return 0
+
+
+def planted_socket(path: str) -> None:
+    """Bind a socket at C{path} and close it (run as the second user: theirs, stale)."""
+    planted = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    planted.bind(path)
+    planted.close()
+
+
+class DefaultDirectoryTakeoverTests(SynchronousTestCase):
+    """
+    The probe's attack with a real second user: before loopd starts, they take the default
+    socket directory C{$TMPDIR/loopd-<uid>/} (C{XDG_RUNTIME_DIR} unset) as a directory of
+    mode 0777, as a symlink to their own directory, or as their directory with their socket
+    in it. The daemon refuses to listen there and every client refuses to connect, each
+    with a message that names the path and its owner; nothing of theirs is touched.
+    """
+
+    def setUp(self) -> None:
+        if not is_root():
+            raise self.skipTest(NOT_ROOT)
+        self.tmp = shared_temp_dir(self.addCleanup)
+        self.patch(tempfile, "tempdir", self.tmp)
+        environ = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+        environ["XDG_CONFIG_HOME"] = os.path.join(self.tmp, "no-config")
+        self.patch(os, "environ", environ)
+        self.taken = os.path.join(self.tmp, f"loopd-{os.getuid()}")
+        self.assertEqual(default_socket_path(), os.path.join(self.taken, "loopd.sock"))
+
+    def open_directory(self) -> str:
+        """They create the directory, mode 0777; what must be refused is it."""
+        taken = self.taken
+
+        def attack() -> None:
+            os.mkdir(taken)
+            os.chmod(taken, 0o777)
+
+        as_other_user(attack)
+        return taken
+
+    def symlink(self) -> str:
+        """They make the directory a symlink to a directory of theirs; refused: the link."""
+        taken, theirs = self.taken, os.path.join(self.tmp, "theirs")
+
+        def attack() -> None:
+            os.mkdir(theirs, 0o755)
+            os.symlink(theirs, taken)
+
+        as_other_user(attack)
+        return taken
+
+    def own_directory_with_socket(self) -> str:
+        """They create it as their own directory, with their socket at loopd.sock in it."""
+        taken = self.taken
+
+        def attack() -> None:
+            os.mkdir(taken, 0o755)
+            planted_socket(os.path.join(taken, "loopd.sock"))
+            planted_socket(os.path.join(taken, "llm-queue.sock"))
+
+        as_other_user(attack)
+        return taken
+
+    def attacks(self) -> list[str]:
+        """Each attack in turn, on a clean temp dir; yields the path to be refused."""
+        found = []
+        for attack in (self.open_directory, self.symlink, self.own_directory_with_socket):
+            for name in os.listdir(self.tmp):
+                path = os.path.join(self.tmp, name)
+                if os.path.islink(path) or not os.path.isdir(path):
+                    os.unlink(path)
+                else:
+                    shutil.rmtree(path)
+            found.append(attack())
+        return found
+
+    def theirs(self) -> list[tuple[str, int, int]]:
+        """What is in the temp dir, with owners and modes, to show nothing was touched."""
+        seen = []
+        for top, directories, files in os.walk(self.tmp):
+            for name in directories + files:
+                info = os.lstat(os.path.join(top, name))
+                seen.append((os.path.join(top, name), info.st_uid, info.st_mode))
+        return sorted(seen)
+
+    def assert_names(self, message: str, path: str) -> None:
+        """The message names the taken path and the second user."""
+        self.assertIn(path, message)
+        self.assertIn(describe_owner(OTHER_UID), message)
+
+    def test_daemon_refuses_to_listen(self) -> None:
+        """
+        C{twist loopd}: the start fails with L{UnsafeSocketError} naming the directory and
+        its owner, says so on stderr, exits 1, and listens on nothing.
+        """
+        for taken in self.attacks():
+            before = self.theirs()
+            reactor = MemoryReactorClock()
+            exits: list[int] = []
+            stderr = io.StringIO()
+            self.patch(sys, "stderr", stderr)
+            service = LoopdService(reactor, parse_config(TOML), exit_process=exits.append)
+            service.startService()
+            error = self.failureResultOf(service.when_ready(), UnsafeSocketError).value
+            self.assert_names(str(error), taken)
+            self.assertIn("loopd: cannot start: unsafe socket directory", stderr.getvalue())
+            self.assertEqual(reactor.unixServers, [])
+            for call, args, kwargs in reactor.triggers["after"]["shutdown"]:
+                call(*args, **kwargs)
+            self.assertEqual(exits, [1])
+            self.assertEqual(self.theirs(), before)
+
+    def test_listen_refused_for_each_socket(self) -> None:
+        """
+        L{listen_unix} refuses both default sockets, the gateway's and the lease socket.
+        """
+        for taken in self.attacks():
+            for path in (default_socket_path(), queue_socket_path(None)):
+                error = self.assertRaises(
+                    UnsafeSocketError, listen_unix, MemoryReactorClock(), path, Factory()
+                )
+                self.assert_names(str(error), taken)
+
+    def test_chat_refuses_to_connect(self) -> None:
+        """
+        C{loopd chat} without a config exits 1 before connecting, saying why on stderr.
+        """
+        for taken in self.attacks():
+            stderr = io.StringIO()
+            self.patch(sys, "stderr", stderr)
+            ran: list[object] = []
+            status = cli.main(["chat"], run=partial(record_run, ran))
+            self.assertEqual((status, ran), (1, []))
+            self.assertIn("loopd chat: not connecting:", stderr.getvalue())
+            self.assert_names(stderr.getvalue(), taken)
+
+    def test_chat_turn_refuses_to_connect(self) -> None:
+        """
+        A chat turn checks again before each connection (the directory may be taken after
+        the chat started): the turn fails with the reason and nothing is connected.
+        """
+        for taken in self.attacks():
+            reactor = MemoryReactorClock()
+            view = TurnView(tty=False)
+            written: list[str] = []
+            turn = stream_turn(
+                reactor, default_socket_path(), {}, view, written.append, session_id="s"
+            )
+            self.assertIs(self.successResultOf(turn), view)
+            assert view.error is not None
+            self.assertIn("not connecting to loopd", view.error)
+            self.assert_names(view.error, taken)
+            self.assertEqual(reactor.unixClients, [])
+
+    def test_queue_status_refuses_to_connect(self) -> None:
+        """
+        C{loopd queue status} on loopd's default lease socket fails with the reason.
+        """
+        for taken in self.attacks():
+            reactor = MemoryReactorClock()
+            failure = self.failureResultOf(
+                fetch_status(reactor, queue_socket_path(None)), QueueStatusError
+            )
+            self.assert_names(failure.getErrorMessage(), taken)
+            self.assertEqual(reactor.unixClients, [])
+
+    def test_lease_client_refuses_to_connect(self) -> None:
+        """
+        The lease client fails with L{QueueUnavailable} (its cause the
+        L{UnsafeSocketError}), neither connecting nor spawning a daemon.
+        """
+        for taken in self.attacks():
+            reactor = MemoryReactorClock()
+            spawned: list[None] = []
+            connecting = connect_daemon(
+                reactor,
+                queue_socket_path(None),
+                lambda: LeaseWire(lambda wire, message: None, lambda wire, reason: None),
+                spawn=partial(spawned.append, None),
+            )
+            error = self.failureResultOf(connecting, QueueUnavailable).value
+            self.assertIsInstance(error.__cause__, UnsafeSocketError)
+            self.assert_names(str(error), taken)
+            self.assertEqual((reactor.unixClients, spawned), ([], []))
+
+
+class AgentDirTakeoverTests(SynchronousTestCase):
+    """
+    The lease daemon's agent dir (C{llm-queue.sock}) under the same rules, with a real
+    second user.
+    """
+
+    def setUp(self) -> None:
+        if not is_root():
+            raise self.skipTest(NOT_ROOT)
+        self.tmp = shared_temp_dir(self.addCleanup)
+
+    def start(self, agent_dir: str) -> tuple[LlmQueueService, MemoryReactorClock, list[int], str]:
+        """Start a daemon on a memory reactor in C{agent_dir}; the service, exits, stderr."""
+        reactor = MemoryReactorClock()
+        stderr = io.StringIO()
+        exits: list[int] = []
+        service = LlmQueueService(
+            reactor,
+            agent_dir,
+            1000,
+            None,
+            stderr,
+            exits.append,
+            stdout=io.StringIO(),
+            notifier_factory=lambda: FakeNotifier(None),
+        )
+        service.startService()
+        self.addCleanup(service.stopService)
+        return service, reactor, exits, stderr.getvalue()
+
+    def test_foreign_agent_dir_refused(self) -> None:
+        """
+        An agent dir the second user made (0777) is refused: exit 1 with the reason, nothing
+        listened on, nothing created in it.
+        """
+        agent = os.path.join(self.tmp, "agent")
+
+        def attack() -> None:
+            os.mkdir(agent)
+            os.chmod(agent, 0o777)
+
+        as_other_user(attack)
+        service, reactor, exits, stderr = self.start(agent)
+        self.assertEqual((exits, reactor.unixServers), ([1], []))
+        self.assertIn(agent, stderr)
+        self.assertIn(describe_owner(OTHER_UID), stderr)
+        self.assertEqual(os.listdir(agent), [])
+
+    def test_foreign_socket_in_own_agent_dir_refused(self) -> None:
+        """
+        The second user's socket at C{llm-queue.sock} in an agent dir of yours that was
+        left open (0777) is refused and left in place: the daemon does not take it for
+        stale, and the directory is not tightened over it.
+        """
+        agent = os.path.join(self.tmp, "agent")
+        os.mkdir(agent)
+        os.chmod(agent, 0o777)
+        as_other_user(lambda: planted_socket(os.path.join(agent, "llm-queue.sock")))
+        service, reactor, exits, stderr = self.start(agent)
+        self.assertEqual((exits, reactor.unixServers), ([1], []))
+        self.assertIn(os.path.join(agent, "llm-queue.sock"), stderr)
+        self.assertIn(describe_owner(OTHER_UID), stderr)
+        self.assertEqual(os.lstat(os.path.join(agent, "llm-queue.sock")).st_uid, OTHER_UID)
