@@ -192,6 +192,7 @@ _ENDPOINT_RULES: Final[Mapping[str, Rule]] = {
 _SERVER_RULES: Final[Mapping[str, Rule]] = {
     "listen": string(),
     "body_bytes": integer(1),
+    "backlog": integer(1, INT32_MAX),
 }
 
 

@@ -6,6 +6,7 @@ specification's. L{loopd.config} builds them from a file; everything else reads 
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -165,6 +166,12 @@ class Server:
     """A strports description; None: a Unix socket C{loopd.sock} in the default directory."""
     body_bytes: int = 8 * 1024 * 1024
     """The largest request body the gateway accepts; a larger one is refused with 413."""
+    backlog: int = socket.SOMAXCONN
+    """
+    The listen backlog of loopd's Unix sockets (the gateway's and the lease socket):
+    connections the kernel holds before loopd accepts them. By default the platform's
+    largest; the kernel caps it at C{net.core.somaxconn}.
+    """
 
 
 @dataclass(frozen=True, kw_only=True)

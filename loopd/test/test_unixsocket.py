@@ -17,9 +17,12 @@ from typing import Any
 
 from twisted.internet.defer import maybeDeferred
 from twisted.internet.protocol import Factory, Protocol
-from twisted.trial.unittest import TestCase
+from twisted.internet.testing import MemoryReactorClock
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
+from loopd.config import parse_config
 from loopd.runtime_dir import describe_owner
+from loopd.service import LoopdService
 from loopd.test.support.peers import real_reactor
 from loopd.test.support.second_user import NOT_ROOT, OTHER_UID, give_away, is_root
 from loopd.unixsocket import (
@@ -343,3 +346,35 @@ class CheckPeerSocketTests(TestCase):
         error = self.assertRaises(UnsafeSocketError, check_peer_socket, self.path)
         self.assertIn(describe_owner(OTHER_UID), str(error))
         self.assertIn("not connecting", str(error))
+
+
+class ServiceBacklogTests(SynchronousTestCase):
+    """
+    C{twist loopd} listens on the gateway's socket and the lease socket with C{[server]
+    backlog}, by default C{socket.SOMAXCONN}.
+    """
+
+    def backlogs(self, toml: str) -> dict[str, int]:
+        """Start the service of C{toml} on a memory reactor; each socket's backlog."""
+        runtime = tempfile.mkdtemp(prefix="ld", dir="/tmp")
+        self.addCleanup(shutil.rmtree, runtime, True)
+        self.patch(os, "environ", {**os.environ, "XDG_RUNTIME_DIR": runtime})
+        reactor = MemoryReactorClock()
+        endpoint = '[[endpoint]]\nname = "remote"\nsocket = "/tmp/ld/r.sock"\nkind = "openai"\n'
+        service = LoopdService(reactor, parse_config(toml + endpoint))
+        service.startService()
+        self.successResultOf(service.when_ready())
+        self.addCleanup(service.stopService)
+        return {os.path.basename(path): backlog for path, _, backlog, _, _ in reactor.unixServers}
+
+    def test_default(self) -> None:
+        """Without the key both sockets get the platform's largest backlog."""
+        self.assertEqual(
+            self.backlogs(""), {"loopd.sock": socket.SOMAXCONN, "llm-queue.sock": socket.SOMAXCONN}
+        )
+
+    def test_configured(self) -> None:
+        """C{[server] backlog} applies to both sockets."""
+        self.assertEqual(
+            self.backlogs("[server]\nbacklog = 200\n"), {"loopd.sock": 200, "llm-queue.sock": 200}
+        )
