@@ -23,7 +23,9 @@ included, with mode 0700 whatever the umask, one component at a time inside a di
 already checked. It repairs one thing: the socket's own directory when it is yours but
 writable by group or others, and only when every entry in it is yours, both before and
 after the C{chmod 700} (then nobody else has put anything in it, and after the chmod nobody
-else can); the repair is logged. Anything else is refused and left as it is.
+else can); the repair is logged. A sticky directory that others may write to, such as
+C{/tmp} itself, is shared on purpose and never repaired. Anything else is refused and left
+as it is.
 L{check_directory} (before connecting) creates nothing and repairs nothing.
 """
 
@@ -177,6 +179,13 @@ def _check_own(directory: str, info: os.stat_result, repair: bool) -> None:
         )
     if not info.st_mode & _OTHERS_WRITE:
         return
+    if info.st_mode & stat.S_ISVTX:
+        # Sticky and open: shared on purpose, as /tmp is; never tightened.
+        raise UnsafeDirectoryError(
+            f"unsafe socket directory {directory}: it is {describe(info)}, a shared "
+            "directory that anyone may create names in; put the socket in a directory of "
+            "your own (mode 0700) below it"
+        )
     if not repair or info.st_uid != os.geteuid():
         raise UnsafeDirectoryError(
             f"unsafe socket directory {directory}: it is {describe(info)}, writable by "

@@ -221,16 +221,29 @@ class PrepareDirectoryTests(DirectoryCase):
 
     def test_sticky_own_directory_refused(self) -> None:
         """
-        The socket's own directory may not be writable by others even when sticky: anyone
-        could take the socket's name first.
+        The socket's own directory may not be writable by others even when sticky (anyone
+        could take the socket's name first), and it is never tightened, even when it is
+        yours and holds only your files: such a directory, like C{/tmp}, is shared on
+        purpose.
         """
-        self.require_root()
         directory = self.open_directory("run", mode=0o1777)
-        planted = os.path.join(directory, "theirs")
-        os.mkdir(planted)
-        give_away(planted)
+        with open(os.path.join(directory, "mine"), "w"):
+            pass
         error = self.assertRaises(UnsafeDirectoryError, prepare_directory, directory)
-        self.assert_one_line_naming(error, directory, planted)
+        self.assert_one_line_naming(error, directory, "mode 1777", "a directory of your own")
+        self.assertEqual(mode_of(directory), 0o1777)
+
+    def test_tmp_itself_refused_untouched(self) -> None:
+        """
+        A socket straight in C{/tmp} is refused, and C{/tmp} keeps its mode (even for
+        root, who owns it).
+        """
+        before = mode_of("/tmp")
+        if before != 0o1777:
+            raise self.skipTest(f"/tmp has mode {before:04o} here, not 1777")
+        error = self.assertRaises(UnsafeDirectoryError, prepare_directory, "/tmp")
+        self.assert_one_line_naming(error, "/tmp", "shared")
+        self.assertEqual(mode_of("/tmp"), before)
 
     def test_not_a_directory(self) -> None:
         """
