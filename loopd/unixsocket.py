@@ -125,7 +125,7 @@ def reclaim_stale_socket(path: str) -> bool:
         )
     if info.st_uid != os.geteuid():
         raise UnsafeSocketError(
-            f"{path} is {describe(info)}, not yours ({describe_owner(os.geteuid())}); "
+            f"{path} is {describe(info)}, not yours (you are {describe_owner(os.geteuid())}); "
             "remove it (as its owner or root) or choose another socket path"
         )
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -184,7 +184,7 @@ def check_peer_socket(path: str) -> None:
             raise SocketPathError(f"cannot check {path}: {e.strerror}") from None
         if info.st_uid not in trusted:
             raise UnsafeSocketError(
-                f"{path} is {describe(info)}, not yours ({describe_owner(os.geteuid())}) "
+                f"{path} is {describe(info)}, not yours (you are {describe_owner(os.geteuid())}) "
                 "nor root's: another user may be listening there; not connecting (remove "
                 "it as its owner or root, or pass another socket)"
             )
