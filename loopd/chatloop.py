@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IHalfCloseableProtocol
 from twisted.internet.stdio import StandardIO
 from twisted.protocols.basic import LineReceiver
@@ -30,6 +30,7 @@ from loopd import http
 from loopd.chatui import QUIT, Conversation, TurnView, http_error_text
 from loopd.errors import Connect
 from loopd.sse import SSEDecoder
+from loopd.unixsocket import UnixSocketError, check_peer_socket
 
 __all__ = ["ChatSession", "restore_blocking", "stream_turn", "terminal_chat"]
 
@@ -58,8 +59,15 @@ def stream_turn(
     @param session_id: the C{X-Session-Id}, so every turn of a chat is one session whose
         slot (and prompt cache) loopd keeps.
     @return: fires with C{view} when the turn is over, failed or not (C{view.error}); the
-        output then ends at the start of a line.
+        output then ends at the start of a line. A socket that another user controls
+        (L{check_peer_socket}) is not connected to: the turn fails saying so.
     """
+    try:
+        check_peer_socket(socket_path)
+    except UnixSocketError as e:
+        write(view.fail(f"not connecting to loopd: {e}"))
+        write(view.close())
+        return succeed(view)
     encoded = json.dumps(body).encode()
     headers = {"X-Session-Id": session_id, "Accept": "text/event-stream"}
     sending = http.request(

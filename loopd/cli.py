@@ -29,6 +29,7 @@ from loopd.config import Config, ConfigError, load_config
 from loopd.selftest import SelftestFailed, SelftestReport, require_selftests
 from loopd.service import default_socket_path, listen_path, queue_socket_path
 from loopd.tap.loopd import default_config_path
+from loopd.unixsocket import UnixSocketError, check_peer_socket
 
 __all__ = [
     "build_parser",
@@ -122,6 +123,11 @@ def main(argv: Sequence[str] | None = None, *, run: Runner | None = None) -> int
         except (ConfigError, ValueError) as e:
             err(f"loopd chat: {e}\n")
             return USAGE_ERROR
+        try:
+            check_peer_socket(socket_path)
+        except UnixSocketError as e:
+            err(f"loopd chat: not connecting: {e}\n")
+            return 1
         conversation = Conversation(model=args.model, thinking=not args.no_think)
         return runner(lambda reactor: terminal_chat(reactor, socket_path, conversation))
     if args.command == "queue":

@@ -212,7 +212,12 @@ class LoopdService(Service):
             self._watcher.start()
         if settings.serve:
             path = queue_socket_path(self.config)
-            self._queue_port = listen_unix(self._reactor, path, LeaseFactory(self.queue.scheduler))
+            self._queue_port = listen_unix(
+                self._reactor,
+                path,
+                LeaseFactory(self.queue.scheduler),
+                backlog=self.config.server.backlog,
+            )
             _log.info("lease protocol served on {path}", path=path)
         return leases
 
@@ -233,7 +238,9 @@ class LoopdService(Service):
         path = listen_path(self.config)
         site = gateway.site()
         if path is not None:
-            return succeed(listen_unix(self._reactor, path, site))
+            return succeed(
+                listen_unix(self._reactor, path, site, backlog=self.config.server.backlog)
+            )
         assert self.config.server.listen is not None
         listening: Deferred[IListeningPort] = serverFromString(
             self._reactor, self.config.server.listen

@@ -6,6 +6,7 @@ specification's. L{loopd.config} builds them from a file; everything else reads 
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -178,6 +179,12 @@ class Server:
     max_connections: int = 256
     """The open connections the listener keeps at most; a newer one is answered 503 and
     closed, while the open ones carry on."""
+    backlog: int = socket.SOMAXCONN
+    """
+    The listen backlog of loopd's Unix sockets (the gateway's and the lease socket):
+    connections the kernel holds before loopd accepts them. By default the platform's
+    largest; the kernel caps it at C{net.core.somaxconn}.
+    """
 
 
 @dataclass(frozen=True, kw_only=True)

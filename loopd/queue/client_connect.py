@@ -30,6 +30,7 @@ from twisted.python.failure import Failure
 from loopd import strict_json
 from loopd.queue.client_lease import QueueUnavailable
 from loopd.queue.protocol import encode_message
+from loopd.unixsocket import UnixSocketError, check_peer_socket
 
 __all__ = ["LeaseWire", "connect_daemon", "no_daemon", "spawn_daemon"]
 
@@ -122,6 +123,17 @@ def no_daemon(error: BaseException) -> bool:
     return isinstance(error, ConnectError) and error.osError == errno.ENOENT
 
 
+def _check(path: str) -> None:
+    """
+    @raise QueueUnavailable: the socket at C{path} is not safe to connect to (its
+        L{UnixSocketError} is the cause).
+    """
+    try:
+        check_peer_socket(path)
+    except UnixSocketError as e:
+        raise QueueUnavailable(f"not connecting to the queue daemon: {e}") from e
+
+
 async def _connect(
     reactor: Any,
     path: str,
@@ -132,10 +144,13 @@ async def _connect(
 ) -> LeaseWire:
     """
     Connect once; when no daemon answers and C{spawn} is given, spawn it and retry every
-    C{retry_interval_ms} for up to C{spawn_wait_ms}.
+    C{retry_interval_ms} for up to C{spawn_wait_ms}. Before every attempt the socket is
+    checked (L{check_peer_socket}): a socket or directory that another user controls is
+    never connected to, and no daemon is spawned for it.
     """
     endpoint = UNIXClientEndpoint(reactor, path)
     factory = _WireFactory(build)
+    _check(path)
     try:
         wire: LeaseWire = await endpoint.connect(factory)
         return wire
@@ -149,6 +164,7 @@ async def _connect(
     last: Exception | None = None
     for _ in range(max(1, math.ceil(spawn_wait_ms / max(1, retry_interval_ms)))):
         await deferLater(reactor, retry_interval_ms / 1000.0, lambda: None)
+        _check(path)
         try:
             wire = await endpoint.connect(factory)
             return wire

@@ -21,6 +21,7 @@ from twisted.python.failure import Failure
 
 from loopd import strict_json
 from loopd.queue.protocol import MAX_LINE_BYTES, encode_message
+from loopd.unixsocket import UnixSocketError, check_peer_socket
 
 __all__ = ["QueueStatusError", "fetch_status", "queue_status_command", "render_status"]
 
@@ -129,10 +130,16 @@ def fetch_status(
     daemon alive.
 
     @param reactor: provides C{IReactorUNIX} and C{IReactorTime}.
-    @raise QueueStatusError: (as the Deferred's failure) when the socket cannot be reached,
-        stays silent for C{timeout} seconds, or answers something else.
+    @raise QueueStatusError: (as the Deferred's failure) when the socket is not safe to
+        connect to (L{check_peer_socket}), cannot be reached, stays silent for C{timeout}
+        seconds, or answers something else.
     """
     answer: Deferred[list[dict[str, Any]]] = Deferred()
+    try:
+        check_peer_socket(socket_path)
+    except UnixSocketError as e:
+        answer.errback(QueueStatusError(f"not connecting: {e}"))
+        return answer
     endpoint = UNIXClientEndpoint(reactor, socket_path, timeout=timeout)
     connecting = endpoint.connect(Factory.forProtocol(lambda: _StatusAsker(answer)))
 

@@ -7,6 +7,7 @@ is reported at once, each named by its dotted path.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from loopd.config import (
     Limits,
     Retry,
     Sampling,
+    Server,
     Thinking,
     config_from_mapping,
     load_config,
@@ -82,6 +84,11 @@ class DefaultsTests(SynchronousTestCase):
         )
         self.assertEqual(Caps(), Caps(header_bytes=16_384, sse_line_bytes=2**20, body_bytes=2**22))
         self.assertEqual(Config(endpoints=()).cache_loss_tokens, 64)
+
+    def test_server_backlog(self) -> None:
+        """The listen backlog is the platform's largest unless [server] backlog names one."""
+        self.assertEqual(Server().backlog, socket.SOMAXCONN)
+        self.assertEqual(parse_config("[server]\nbacklog = 200\n" + EP).server.backlog, 200)
 
     def test_sampling_unset(self) -> None:
         """Every sampling setting is unset by default, so nothing is sent upstream."""
@@ -303,6 +310,10 @@ BAD_VALUES = [
     ("server.max_connections", "0", "an integer from 1 to 2147483647"),
     ("server.max_connections", "2147483648", "an integer from 1 to 2147483647"),
     ("caps.header_bytes", "16384.0", "a positive integer"),
+    ("server.backlog", "0", "an integer from 1 to 2147483647"),
+    ("server.backlog", "4096.0", "an integer from 1 to 2147483647"),
+    ("server.backlog", "true", "an integer from 1 to 2147483647"),
+    ("server.backlog", "2147483648", "an integer from 1 to 2147483647"),
     ("sampling.temperature", "-0.1", "a number from 0 to 5"),
     ("sampling.top_p", "1.5", "a number from 0 to 1"),
     ("sampling.min_p", "nan", "a number from 0 to 1"),

@@ -31,6 +31,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "loopd.errors",
             "loopd.strict_json",
             "loopd.digest",
+            "loopd.runtime_dir",
             "loopd.unixsocket",
             "loopd._message_style",
             "loopd._validate",

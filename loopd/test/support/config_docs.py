@@ -259,5 +259,6 @@ INTEGER_KEYS: list[tuple[str, str | None]] = [
     *[(s, f.name) for s in ("limits", "thinking", "caps") for f in fields(SECTION_TYPES[s])],
     *[("retry", k) for k in ("attempts", "total_ms")],
     *[("sampling", k) for k in ("top_k", "repeat_last_n", "seed")],
+    *[("server", k) for k in ("body_bytes", "backlog")],
 ]
 """Every integer key as (section, key); key None for a top-level key."""
