@@ -362,11 +362,17 @@ class CancelAbortTests(SynchronousTestCase):
         self.assertEqual(wire.reactor.getDelayedCalls(), [])
 
     def test_refused(self):
-        """A connection that fails is Connect, with the socket path in its reason."""
+        """
+        A connection that fails is Connect: the socket's path in its C{path}, for the log,
+        and a reason that names the kind of failure and no path.
+        """
         wire = Wire(connect=False)
         _, factory, _, _ = wire.reactor.unixClients[0]
         factory.clientConnectionFailed(wire.reactor.connectors[0], Failure(ConnectionLost()))
-        self.assertIn(SOCKET, self.failureResultOf(wire.result, Connect).value.reason)
+        error = self.failureResultOf(wire.result, Connect).value
+        self.assertEqual(error.path, SOCKET)
+        self.assertNotIn(SOCKET, error.reason)
+        self.assertEqual(error.reason, "the connection was lost while it was being made")
 
     def test_abort_mid_body(self):
         """abort() aborts the connection, cancels deliver and drops later bytes; twice is fine."""
