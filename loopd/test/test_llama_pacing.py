@@ -1,25 +1,37 @@
 """
 Tests for L{loopd.llama.pacing}: the L{Pacer} on a L{task.Clock} (the burst, the refill, the
-connection cap, the wait bound, cancellation), and the L{PacedOpener} over a L{MemoryNet} in
-front of a scripted fake server that refuses as an inferproxy does.
+connection cap, the wait bound, cancellation), the L{PacedOpener} over a L{MemoryNet} in
+front of a scripted fake server that refuses as an inferproxy does, and loopd's llama client
+through a real inferproxy in front of a frozen server.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, inlineCallbacks
+from twisted.internet.endpoints import UNIXClientEndpoint
+from twisted.internet.protocol import Factory
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import capturedLogs
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from loopd import http
-from loopd.errors import Busy, Connect, ProxyRefused
+from loopd.config import Config, Limits, Retry
+from loopd.errors import Busy, Connect, LoadTimeout, ProxyRefused
+from loopd.inferproxy import InferProxyService, ProxyLimits, upstream_endpoint
+from loopd.llama.client import Client
+from loopd.llama.info import Health
 from loopd.llama.pacing import PacedOpener, Pacer, Ticket
+from loopd.llama.types import ChatRequest, User
 from loopd.settings import Endpoint
+from loopd.test.support.peers import ObservedProxyFactory, Peer, UpstreamFactory, real_reactor
 from loopd.testing.fake_llama import FakeLlama, Piece, Reply, json_reply
 from loopd.testing.memory_net import MemoryNet
 
@@ -336,3 +348,133 @@ class PacedOpenerTests(SynchronousTestCase):
         self.read(first)
         self.net.advance(1)
         self.assertEqual(len(self.fake.requests_to("GET", "/props")), 1)
+
+
+class _PeakProxyFactory(ObservedProxyFactory):
+    """The forwarder under test, remembering the most pairs it had open at a time."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.peak = 0
+
+    def buildProtocol(self, addr: Any) -> Any:
+        side = super().buildProtocol(addr)
+        self.peak = max(self.peak, self.open_pairs)
+        return side
+
+
+def frozen(peer: Peer) -> None:
+    """An upstream that reads and never answers, not even an EOF: a hung server."""
+    peer.on_eof = lambda p: None
+
+
+class AgainstInferproxyTests(TestCase):
+    """
+    loopd's llama client through a real inferproxy on a Unix socket in a short temporary
+    directory, in front of a TCP server on 127.0.0.1 that never answers (a frozen server).
+    """
+
+    timeout = 15
+
+    def start(self, limits: ProxyLimits) -> UpstreamFactory:
+        """Start the frozen upstream and the proxy in front of it."""
+        reactor = real_reactor()
+        directory = tempfile.mkdtemp(prefix="ld", dir="/tmp")
+        self.addCleanup(shutil.rmtree, directory, True)
+        self.path = os.path.join(directory, "infer.sock")
+        upstream = UpstreamFactory(frozen)
+        port = reactor.listenTCP(0, upstream, interface="127.0.0.1")
+        self.addCleanup(port.stopListening)
+        number = port.getHost().port
+        self.proxy = _PeakProxyFactory(
+            upstream_endpoint(reactor, "127.0.0.1", number, 5.0),
+            reactor,
+            limits,
+            f"127.0.0.1:{number}",
+        )
+        service = InferProxyService(reactor, self.path, self.proxy)
+        service.startService()
+        self.addCleanup(service.stopService)
+        self.addCleanup(self.close_upstream, upstream)
+        return upstream
+
+    def close_upstream(self, upstream: UpstreamFactory) -> Deferred[Any]:
+        """Abort what the frozen upstream still holds, and wait for the pairs to go."""
+        for peer in upstream.peers:
+            if peer.transport is not None and not peer.closed.called:
+                peer.transport.abortConnection()
+        return self.proxy.all_closed()
+
+    def client(self) -> Client:
+        """loopd's llama client of the endpoint tiny at the proxy's socket, poll_ms 100."""
+        endpoint = Endpoint(name="tiny", socket=self.path, model="tiny")
+        limits = Limits(poll_ms=100, busy_wait_ms=1000, load_wait_ms=1000)
+        config = Config(endpoints=(endpoint,), limits=limits, retry=Retry(attempts=1))
+        return Client(real_reactor(), config, endpoint)
+
+    @inlineCallbacks
+    def test_abandoned_polls_free_their_pairs(self) -> Any:
+        """
+        Each /health that the frozen server never answers is given up after poll_ms, and
+        the proxy's pair goes with it: the open pair count is back to 0 each time.
+        """
+        upstream = self.start(ProxyLimits(burst=10**6, refill_per_second=1e6))
+        client = self.client()
+        for _ in range(5):
+            health = yield client.health()
+            self.assertEqual(health, Health(False, "unreachable: no answer in time"))
+            yield self.proxy.all_closed()
+            self.assertEqual(self.proxy.open_pairs, 0)
+        self.assertEqual(len(upstream.peers), 5)
+        self.assertEqual(self.proxy.peak, 1)
+
+    @inlineCallbacks
+    def test_chat_polls_do_not_pile_up(self) -> Any:
+        """
+        A chat to the frozen server polls /slots every poll_ms until load_wait_ms; each
+        abandoned poll's pair is freed, so the proxy never holds more than the chat and
+        one poll, and nothing once the chat has failed.
+        """
+        upstream = self.start(ProxyLimits(burst=10**6, refill_per_second=1e6))
+        client = self.client()
+        chat = client.chat(ChatRequest(slot=0, messages=(User("Hi"),)), lambda event: None)
+        yield self.assertFailure(chat, LoadTimeout)
+        yield self.proxy.all_closed()
+        self.assertGreaterEqual(len(upstream.peers), 5)
+        self.assertLessEqual(self.proxy.peak, 2)
+
+    @inlineCallbacks
+    def test_cap_held_by_idle_clients(self) -> Any:
+        """
+        With 8 idle clients holding the inferproxy's cap, a chat fails at once with the
+        typed refusal naming the cap (not Connect, not retried), and /health says why.
+        """
+        upstream = self.start(ProxyLimits())
+        idle = []
+        for _ in range(8):
+            arrived = upstream.next_peer()
+            client_peer = yield UNIXClientEndpoint(real_reactor(), self.path).connect(
+                Factory.forProtocol(Peer)
+            )
+            yield arrived
+            idle.append(client_peer)
+        self.assertEqual(self.proxy.open_pairs, 8)
+        client = self.client()
+        chat = client.chat_with_retry(
+            ChatRequest(slot=0, messages=(User("Hi"),)), lambda event: None
+        )
+        error = yield self.assertFailure(chat, ProxyRefused)
+        self.assertEqual(error.limit, ProxyRefused.CONNECTIONS)
+        self.assertEqual(
+            str(error),
+            "endpoint tiny is refusing connections: its inferproxy's connection limit is"
+            " reached; retry after 1 s",
+        )
+        health = yield client.health()
+        self.assertEqual(
+            health, Health(False, "refused by its inferproxy: its connection limit is reached")
+        )
+        self.assertEqual(client.pacer.stats.refusals, {ProxyRefused.CONNECTIONS: 2})
+        self.assertEqual(len(upstream.peers), 8)
+        for peer in idle:
+            peer.transport.abortConnection()
