@@ -49,7 +49,8 @@ import errno
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol as _TypingProtocol
+from typing import Any
+from typing import Protocol as _TypingProtocol
 
 from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.endpoints import UNIXClientEndpoint

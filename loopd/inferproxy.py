@@ -186,7 +186,13 @@ def refusal_response(limit: str, retry_after: int, detail: str) -> bytes:
     @param detail: the error message, e.g. C{"connection limit reached (8 open)"}.
     """
     body = json.dumps(
-        {"error": {"message": f"inferproxy: {detail}", "type": "inferproxy_refused", "code": limit}},
+        {
+            "error": {
+                "message": f"inferproxy: {detail}",
+                "type": "inferproxy_refused",
+                "code": limit,
+            }
+        },
         separators=(",", ":"),
     ).encode()
     head = (

@@ -329,8 +329,7 @@ class PacingCollector(Collector):
             ),
             "busy": CounterMetricFamily(
                 "loopd_upstream_connection_busy",
-                "Connections that failed with Busy: the pacing would have passed"
-                " pacing_wait_ms.",
+                "Connections that failed with Busy: the pacing would have passed pacing_wait_ms.",
                 labels=["endpoint"],
             ),
         }

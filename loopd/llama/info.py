@@ -13,8 +13,7 @@ an abandoned poll is aborted once nobody waits for it).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 

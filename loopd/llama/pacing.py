@@ -67,6 +67,9 @@ _log = Logger(namespace="loopd.llama.pacing")
 # clock's float sums would otherwise leave a waiter a hair short at its due time.
 _EPSILON = 1e-9
 
+#: The caps of an exchange whose caller gives none: L{loopd.http}'s defaults.
+_DEFAULT_CAPS = http.HttpCaps()
+
 #: Accept-rate refusals one exchange takes before it gives up, within its wait bound.
 MAX_RATE_REFUSALS = 3
 
@@ -356,7 +359,7 @@ class PacedOpener:
         body: bytes | None = None,
         headers: Mapping[str, str] | None = None,
         *,
-        caps: http.HttpCaps = http.HttpCaps(),
+        caps: http.HttpCaps = _DEFAULT_CAPS,
         connect_timeout: float = 5.0,
         on_connected: Callable[[], None] | None = None,
     ) -> Deferred[http.HttpResponse]:
@@ -484,4 +487,3 @@ class _PacedExchange:
         step, self._step = self._step, None
         if step is not None:
             step.cancel()
-

@@ -118,7 +118,8 @@ class Harness:
         if self.factory.open_pairs == before + 1:
             return None
         assert transport.write_closed, "a refusal half-closes"
-        return transport.value()
+        sent: bytes = transport.value()
+        return sent
 
     def connect_upstream(self) -> tuple[Any, HalfCloseTransport]:
         factory, d = self.endpoint.attempts[-1]

@@ -72,6 +72,10 @@ class PacerTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.clock = Clock()
 
+    def note(self, ticket: Ticket, went: list[tuple[int, float]], index: int) -> None:
+        """Note that waiter C{index} went, and when."""
+        went.append((index, self.clock.seconds()))
+
     def test_burst_then_wait_for_token(self) -> None:
         """
         A burst of 10 passes at once; the 11th waits for a token, 0.5 s at 2 a second,
@@ -99,7 +103,7 @@ class PacerTests(SynchronousTestCase):
             paced.acquire()
         went: list[tuple[int, float]] = []
         for index in range(3):
-            paced.acquire().addCallback(lambda _, i=index: went.append((i, self.clock.seconds())))
+            paced.acquire().addCallback(self.note, went, index)
         self.clock.pump([0.25] * 8)
         self.assertEqual(went, [(0, 0.5), (1, 1.0), (2, 1.5)])
 
@@ -180,7 +184,7 @@ class PacerTests(SynchronousTestCase):
         """Limits out of range are refused."""
         for bad in ({"cap": 0}, {"burst": 0}, {"refill": 0.0}, {"wait_ms": -1}):
             with self.assertRaises(ValueError):
-                pacer(self.clock, **bad)  # type: ignore[arg-type]
+                pacer(self.clock, **bad)
 
     def test_for_endpoint(self) -> None:
         """An endpoint's proxy_* fields make its pacer; the defaults are the inferproxy's."""
