@@ -501,9 +501,11 @@ class _ClientSide(_Relay):
     def readConnectionLost(self) -> None:
         """
         EOF from the client: a half-close is passed on; a client that closed its socket has
-        gone, and the upstream side is aborted with it (see the module docstring).
+        gone, and the upstream side is aborted with it (see the module docstring). Once this
+        side has shut its own writing, a half-close of the client's also reads as C{POLLHUP}:
+        it is passed on then, as the end of an exchange that is finishing anyway.
         """
-        if not _closed_by_peer(self.transport):
+        if self._write_closed or not _closed_by_peer(self.transport):
             super().readConnectionLost()
             return
         self._read_closed = True

@@ -521,6 +521,26 @@ class ProxySocketTests(TestCase):
         del server.received[:]
 
     @inlineCallbacks
+    def test_client_close_frees_pair_to_frozen_upstream(self) -> Any:
+        """
+        A client that closes its socket (not a half-close) while the upstream never answers
+        nor closes: the proxy closes the upstream connection too, and the pair is freed.
+        """
+
+        def frozen(peer: Peer) -> None:
+            peer.on_eof = lambda p: None
+
+        upstream = self.start(frozen)
+        arrived = upstream.next_peer()
+        client = yield self.connect()
+        server = yield arrived
+        yield self.synchronise(client, server)
+        client.transport.loseConnection()
+        yield server.closed
+        yield self.proxy.all_closed()
+        self.assertEqual(self.proxy.open_pairs, 0)
+
+    @inlineCallbacks
     def test_half_close_from_client(self) -> Any:
         """
         A client that sends and then shuts down its writing still gets the reply the
