@@ -186,6 +186,10 @@ _ENDPOINT_RULES: Final[Mapping[str, Rule]] = {
     "size_b": number(0, 1_000_000, min_open=True),
     "vision": boolean,
     "audio": boolean,
+    "proxy_max_connections": integer(1, INT32_MAX),
+    "proxy_burst": integer(1, INT32_MAX),
+    "proxy_refill_per_second": number(0, 1e9, min_open=True),
+    "pacing_wait_ms": integer(0, INT32_MAX),
 }
 
 

@@ -6,6 +6,8 @@ maps them to HTTP answers).
 
   - L{Busy}: loopd's queue for the slot is full.
   - L{Connect}: the server's socket could not be connected to.
+  - L{ProxyRefused}: the endpoint's inferproxy refused the connection at one of its limits
+    (the server itself is not down).
   - L{WaitTimeout}, L{LoadTimeout}, L{Stalled}: a bounded wait ran out.
   - L{StreamClosedEarly}: the answer ended before it was finished.
   - L{ThinkingOverrun}: thinking went past the cap and could not be ended.
@@ -30,6 +32,7 @@ __all__ = [
     "InferError",
     "LoadTimeout",
     "Protocol",
+    "ProxyRefused",
     "Stalled",
     "StreamClosedEarly",
     "ThinkingOverrun",
@@ -48,6 +51,7 @@ class InferError(Exception):
 
     Busy: ClassVar[type[Busy]]
     Connect: ClassVar[type[Connect]]
+    ProxyRefused: ClassVar[type[ProxyRefused]]
     WaitTimeout: ClassVar[type[WaitTimeout]]
     LoadTimeout: ClassVar[type[LoadTimeout]]
     Stalled: ClassVar[type[Stalled]]
@@ -65,15 +69,78 @@ class Busy(InferError):
 
 class Connect(InferError):
     """
-    The server's socket could not be connected to; C{reason} says why.
+    The server's socket could not be connected to.
+
+    The message names the socket's path only where nobody but the local user sees it: once
+    the llama client knows the endpoint (C{endpoint} set), the message names the endpoint
+    instead and the path stays in L{path}, for the log.
+
+    @ivar reason: the kind of failure, in one line, naming no path (C{"connection refused"}).
+    @ivar path: the socket path, or C{None} when not known.
+    @ivar endpoint: the endpoint's name, or C{None} when not known.
     """
 
-    def __init__(self, reason: str) -> None:
+    def __init__(
+        self, reason: str, *, path: str | None = None, endpoint: str | None = None
+    ) -> None:
         """
-        @param reason: why, in one line; it is the message too.
+        @param reason: why, in one line, without the path.
+        @param path: the socket that could not be connected to.
+        @param endpoint: the endpoint the socket belongs to.
         """
-        super().__init__(reason)
+        if endpoint is not None:
+            message = f"endpoint {endpoint} is unreachable: {reason}"
+        elif path is not None:
+            message = f"{path}: {reason}"
+        else:
+            message = reason
+        super().__init__(message)
         self.reason = reason
+        self.path = path
+        self.endpoint = endpoint
+
+
+class ProxyRefused(InferError):
+    """
+    The endpoint's inferproxy refused the connection at one of its limits before anything
+    reached the server: the server is not down, the proxy is full or asked too often.
+
+    An inferproxy answers such a connection with a fixed HTTP 503 that carries
+    L{HEADER} (the limit's name) and C{Retry-After}, and closes it.
+
+    @ivar limit: which limit: L{CONNECTIONS} (the connection cap) or L{ACCEPT_RATE} (the
+        token bucket on accept).
+    @ivar retry_after: the refusal's C{Retry-After} in seconds, when it gave one.
+    @ivar endpoint: the endpoint's name, or C{None} when not known.
+    """
+
+    #: The header of an inferproxy's refusal that names the limit.
+    HEADER: ClassVar[str] = "X-Inferproxy-Refused"
+    #: The connection cap: too many connections open at the same time.
+    CONNECTIONS: ClassVar[str] = "connections"
+    #: The token bucket on accept: too many connections made in a short time.
+    ACCEPT_RATE: ClassVar[str] = "accept-rate"
+
+    def __init__(
+        self, limit: str, retry_after: float | None = None, *, endpoint: str | None = None
+    ) -> None:
+        """
+        @param limit: the limit's name as the refusal gave it.
+        @param retry_after: its C{Retry-After} in seconds, if any.
+        @param endpoint: the endpoint whose inferproxy refused.
+        """
+        what = {
+            self.CONNECTIONS: "its inferproxy's connection limit is reached",
+            self.ACCEPT_RATE: "its inferproxy's accept rate limit is reached",
+        }.get(limit, f"its inferproxy's limit {limit!r} is reached")
+        who = f"endpoint {endpoint}" if endpoint is not None else "the model server"
+        message = f"{who} is refusing connections: {what}"
+        if retry_after is not None:
+            message += f"; retry after {retry_after:g} s"
+        super().__init__(message)
+        self.limit = limit
+        self.retry_after = retry_after
+        self.endpoint = endpoint
 
 
 class WaitTimeout(InferError):
@@ -146,6 +213,7 @@ class Protocol(InferError):
 for _kind in (
     Busy,
     Connect,
+    ProxyRefused,
     WaitTimeout,
     LoadTimeout,
     Stalled,

@@ -21,7 +21,10 @@ Caps (L{HttpCaps}), each a L{loopd.errors.Protocol} error when exceeded:
    a C{Content-Length} above it, aborts the connection.
 
 Failures: L{loopd.errors.Connect} when the socket is missing, refuses, or the connection
-is not made within C{connect_timeout} seconds; L{loopd.errors.StreamClosedEarly} when
+is not made within C{connect_timeout} seconds (its C{reason} names the kind of failure, its
+C{path} the socket); L{loopd.errors.ProxyRefused} when an inferproxy refused the connection
+at one of its limits (a 503 carrying C{X-Inferproxy-Refused}, whose body is not read: the
+connection is closed at once); L{loopd.errors.StreamClosedEarly} when
 the connection closes before the header block is complete or cuts a body whose end is framed
 (chunked or C{Content-Length}); L{loopd.errors.Protocol} for a cap or anything that does
 not parse. A body without framing ends at the close of the connection: a clean close is a
@@ -33,17 +36,31 @@ C{CancelledError}. A response's body must be consumed (C{deliver}, C{read_body})
 response aborted: until then the connection is paused and stays open. The connect timeout
 is a timer of the injected reactor, not the connector's (which a C{MemoryReactorClock} never
 runs), so C{task.Clock} drives it.
+
+Two optional callbacks follow the connection itself: C{on_connected} when it is made (the
+request goes out then), C{on_closed} once when it is gone, or when none was made. The
+llama client's pacing (L{loopd.llama.pacing}) counts its open connections with them. An
+L{Opener} is L{request} bound to one socket; L{opener} makes the plain one.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from typing import Protocol as _TypingProtocol
 
 from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.endpoints import UNIXClientEndpoint
-from twisted.internet.error import ConnectingCancelledError, ConnectionClosed, ConnectionDone
+from twisted.internet.error import (
+    ConnectError,
+    ConnectingCancelledError,
+    ConnectionClosed,
+    ConnectionDone,
+    ConnectionRefusedError,
+)
 from twisted.internet.interfaces import IConsumer, IDelayedCall, IReactorTime, IReactorUNIX
 from twisted.internet.protocol import Factory, connectionDone
 from twisted.internet.protocol import Protocol as _TwistedProtocol
@@ -61,9 +78,9 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IBodyProducer, IResponse
 from zope.interface import implementer
 
-from loopd.errors import Connect, InferError, Protocol, StreamClosedEarly
+from loopd.errors import Connect, InferError, Protocol, ProxyRefused, StreamClosedEarly
 
-__all__ = ["HOST", "HttpCaps", "HttpResponse", "request"]
+__all__ = ["HOST", "HttpCaps", "HttpResponse", "Opener", "opener", "request"]
 
 #: The Host header every request carries; llama-server does not look at it.
 HOST = "llama"
@@ -100,6 +117,8 @@ def request(
     *,
     caps: HttpCaps = HttpCaps(),
     connect_timeout: float = 5.0,
+    on_connected: Callable[[], None] | None = None,
+    on_closed: Callable[[], None] | None = None,
 ) -> Deferred[HttpResponse]:
     """
     Send one request over a new connection to the Unix socket C{socket_path}.
@@ -109,16 +128,72 @@ def request(
     @param body: the request body (sent as JSON), or C{None}.
     @param headers: extra headers; C{Host}, C{Connection}, C{Content-Length} and
         C{Transfer-Encoding} are this module's and refused.
+    @param on_connected: called when the connection is made, as the request goes out.
+    @param on_closed: called once, when the connection has closed or could not be made.
     @return: fires with the L{HttpResponse} once its headers are in; fails with C{Connect},
-        C{StreamClosedEarly} or C{Protocol} (see the module docstring) or, when cancelled,
-        with C{CancelledError}.
+        C{ProxyRefused}, C{StreamClosedEarly} or C{Protocol} (see the module docstring) or,
+        when cancelled, with C{CancelledError}.
     @raise ValueError: for a target not starting with C{/}, a reserved header or a
         non-positive C{connect_timeout}.
     """
     if connect_timeout <= 0:
         raise ValueError(f"connect_timeout must be positive (got {connect_timeout})")
     built = _build_request(method, path, body, headers or {})
-    return _Exchange(reactor, socket_path, built, caps, connect_timeout).start()
+    exchange = _Exchange(reactor, socket_path, built, caps, connect_timeout)
+    return exchange.start(on_connected, on_closed)
+
+
+class Opener(_TypingProtocol):
+    """
+    L{request} bound to one socket (and reactor): what the llama client opens its exchanges
+    with, paced or not.
+    """
+
+    def __call__(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        *,
+        caps: HttpCaps = ...,
+        connect_timeout: float = ...,
+        on_connected: Callable[[], None] | None = None,
+    ) -> Deferred[HttpResponse]:
+        """
+        Send one request as L{request} does, to the bound socket.
+        """
+
+
+def opener(reactor: IReactorUNIX, socket_path: str) -> Opener:
+    """
+    The plain L{Opener} of C{socket_path}: every call is a L{request}, unpaced.
+    """
+
+    def open_exchange(
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        *,
+        caps: HttpCaps = HttpCaps(),
+        connect_timeout: float = 5.0,
+        on_connected: Callable[[], None] | None = None,
+    ) -> Deferred[HttpResponse]:
+        """One L{request} to the bound socket."""
+        return request(
+            reactor,
+            socket_path,
+            method,
+            path,
+            body,
+            headers,
+            caps=caps,
+            connect_timeout=connect_timeout,
+            on_connected=on_connected,
+        )
+
+    return open_exchange
 
 
 class HttpResponse:
@@ -274,9 +349,13 @@ class _CappedClientProtocol(HTTP11ClientProtocol):
     request fails with C{Protocol}. After that, bytes pass through untouched.
     """
 
-    def __init__(self, caps: HttpCaps) -> None:
-        """@param caps: its C{header_bytes} caps the header block (L{HttpResponse} caps bodies)."""
+    def __init__(self, caps: HttpCaps, on_lost: Callable[[], None] = lambda: None) -> None:
+        """
+        @param caps: its C{header_bytes} caps the header block (L{HttpResponse} caps bodies).
+        @param on_lost: called when the connection is lost.
+        """
         super().__init__()
+        self._on_lost = on_lost
         self._cap = caps.header_bytes
         self._head_bytes = 0
         self._head_over = False
@@ -323,9 +402,15 @@ class _CappedClientProtocol(HTTP11ClientProtocol):
         return self._aborted or self._parser is None
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
-        """Keep the reason, which tells a clean close from a reset, then let Twisted handle it."""
+        """
+        Keep the reason, which tells a clean close from a reset, let Twisted handle it, then
+        say the connection is gone.
+        """
         self.close_reason = reason
-        super().connectionLost(reason)
+        try:
+            super().connectionLost(reason)
+        finally:
+            self._on_lost()
 
     def _refuse_head(self) -> None:
         """Abort: the header block is over the cap."""
@@ -360,13 +445,17 @@ class _ClientFactory(Factory):
 
     noisy = False
 
-    def __init__(self, caps: HttpCaps) -> None:
-        """@param caps: the caps of the exchange."""
+    def __init__(self, caps: HttpCaps, on_lost: Callable[[], None]) -> None:
+        """
+        @param caps: the caps of the exchange.
+        @param on_lost: called when the protocol's connection is lost.
+        """
         self._caps = caps
+        self._on_lost = on_lost
 
     def buildProtocol(self, addr: Any) -> _CappedClientProtocol:
         """The one protocol of the exchange, capped by C{caps}."""
-        protocol = _CappedClientProtocol(self._caps)
+        protocol = _CappedClientProtocol(self._caps, self._on_lost)
         protocol.factory = self
         return protocol
 
@@ -389,16 +478,34 @@ class _Exchange:
         self._pending: Deferred[Any] | None = None
         self._timer: IDelayedCall | None = None
         self._timed_out = False
+        self._on_connected: Callable[[], None] | None = None
+        self._on_closed: Callable[[], None] | None = None
 
-    def start(self) -> Deferred[HttpResponse]:
-        """Connect, and send the request once connected."""
+    def start(
+        self,
+        on_connected: Callable[[], None] | None = None,
+        on_closed: Callable[[], None] | None = None,
+    ) -> Deferred[HttpResponse]:
+        """
+        Connect, and send the request once connected.
+
+        @param on_connected: called when the connection is made.
+        @param on_closed: called once the connection is gone, or was never made.
+        """
+        self._on_connected, self._on_closed = on_connected, on_closed
         # timeout=None: the timer below is the one that counts (see the module docstring).
         endpoint = UNIXClientEndpoint(self._reactor, self._path, timeout=None)
         self._timer = IReactorTime(self._reactor).callLater(self._timeout, self._time_out)
-        connecting = endpoint.connect(_ClientFactory(self._caps))
+        connecting = endpoint.connect(_ClientFactory(self._caps, self._closed))
         self._pending = connecting
         connecting.addCallbacks(self._connected, self._connect_failed)
         return self._result
+
+    def _closed(self) -> None:
+        """The connection is gone (or was never made): say so, once."""
+        on_closed, self._on_closed = self._on_closed, None
+        if on_closed is not None:
+            on_closed()
 
     def _time_out(self) -> None:
         """
@@ -425,6 +532,8 @@ class _Exchange:
         if self._result.called:
             protocol.abort_connection()
             return
+        if self._on_connected is not None:
+            self._on_connected()
         answer = protocol.request(self._request)
         self._pending = answer
         answer.addCallbacks(
@@ -437,14 +546,15 @@ class _Exchange:
         C{CancelledError} when the caller cancelled.
         """
         self._stop_timer()
+        self._closed()
         if self._result.called:
             return
         if self._timed_out:
-            error: Exception = Connect(f"{self._path}: not connected within {self._timeout} s")
+            error: Exception = Connect(f"not connected within {self._timeout:g} s", path=self._path)
         elif failure.check(ConnectingCancelledError, CancelledError):
             error = CancelledError()
         else:
-            error = Connect(f"{self._path}: {failure.getErrorMessage()}")
+            error = Connect(_connect_failure(failure), path=self._path)
         self._result.errback(Failure(error))
 
     def _answered(self, protocol: _CappedClientProtocol, response: IResponse) -> None:
@@ -454,6 +564,11 @@ class _Exchange:
         """
         if self._result.called:
             protocol.abort_connection()
+            return
+        if response.code == 503 and response.headers.hasHeader(ProxyRefused.HEADER):
+            refused = _refusal(protocol.header_dict(response))
+            protocol.abort_connection()
+            self._result.errback(Failure(refused))
             return
         self._result.callback(HttpResponse(protocol, response, self._caps))
 
@@ -523,6 +638,53 @@ class _BodyReceiver(_TwistedProtocol):
         self.done = True
         self._owner.abort_connection()
         self.finished.errback(reason)
+
+
+#: The kinds of connect failure by errno, as a client may be told them: no path in them.
+_CONNECT_KINDS = {
+    errno.ENOENT: "no socket (nothing is serving it)",
+    errno.ECONNREFUSED: "connection refused (nothing is listening on the socket)",
+    errno.EACCES: "permission denied",
+    errno.EAGAIN: "the socket's backlog is full",
+    errno.ENOTSOCK: "not a socket",
+    errno.ENOTDIR: "no socket (a path component is not a directory)",
+}
+
+
+def _connect_failure(failure: Failure) -> str:
+    """
+    The kind of a connect failure in a few words that name no path: by errno where Twisted
+    kept it, else the OS's own text.
+    """
+    value = failure.value
+    code = value.osError if isinstance(value, ConnectError) else None
+    if isinstance(code, int) and code in _CONNECT_KINDS:
+        return _CONNECT_KINDS[code]
+    if isinstance(code, int):
+        return os.strerror(code).lower()
+    if isinstance(value, ConnectionRefusedError):
+        return _CONNECT_KINDS[errno.ECONNREFUSED]
+    if isinstance(value, ConnectionClosed):
+        return "the connection was lost while it was being made"
+    return "connection failed"
+
+
+def _refusal(headers: Mapping[str, str]) -> ProxyRefused:
+    """
+    The L{ProxyRefused} that an inferproxy's refusal headers describe: the limit it names (a
+    name loopd does not know is kept as C{"unknown"}) and its C{Retry-After}.
+    """
+    named = headers.get(ProxyRefused.HEADER.lower(), "").strip()
+    known = (ProxyRefused.CONNECTIONS, ProxyRefused.ACCEPT_RATE)
+    limit = named if named in known else "unknown"
+    retry_after: float | None
+    try:
+        retry_after = float(headers.get("retry-after", ""))
+    except ValueError:
+        retry_after = None
+    if retry_after is not None and not 0 <= retry_after < 86400:
+        retry_after = None
+    return ProxyRefused(limit, retry_after)
 
 
 def _leaves(failure: Failure) -> list[Failure]:

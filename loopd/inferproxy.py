@@ -12,8 +12,21 @@ both ways without being parsed. What Twisted's own C{portforward} lacks is added
  - backpressure: each transport is the other's streaming producer, so a slow reader on either
    side pauses reading on the other and buffered bytes stay bounded;
  - limits: at most C{max_connections} pairs at a time and a token bucket on accept, both
-   decided in L{InferProxyFactory.buildProtocol} (returning C{None} makes Twisted close the
-   accepted socket at once).
+   decided in L{InferProxyFactory.buildProtocol}. A connection over either limit gets a
+   fixed, short HTTP 503 naming the limit (L{refusal_response}: an C{X-Inferproxy-Refused}
+   header and C{Retry-After}), written blind (nothing the client sent is parsed, nothing goes
+   upstream), so that a client can tell a full proxy from a dead server and wait instead of
+   retrying as if the server had gone. The seed says such a connection is "closed at once";
+   it is half-closed at once and dropped when the client closes, within
+   L{REFUSAL_LINGER_SECONDS} (a full close with the client's request unread would reset the
+   connection before the client read the answer); at most L{MAX_LINGERING_REFUSALS} linger,
+   past that one is closed at once.
+ - a client that closes is gone: on Linux an EOF from the Unix side that comes with
+   C{POLLHUP} (the peer closed its socket, it did not just shut down its writing) closes the
+   upstream connection too, at once. Without that, a client that gives up on a request to
+   a frozen server (one that never reads or answers) would leave the pair open for ever,
+   because the half-close forwarded to that server is never answered. A genuine half-close
+   (C{shutdown(SHUT_WR)}, C{POLLRDHUP} without C{POLLHUP}) is forwarded as before.
 
 Nothing about traffic is logged: one line at start, one per refused connection, one per failed
 upstream connection attempt.
@@ -21,6 +34,10 @@ upstream connection attempt.
 
 from __future__ import annotations
 
+import json
+import math
+import select
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +47,7 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
 from twisted.internet.interfaces import (
     IAddress,
+    IDelayedCall,
     IHalfCloseableProtocol,
     IListeningPort,
     IReactorTime,
@@ -42,6 +60,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from loopd.errors import ProxyRefused
 from loopd.unixsocket import listen_unix
 
 __all__ = [
@@ -50,6 +69,7 @@ __all__ = [
     "ProxyLimits",
     "TokenBucket",
     "parse_upstream",
+    "refusal_response",
     "upstream_endpoint",
 ]
 
@@ -107,15 +127,28 @@ class TokenBucket:
 
         @return: whether a token was taken.
         """
+        self._refill()
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        return False
+
+    def seconds_to_next(self) -> float:
+        """
+        How long until the bucket holds a whole token again (0 when it holds one now).
+        """
+        self._refill()
+        return max(0.0, (1.0 - self._tokens) / self._rate)
+
+    def _refill(self) -> None:
+        """
+        Add the tokens earned since the last look, up to the capacity.
+        """
         now = self._clock.seconds()
         # A clock that steps backwards adds nothing rather than removing tokens.
         elapsed = max(0.0, now - self._stamp)
         self._tokens = min(self._burst, self._tokens + elapsed * self._rate)
         self._stamp = now
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
-            return True
-        return False
 
 
 def _send_or_queue(transport: Any, data: bytes) -> None:
@@ -140,6 +173,132 @@ def _send_or_queue(transport: Any, data: bytes) -> None:
             data = data[sent:]
     if data:
         transport.write(data)
+
+
+def refusal_response(limit: str, retry_after: int, detail: str) -> bytes:
+    """
+    The fixed answer to a connection over a limit: an HTTP/1.1 503 with C{Connection: close},
+    the limit's name in L{ProxyRefused.HEADER}, C{Retry-After} and a small JSON error body in
+    the OpenAI shape. It is written without reading anything from the client.
+
+    @param limit: L{ProxyRefused.CONNECTIONS} or L{ProxyRefused.ACCEPT_RATE}.
+    @param retry_after: whole seconds, at least 1.
+    @param detail: the error message, e.g. C{"connection limit reached (8 open)"}.
+    """
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"inferproxy: {detail}",
+                "type": "inferproxy_refused",
+                "code": limit,
+            }
+        },
+        separators=(",", ":"),
+    ).encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\n"
+        "Content-Type: application/json\r\n"
+        f"{ProxyRefused.HEADER}: {limit}\r\n"
+        f"Retry-After: {retry_after}\r\n"
+        "Connection: close\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+#: How long a refused connection is kept, its answer sent, for the client to read it.
+REFUSAL_LINGER_SECONDS = 2.0
+#: At most this many refused connections linger at a time; past it, one is closed at once.
+MAX_LINGERING_REFUSALS = 32
+#: Bytes a lingering refused connection may send (all dropped unread) before it is cut.
+_REFUSAL_DRAIN_BYTES = 64 * 1024
+
+
+class _Refusal(Protocol):
+    """
+    A connection over a limit: write the refusal, shut the writing side and drop whatever
+    the client sends until it closes, for L{REFUSAL_LINGER_SECONDS} at most.
+
+    Closing at once would lose the answer: a Unix socket closed with the client's request
+    unread makes the client's next write fail (C{EPIPE}) and its read fail
+    (C{ECONNRESET}), and the client would see a dead connection instead of the refusal.
+    A half-close lets the client read the answer to its end; it then closes, and so does
+    this side. With too many lingering already the connection is closed at once.
+    """
+
+    def __init__(self, response: bytes, clock: IReactorTime, lingering: _Lingering) -> None:
+        """
+        @param response: the bytes of L{refusal_response}.
+        @param clock: runs the linger timer.
+        @param lingering: the factory's count of lingering refusals.
+        """
+        self._response = response
+        self._clock = clock
+        self._lingering = lingering
+        self._counted = False
+        self._timer: IDelayedCall | None = None
+        self._drained = 0
+
+    def connectionMade(self) -> None:
+        """
+        Write the refusal, then half-close and linger, or close when too many linger.
+        """
+        transport: Any = self.transport
+        _send_or_queue(transport, self._response)
+        if self._lingering.count >= MAX_LINGERING_REFUSALS or not hasattr(
+            transport, "loseWriteConnection"
+        ):
+            transport.loseConnection()
+            return
+        self._lingering.count += 1
+        self._counted = True
+        transport.loseWriteConnection()
+        self._timer = self._clock.callLater(REFUSAL_LINGER_SECONDS, transport.abortConnection)
+
+    def dataReceived(self, data: bytes) -> None:
+        """
+        What the client sends is dropped unread, up to a bound past which it is cut.
+        """
+        self._drained += len(data)
+        if self._drained > _REFUSAL_DRAIN_BYTES:
+            self.transport.abortConnection()  # type: ignore[union-attr]
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        """
+        The refused connection is gone: stop its timer, give its lingering place back.
+        """
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+        if self._counted:
+            self._counted = False
+            self._lingering.count -= 1
+
+
+@dataclass
+class _Lingering:
+    """How many refused connections linger now (see L{_Refusal})."""
+
+    count: int = 0
+
+
+def _closed_by_peer(transport: Any) -> bool:
+    """
+    Whether the peer of a Unix socket closed it (C{POLLHUP}), rather than only shutting down
+    its writing (C{POLLRDHUP} alone). Linux only; elsewhere, and for any transport without a
+    descriptor, C{False}: an EOF is then taken for a half-close.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fd = transport.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        events = poller.poll(0)
+    except (AttributeError, OSError, ValueError):
+        return False
+    return any(mask & select.POLLHUP for _, mask in events)
 
 
 @implementer(IHalfCloseableProtocol)
@@ -339,6 +498,24 @@ class _ClientSide(_Relay):
         )
         self.transport.abortConnection()
 
+    def readConnectionLost(self) -> None:
+        """
+        EOF from the client: a half-close is passed on; a client that closed its socket has
+        gone, and the upstream side is aborted with it (see the module docstring). Once this
+        side has shut its own writing, a half-close of the client's also reads as C{POLLHUP}:
+        it is passed on then, as the end of an exchange that is finishing anyway.
+        """
+        if self._write_closed or not _closed_by_peer(self.transport):
+            super().readConnectionLost()
+            return
+        self._read_closed = True
+        peer = self.peer
+        if peer is not None and peer.is_open():
+            peer.transport.unregisterProducer()
+            peer.transport.abortConnection()
+        self.transport.unregisterProducer()
+        self.transport.loseConnection()
+
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         """
         Abandon an upstream connection still being made, then close the pair.
@@ -378,7 +555,9 @@ class InferProxyFactory(Factory):
         self.upstream_label = upstream_label
         self.limits = limits
         self._bucket = TokenBucket(clock, limits.burst, limits.refill_per_second)
+        self._clock = clock
         self._open_pairs = 0
+        self._lingering = _Lingering()
 
     @property
     def open_pairs(self) -> int:
@@ -387,23 +566,40 @@ class InferProxyFactory(Factory):
         """
         return self._open_pairs
 
-    def buildProtocol(self, addr: IAddress | None) -> Protocol | None:
+    @property
+    def lingering_refusals(self) -> int:
         """
-        Accept a connection within the limits, or return C{None} so it is closed at once.
+        How many refused connections are open now, their answer sent (see L{_Refusal}).
+        """
+        return self._lingering.count
+
+    def _refuse(self, response: bytes) -> Protocol:
+        """The protocol of a refused connection: it sends C{response} and goes."""
+        return _Refusal(response, self._clock, self._lingering)
+
+    def buildProtocol(self, addr: IAddress | None) -> Protocol:
+        """
+        Accept a connection within the limits, or refuse it with L{refusal_response}.
         """
         if self._open_pairs >= self.limits.max_connections:
             _log.warn(
                 "refused a connection: connection limit reached ({max_connections} open)",
                 max_connections=self.limits.max_connections,
             )
-            return None
+            detail = f"connection limit reached ({self.limits.max_connections} open)"
+            return self._refuse(refusal_response(ProxyRefused.CONNECTIONS, 1, detail))
         if not self._bucket.take():
             _log.warn(
                 "refused a connection: accept rate limit (burst {burst}, refill {refill}/s)",
                 burst=self.limits.burst,
                 refill=self.limits.refill_per_second,
             )
-            return None
+            detail = (
+                f"accept rate limit reached (burst {self.limits.burst},"
+                f" refill {self.limits.refill_per_second:g}/s)"
+            )
+            wait = max(1, math.ceil(self._bucket.seconds_to_next()))
+            return self._refuse(refusal_response(ProxyRefused.ACCEPT_RATE, wait, detail))
         self._open_pairs += 1
         return _ClientSide(self)
 

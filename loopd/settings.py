@@ -154,6 +154,17 @@ class Endpoint:
     """The model takes images (the auto router sends image requests only to such endpoints)."""
     audio: bool = False
     """The model takes audio (likewise for audio requests)."""
+    proxy_max_connections: int = 8
+    """The connection cap of the endpoint's inferproxy (its C{--max-connections}): loopd
+    keeps at most this many of its own connections to the endpoint open (> 0)."""
+    proxy_burst: int = 10
+    """The accept bucket size of the endpoint's inferproxy (its C{--burst}) (> 0)."""
+    proxy_refill_per_second: float = 2.0
+    """The accept bucket refill of the endpoint's inferproxy (its C{--refill}): loopd opens
+    connections to the endpoint no faster than this, after the burst (> 0)."""
+    pacing_wait_ms: int = 10_000
+    """How long one of loopd's connections may wait for the pacing (a token, or a free place
+    under the cap) before it fails with Busy (>= 0)."""
     expect: Expect = field(default_factory=Expect)
     """What the self-test checks in /props."""
 

@@ -19,6 +19,7 @@ from loopd.errors import (
     InferError,
     LoadTimeout,
     Protocol,
+    ProxyRefused,
     Stalled,
     StreamClosedEarly,
     ThinkingOverrun,
@@ -81,7 +82,6 @@ _FIXED: tuple[tuple[type[InferError], int, str, str, str], ...] = (
 )
 
 _UPSTREAM_MESSAGES: dict[type[InferError], str] = {
-    Connect: "could not connect to the model server",
     StreamClosedEarly: "the model server's stream ended before the answer was finished",
     ThinkingOverrun: "the model kept thinking past the cap and the request was cancelled",
     Protocol: "the model server broke the protocol",
@@ -99,12 +99,16 @@ def error_for(error: BaseException) -> GatewayError:
       - L{Busy}: 429 C{rate_limit_error}/C{busy}; L{LoadTimeout}: 503
         C{server_error}/C{load_timeout}; L{WaitTimeout} and L{Stalled}: 504
         C{timeout}/C{wait_timeout} or C{stalled}.
+      - L{Connect}: 502 C{upstream_error}/C{connect}, C{endpoint <name> is unreachable:
+        <kind of failure>}; the socket's path is never in it (the log has it).
+      - L{ProxyRefused}: 503 C{server_error}/C{proxy_refused}, naming the endpoint and the
+        inferproxy limit that refused the connection (the server is not down).
       - L{Http} with a 4xx status: the same status and the upstream's own message (its
         C{error.message}, else the body's text), type the upstream's C{error.type} (else
         C{invalid_request_error}), code C{http}; a prompt that does not fit the context
         is 400 C{invalid_request_error}/C{context_exceeded}.
-      - any other L{InferError} (L{Http} with another status, C{Connect},
-        C{StreamClosedEarly}, C{ThinkingOverrun}, C{Protocol}): 502 C{upstream_error},
+      - any other L{InferError} (L{Http} with another status, C{StreamClosedEarly},
+        C{ThinkingOverrun}, C{Protocol}): 502 C{upstream_error},
         the code the kind's name in snake_case (C{stream_closed_early}).
       - anything else: 500 C{server_error}/C{internal_error}, with a message that names no
         internals (the caller logs C{error} itself).
@@ -116,12 +120,25 @@ def error_for(error: BaseException) -> GatewayError:
             return GatewayError(status, message, type_, code)
     if isinstance(error, Http):
         return _from_http(error)
+    if isinstance(error, Connect):
+        return _from_connect(error)
+    if isinstance(error, ProxyRefused):
+        return GatewayError(503, str(error), "server_error", "proxy_refused")
     if isinstance(error, InferError):
         message = _UPSTREAM_MESSAGES.get(type(error), "the model server failed")
         if str(error):
             message = f"{message}: {error}"
         return GatewayError(502, message, "upstream_error", _snake_case(type(error).__name__))
     return GatewayError(500, INTERNAL_MESSAGE, "server_error", "internal_error")
+
+
+def _from_connect(error: Connect) -> GatewayError:
+    """
+    A connect failure: the endpoint and the kind of failure, built from the error's parts so
+    that the socket's path, which its plain message may carry, never reaches a client.
+    """
+    who = f"endpoint {error.endpoint}" if error.endpoint is not None else "the model server"
+    return GatewayError(502, f"{who} is unreachable: {error.reason}", "upstream_error", "connect")
 
 
 def _from_http(error: Http) -> GatewayError:

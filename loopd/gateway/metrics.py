@@ -1,9 +1,9 @@
 # -*- test-case-name: loopd.test.test_gateway_metrics -*-
 """
 The gateway's Prometheus metrics, served at C{GET /metrics}: its own counters, histogram and
-gauge (L{GatewayMetrics}), and two collectors read at every scrape, the lease scheduler's
-numbers (L{SchedulerCollector}) and what the C{auto} router has measured
-(L{RouterCollector}).
+gauge (L{GatewayMetrics}), and collectors read at every scrape: the lease scheduler's
+numbers (L{SchedulerCollector}), what the C{auto} router has measured (L{RouterCollector})
+and the pacing of loopd's connections to each endpoint (L{PacingCollector}).
 
 Each L{GatewayMetrics} owns its own C{CollectorRegistry}, never the process-wide default, so
 several gateways (or tests) in one process keep separate counts. Every metric is labelled by
@@ -13,7 +13,7 @@ the endpoint's name (or the lease queue's).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -28,10 +28,17 @@ from prometheus_client.registry import Collector
 from twisted.logger import Logger
 
 from loopd.gateway.router import AutoRouter, SpeedStats
+from loopd.llama.pacing import Pacer
 from loopd.llama.types import Timings
 from loopd.queue.scheduler import Scheduler
 
-__all__ = ["TTFT_BUCKETS", "GatewayMetrics", "RouterCollector", "SchedulerCollector"]
+__all__ = [
+    "TTFT_BUCKETS",
+    "GatewayMetrics",
+    "PacingCollector",
+    "RouterCollector",
+    "SchedulerCollector",
+]
 
 _log = Logger(namespace="loopd.gateway.metrics")
 
@@ -155,6 +162,15 @@ class GatewayMetrics:
         Add the C{auto} router's measurements (C{loopd_auto_*}), read at every scrape.
         """
         self.registry.register(RouterCollector(router, now))
+
+    def watch_pacing(self, pacers: Mapping[str, Pacer]) -> None:
+        """
+        Add the pacing of each endpoint's connections (C{loopd_upstream_*}), read at every
+        scrape.
+
+        @param pacers: each endpoint's pacer, by name.
+        """
+        self.registry.register(PacingCollector(pacers))
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of every metric here, and its content type."""
@@ -291,3 +307,74 @@ class RouterCollector(Collector):
         yield speed
         yield samples
         yield weight
+
+
+class PacingCollector(Collector):
+    """
+    A collector over the endpoints' L{Pacer}s; it keeps no numbers of its own.
+    """
+
+    def __init__(self, pacers: Mapping[str, Pacer]) -> None:
+        """
+        @param pacers: each endpoint's pacer, by name, read at each scrape.
+        """
+        self._pacers = dict(pacers)
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """
+        Yield, per endpoint, the connections loopd opened to it, how many of them waited for
+        the pacing and how long in all, how many failed past the wait bound, the refusals
+        its inferproxy still gave (by limit), and the connections open and waiting now.
+        """
+        families = {
+            "connections": CounterMetricFamily(
+                "loopd_upstream_connections",
+                "Connections loopd opened to the endpoint (through its pacing).",
+                labels=["endpoint"],
+            ),
+            "waits": CounterMetricFamily(
+                "loopd_upstream_connection_waits",
+                "Connections that waited for a token or a free place under the inferproxy's"
+                " limits before opening.",
+                labels=["endpoint"],
+            ),
+            "waited": CounterMetricFamily(
+                "loopd_upstream_connection_wait_seconds",
+                "Seconds those connections waited for the pacing, in all.",
+                labels=["endpoint"],
+            ),
+            "busy": CounterMetricFamily(
+                "loopd_upstream_connection_busy",
+                "Connections that failed with Busy: the pacing would have passed pacing_wait_ms.",
+                labels=["endpoint"],
+            ),
+        }
+        refusals = CounterMetricFamily(
+            "loopd_upstream_refusals",
+            "Connections the endpoint's inferproxy refused all the same, by limit.",
+            labels=["endpoint", "limit"],
+        )
+        open_now = GaugeMetricFamily(
+            "loopd_upstream_connections_open",
+            "loopd's connections to the endpoint open now.",
+            labels=["endpoint"],
+        )
+        waiting = GaugeMetricFamily(
+            "loopd_upstream_connections_waiting",
+            "loopd's connections to the endpoint waiting for the pacing now.",
+            labels=["endpoint"],
+        )
+        for name, pacer in self._pacers.items():
+            stats = pacer.stats
+            families["connections"].add_metric([name], stats.connections)
+            families["waits"].add_metric([name], stats.waits)
+            families["waited"].add_metric([name], stats.waited_seconds)
+            families["busy"].add_metric([name], stats.busy)
+            for limit, count in sorted(stats.refusals.items()):
+                refusals.add_metric([name, limit], count)
+            open_now.add_metric([name], pacer.open_connections)
+            waiting.add_metric([name], pacer.waiting)
+        yield from families.values()
+        yield refusals
+        yield open_now
+        yield waiting

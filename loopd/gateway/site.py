@@ -111,6 +111,7 @@ class Gateway:
             slot_counts=slot_counts,
         )
         self.metrics.watch_router(self.router, reactor.seconds)
+        self.metrics.watch_pacing({name: client.pacer for name, client in self.clients.items()})
         for name, client in self.clients.items():
             self.metrics.set_queue_depth(name, self._queue_depth(name, client.gate.waiting))
 
@@ -184,7 +185,12 @@ class Gateway:
         return 200, {"object": "list", "data": data}
 
     def _health(self) -> Deferred[tuple[int, object]]:
-        """C{GET /health}: every endpoint's own C{/health}, asked through its client."""
+        """
+        C{GET /health}: every endpoint's own C{/health}, asked through its client (paced,
+        and shared with any check already under way). An endpoint whose inferproxy refuses
+        loopd at its connection cap is named as refused by its inferproxy, not unreachable;
+        no detail names a socket path.
+        """
         checks = [self.clients[e.name].health() for e in self.config.endpoints]
 
         def summarise(results: list[tuple[bool, Health]]) -> tuple[int, object]:

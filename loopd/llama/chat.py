@@ -29,6 +29,12 @@ thinking (DESIGN.md §3.6).
 Cancelling the returned Deferred closes every connection of the call, which makes
 llama-server stop generating.
 
+Connections. The call opens its connections with the L{http.Opener} it is given (the
+llama client's is paced under the endpoint's inferproxy limits) and asks C{/slots} through
+the poll it is given (the client's is one poll in flight per endpoint, shared by its
+waiting calls); without them, plain ones of its own. The first-byte wait counts from when
+the request's connection is made, so a wait for the pacing is not taken for a slow server.
+
 Backpressure. Given a L{Flow}, the call attaches to it when a stream's headers arrive
 (an error body is read whole under its cap: nothing of it reaches the consumer) and
 detaches when the call ends, however it ends. While the flow is paused the call stops
@@ -89,6 +95,9 @@ class ChatCall:
         request: ChatRequest,
         on_event: EventSink,
         flow: Flow | None = None,
+        *,
+        open_http: http.Opener | None = None,
+        poll_slots: Callable[[], Deferred[Any]] | None = None,
     ) -> None:
         """
         @param reactor: provides IReactorTime and IReactorUNIX.
@@ -98,8 +107,14 @@ class ChatCall:
         @param on_event: receives the call's events as they happen.
         @param flow: the consumer's flow control, which the stream attaches to; C{None}
             reads as fast as the server sends.
+        @param open_http: opens the call's connections; plain ones to the endpoint's socket
+            by default.
+        @param poll_slots: asks C{/slots} once (the decoded answer, or a failure, within
+            C{poll_ms}); a request of the call's own by default.
         """
         self._reactor = reactor
+        self._open = open_http or http.opener(reactor, endpoint.socket)
+        self._poll_slots = poll_slots or self._own_slots_poll
         self._config = config
         self._endpoint = endpoint
         self._request = request
@@ -139,19 +154,24 @@ class ChatCall:
             return self._result
         body = encode(chat_body(self._request, self._config, self._endpoint))
         sending = self._track(
-            http.request(
-                self._reactor,
-                self._endpoint.socket,
+            self._open(
                 "POST",
                 CHAT_PATH,
                 body,
                 caps=self._caps,
                 connect_timeout=self._seconds(self._config.limits.poll_ms),
+                on_connected=self._sent,
             )
         )
         sending.addCallbacks(self._headers_arrived, self._fail)
-        self._arm(self._first_byte_limit(), self._poll)
         return self._result
+
+    def _sent(self) -> None:
+        """
+        The request's connection is made: the first-byte wait starts.
+        """
+        if not self._finished and self._response is None:
+            self._arm(self._first_byte_limit(), self._poll)
 
     def _fail(self, reason: BaseException | Failure) -> None:
         """
@@ -250,19 +270,18 @@ class ChatCall:
         if not self._llama:
             self._fail(WaitTimeout(f"no answer within {self._config.limits.busy_wait_ms} ms"))
             return
-        polling = self._track(
-            get_json(
-                self._reactor,
-                self._endpoint.socket,
-                "GET",
-                "/slots",
-                caps=self._caps,
-                connect_timeout=self._seconds(self._config.limits.poll_ms),
-            )
-        )
-        # A /slots that hangs is a server in trouble, as good as a failing one.
-        polling.addTimeout(self._seconds(self._config.limits.poll_ms), self._reactor)
+        polling = self._track(self._poll_slots())
         polling.addCallbacks(self._slots_answered, self._slots_failed)
+
+    def _own_slots_poll(self) -> Deferred[Any]:
+        """
+        One C{/slots} request of this call's own, allowed C{poll_ms} in all.
+        """
+        seconds = self._seconds(self._config.limits.poll_ms)
+        polling = get_json(self._open, "GET", "/slots", caps=self._caps, connect_timeout=seconds)
+        # A /slots that hangs is a server in trouble, as good as a failing one.
+        polling.addTimeout(seconds, self._reactor)
+        return polling
 
     def _slots_answered(self, value: object) -> None:
         """
@@ -513,8 +532,7 @@ class ChatCall:
             control["model"] = self._endpoint.model
         ending = self._track(
             get_json(
-                self._reactor,
-                self._endpoint.socket,
+                self._open,
                 "POST",
                 CONTROL_PATH,
                 control,

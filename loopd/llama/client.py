@@ -3,6 +3,17 @@
 L{Client}: the llama client's front, one per endpoint. A chat goes through the slot gate,
 then L{ChatCall}; C{chat_with_retry} repeats what is worth repeating. C{health}, C{props},
 C{slots} and C{tokenize} ask the server about itself.
+
+Every connection the client makes to its endpoint, chats, C{/slots} polls, the
+reasoning_end control, C{/props}, C{/health}, C{/tokenize}, goes through the endpoint's
+L{Pacer} (L{loopd.llama.pacing}), so loopd stays under the accept limits of the endpoint's
+inferproxy. The C{/slots} polls of its waiting chats share one poll in flight, as do
+concurrent C{health} checks (L{SharedRequest}).
+
+A chat that does not wait for its slot makes one connection: the request itself. A chat
+whose answer has not started after C{poll_ms} shares a C{/slots} poll per C{poll_ms}; a chat
+that reaches the thinking cap makes one more for the control. Nothing else is asked per
+request (C{/props} is asked once at start).
 """
 
 from __future__ import annotations
@@ -20,7 +31,15 @@ from loopd.errors import Protocol
 from loopd.llama.chat import ChatCall, EventSink
 from loopd.llama.flow import Flow
 from loopd.llama.gate import ISlotGate, SlotGate
-from loopd.llama.info import Health, SlotState, check_health, get_json, parse_slots
+from loopd.llama.info import (
+    Health,
+    SharedRequest,
+    SlotState,
+    check_health,
+    get_json,
+    parse_slots,
+)
+from loopd.llama.pacing import PacedOpener, Pacer
 from loopd.llama.request import chat_max_tokens
 from loopd.llama.resume import Delivered, continuation, merge, resume_refusal
 from loopd.llama.retry import is_retryable, with_retry
@@ -38,6 +57,7 @@ class Client:
     @ivar config: the limits and request settings in force.
     @ivar endpoint: the server this client talks to.
     @ivar gate: the slot gate every chat passes; by default one in flight per slot.
+    @ivar pacer: the pacing of every connection to the endpoint (L{Pacer}).
     """
 
     def __init__(
@@ -62,6 +82,10 @@ class Client:
         self.gate = gate if gate is not None else SlotGate(config.limits.queue_depth)
         self._random = random
         self._caps = http.HttpCaps(config.caps.header_bytes, config.caps.body_bytes)
+        self.pacer = Pacer.for_endpoint(reactor, endpoint)
+        self._open: http.Opener = PacedOpener(reactor, endpoint, self.pacer)
+        self._slots_poll = SharedRequest(self._poll_slots)
+        self._health = SharedRequest(self._check_health)
 
     def chat(
         self, request: ChatRequest, on_event: EventSink, *, flow: Flow | None = None
@@ -83,7 +107,14 @@ class Client:
             the grant however the call ends.
             """
             call = ChatCall(
-                self._reactor, self.config, self.endpoint, request, on_event, flow
+                self._reactor,
+                self.config,
+                self.endpoint,
+                request,
+                on_event,
+                flow,
+                open_http=self._open,
+                poll_slots=self._slots_poll,
             ).run()
             running.append(call)
 
@@ -177,8 +208,7 @@ class Client:
         One JSON request to this endpoint (L{get_json}), connecting within C{limits.poll_ms}.
         """
         return get_json(
-            self._reactor,
-            self.endpoint.socket,
+            self._open,
             method,
             path,
             body,
@@ -186,16 +216,35 @@ class Client:
             connect_timeout=self.config.limits.poll_ms / 1000.0,
         )
 
+    def _poll_slots(self) -> Deferred[Any]:
+        """
+        One C{/slots} poll for the waiting chats (their shared poll): its decoded answer,
+        failing as L{get_json} does, or with a timeout after C{limits.poll_ms} (which aborts
+        its connection).
+        """
+        polling = self._get("GET", "/slots")
+        polling.addTimeout(self.config.limits.poll_ms / 1000.0, self._reactor)
+        return polling
+
+    def _check_health(self) -> Deferred[Health]:
+        """One C{/health} check (L{check_health}), shared by concurrent callers."""
+        seconds = self.config.limits.poll_ms / 1000.0
+        return check_health(
+            self._reactor, self.endpoint, caps=self._caps, timeout=seconds, open_http=self._open
+        )
+
     def health(self) -> Deferred[Health]:
         """
         Whether the server is up: its C{GET /health}, within C{limits.poll_ms} for the
         connection and for the answer. A 200 is L{Health}C{(True, "ok")}, as is any answer
         of an C{openai}-kind endpoint; another status is C{(False, "HTTP <status>")}; no
-        connection or no answer in time is C{(False, "unreachable: <why>")}. The Deferred
-        never fails, except with C{CancelledError} when cancelled.
+        connection or no answer in time is C{(False, "unreachable: <why>")}, a refusal by
+        the inferproxy C{(False, "refused by its inferproxy: <limit>")}. Checks asked while
+        one runs share it. The Deferred never fails, except with C{CancelledError} when
+        cancelled.
         """
-        seconds = self.config.limits.poll_ms / 1000.0
-        return check_health(self._reactor, self.endpoint, caps=self._caps, timeout=seconds)
+        answer: Deferred[Health] = self._health()
+        return answer
 
     def props(self) -> Deferred[dict[str, Any]]:
         """

@@ -2,26 +2,34 @@
 """
 What the server says about itself (C{/health}, C{/props}, C{/slots}, C{/tokenize}) and the
 pure cache-loss judgement between two requests of a session.
+
+Every request here goes through an L{loopd.http.Opener}, the endpoint's paced one when the
+llama client makes it. L{SharedRequest} keeps one request of a kind in flight per endpoint:
+the C{/slots} polls of every chat waiting on an endpoint share the poll that is running, and
+so do concurrent C{/health} checks, so that waiting requests never pile up connections (and
+an abandoned poll is aborted once nobody waits for it).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import TimeoutError as DeferredTimeout
 from twisted.python.failure import Failure
 
 from loopd import http, strict_json
 from loopd.config import Endpoint
-from loopd.errors import Http, Protocol
+from loopd.errors import Connect, Http, Protocol, ProxyRefused
 from loopd.llama.types import Timings
 
 __all__ = [
     "CacheOutcome",
     "Health",
+    "SharedRequest",
     "SlotState",
     "cache_outcome",
     "check_health",
@@ -106,8 +114,7 @@ def slot_busy(slots: Sequence[SlotState], slot: int) -> bool:
 
 
 def get_json(
-    reactor: Any,
-    socket_path: str,
+    open_http: http.Opener,
     method: str,
     path: str,
     body: object = None,
@@ -116,8 +123,8 @@ def get_json(
     connect_timeout: float,
 ) -> Deferred[Any]:
     """
-    One JSON request: the decoded answer of a 200, L{Http} for any other status,
-    L{Protocol} for a body that is not JSON.
+    One JSON request through C{open_http}: the decoded answer of a 200, L{Http} for any
+    other status, L{Protocol} for a body that is not JSON.
     """
     payload = None if body is None else json.dumps(body, separators=(",", ":")).encode()
 
@@ -139,15 +146,7 @@ def get_json(
         except strict_json.JSONError:
             raise Protocol(f"{path} answered with a body that is not JSON") from None
 
-    answer = http.request(
-        reactor,
-        socket_path,
-        method,
-        path,
-        payload,
-        caps=caps,
-        connect_timeout=connect_timeout,
-    )
+    answer = open_http(method, path, payload, caps=caps, connect_timeout=connect_timeout)
     answer.addCallback(read)
     return answer
 
@@ -159,7 +158,9 @@ class Health:
 
     @ivar ok: whether it is fit to take requests.
     @ivar detail: C{"ok"}; C{"HTTP <status>"} for a llama-server answering anything but 200;
-        C{"unreachable: <why>"} when there was no answer in time or no connection.
+        C{"refused by its inferproxy: <limit>"} when the inferproxy in front of it refused
+        the connection at a limit (the server may well be up); C{"unreachable: <why>"} when
+        there was no answer in time or no connection. No detail names a socket path.
     """
 
     ok: bool
@@ -167,7 +168,12 @@ class Health:
 
 
 def check_health(
-    reactor: Any, endpoint: Endpoint, *, caps: http.HttpCaps, timeout: float
+    reactor: Any,
+    endpoint: Endpoint,
+    *,
+    caps: http.HttpCaps,
+    timeout: float,
+    open_http: http.Opener | None = None,
 ) -> Deferred[Health]:
     """
     Ask C{endpoint}'s C{/health}, reading no body: a 200 is healthy, and so is any answer of
@@ -175,12 +181,14 @@ def check_health(
 
     @param reactor: provides IReactorTime and IReactorUNIX; the timeout runs on it.
     @param timeout: seconds for the connection, and for the headers of the answer.
+    @param open_http: how the request is opened; the endpoint's plain L{http.opener} by
+        default.
     @return: fires with a L{Health}, never fails, except with C{CancelledError} when
         cancelled (which closes the connection).
     """
-    probe = http.request(
-        reactor, endpoint.socket, "GET", "/health", caps=caps, connect_timeout=timeout
-    )
+    if open_http is None:
+        open_http = http.opener(reactor, endpoint.socket)
+    probe = open_http("GET", "/health", caps=caps, connect_timeout=timeout)
     probe.addTimeout(timeout, reactor)
     cancelled = False
 
@@ -210,7 +218,7 @@ def check_health(
         """
         if cancelled:
             return reason
-        return Health(False, f"unreachable: {reason.getErrorMessage()}")
+        return Health(False, _unhealthy(reason))
 
     def settle(outcome: Health | Failure) -> None:
         """
@@ -225,3 +233,82 @@ def check_health(
 
     probe.addCallbacks(answered, failed).addBoth(settle)
     return result
+
+
+def _unhealthy(reason: Failure) -> str:
+    """
+    The detail of a health check that got no answer: a refusal by the inferproxy names its
+    limit; a connect failure names its kind, never the socket's path.
+    """
+    error = reason.value
+    if isinstance(error, ProxyRefused):
+        limit = {
+            ProxyRefused.CONNECTIONS: "its connection limit is reached",
+            ProxyRefused.ACCEPT_RATE: "its accept rate limit is reached",
+        }.get(error.limit, f"limit {error.limit}")
+        return f"refused by its inferproxy: {limit}"
+    if isinstance(error, Connect):
+        return f"unreachable: {error.reason}"
+    if isinstance(error, (DeferredTimeout, CancelledError)):
+        return "unreachable: no answer in time"
+    return f"unreachable: {reason.getErrorMessage()}"
+
+
+class SharedRequest:
+    """
+    One request of a kind in flight at a time, its outcome shared by everyone who asked
+    while it ran.
+
+    Each caller gets a Deferred of its own. Cancelling it takes that caller out; when the
+    last caller has gone, the request itself is cancelled (which aborts its connection), so
+    an abandoned request never lingers. The next call after the outcome starts a new one.
+    """
+
+    def __init__(self, start: Callable[[], Deferred[Any]]) -> None:
+        """
+        @param start: starts the request; called once per request in flight.
+        """
+        self._start = start
+        self._running: Deferred[Any] | None = None
+        self._callers: list[Deferred[Any]] = []
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a request is running now."""
+        return self._running is not None
+
+    def __call__(self) -> Deferred[Any]:
+        """
+        Join the request in flight, or start one.
+
+        @return: fires or fails as the request does (C{CancelledError} when cancelled).
+        """
+        caller: Deferred[Any] = Deferred(self._leave)
+        self._callers.append(caller)
+        if self._running is None:
+            running = self._start()
+            self._running = running
+            running.addBoth(self._settled, running)
+        return caller
+
+    def _settled(self, outcome: object, running: Deferred[Any]) -> None:
+        """The request ended: hand its outcome to every caller still waiting."""
+        if self._running is running:
+            self._running = None
+        callers, self._callers = self._callers, []
+        for caller in callers:
+            if isinstance(outcome, Failure):
+                caller.errback(outcome)
+            else:
+                caller.callback(outcome)
+
+    def _leave(self, caller: Deferred[Any]) -> None:
+        """
+        The canceller of a caller's Deferred: take it out, and cancel the request once
+        nobody waits for it.
+        """
+        if caller in self._callers:
+            self._callers.remove(caller)
+        if not self._callers and self._running is not None:
+            running, self._running = self._running, None
+            running.cancel()

@@ -337,6 +337,10 @@ BAD_VALUES = [
     ("endpoint.model", '""', "a non-empty string"),
     ("endpoint.selftest", "1", "a boolean (true or false)"),
     ("endpoint.expect", "1", "a table"),
+    ("endpoint.proxy_max_connections", "0", "an integer from 1 to 2147483647"),
+    ("endpoint.proxy_burst", "1.5", "an integer from 1 to 2147483647"),
+    ("endpoint.proxy_refill_per_second", "0", "a number x with 0 < x <= 1e+09"),
+    ("endpoint.pacing_wait_ms", "-1", "an integer from 0 to 2147483647"),
     ("endpoint.expect.n_ctx", '"8192"', "a positive integer"),
     ("endpoint.expect.total_slots", "0", "a positive integer"),
     (

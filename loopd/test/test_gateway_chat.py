@@ -19,6 +19,7 @@ from loopd.testing.fake_llama import CHAT, LOADING, SLOTS, error_reply, sse_repl
 from loopd.testing.gateway import (
     HI,
     NOW,
+    PATH,
     ClientConnection,
     GatewayHarness,
     Response,
@@ -338,6 +339,42 @@ class ErrorTests(ChatTestCase):
         self.assertIn("decode failed", error["message"])
         self.assertEqual(deltas(connection.response())[1:], [{"content": "Hel"}])
         self.assertEqual(self.harness.scrape()[outcome("tiny", "http")], 1.0)
+
+    def test_unreachable_names_endpoint_not_socket(self) -> None:
+        """
+        A chat to an endpoint whose socket is gone is 502 connect naming the endpoint; the
+        socket's path is in the log, never in the answer.
+        """
+        self.harness.net.stop_listening(PATH)
+        with capturedLogs() as events:
+            connection = self.harness.post(HI)
+            self.harness.advance(5)
+        error = self.error_status(connection, 502, "connect")
+        self.assertEqual(
+            error["message"], "endpoint tiny is unreachable: no socket (nothing is serving it)"
+        )
+        self.assertNotIn(PATH, connection.response().body.decode())
+        self.assertIn(PATH, " ".join(formatEvent(e) for e in events))
+
+    def test_unreachable_mid_stream_names_endpoint_not_socket(self) -> None:
+        """
+        A stream already started (it waited its turn for the slot) whose server has gone
+        when its turn comes ends with a connect error event naming the endpoint; the path
+        stays in the log.
+        """
+        self.script(answer({"content": "a"}, delay_s=0.1))
+        with capturedLogs() as events:
+            self.harness.post(STREAM)
+            connection = self.harness.post(STREAM)
+            self.harness.advance(0.01)
+            self.harness.net.stop_listening(PATH)
+            self.harness.advance(5)
+        error = self.error_event(connection, "connect")
+        self.assertEqual(
+            error["message"], "endpoint tiny is unreachable: no socket (nothing is serving it)"
+        )
+        self.assertNotIn(PATH, connection.response().body.decode())
+        self.assertIn(PATH, " ".join(formatEvent(e) for e in events))
 
     def test_wait_timeout_after_waiting_comments(self) -> None:
         """A stream already started by waiting comments ends with a wait_timeout event."""

@@ -21,6 +21,7 @@ from loopd.errors import (
     InferError,
     LoadTimeout,
     Protocol,
+    ProxyRefused,
     Stalled,
     StreamClosedEarly,
     ThinkingOverrun,
@@ -183,6 +184,32 @@ class UpstreamMappingTests(SynchronousTestCase):
         )
         self.assertIn("SSE line over 1 MiB", error_for(Protocol("SSE line over 1 MiB")).message)
         self.assertIn("stream ended", error_for(StreamClosedEarly()).message)
+
+
+class EndpointMappingTests(SynchronousTestCase):
+    """Connect failures and inferproxy refusals name the endpoint, never a socket path."""
+
+    def test_connect_names_endpoint_not_path(self) -> None:
+        """A Connect with a path and an endpoint: 502 connect naming the endpoint only."""
+        error = error_for(Connect("connection refused", path="/run/x/tiny.sock", endpoint="tiny"))
+        self.assertEqual(status_type_code(error), (502, "upstream_error", "connect"))
+        self.assertEqual(error.message, "endpoint tiny is unreachable: connection refused")
+        self.assertNotIn("/run/x", error.message)
+
+    def test_connect_without_endpoint_hides_path(self) -> None:
+        """A Connect that knows only its path still keeps it out of the answer."""
+        error = error_for(Connect("connection refused", path="/run/x/tiny.sock"))
+        self.assertEqual(error.message, "the model server is unreachable: connection refused")
+
+    def test_proxy_refused(self) -> None:
+        """An inferproxy refusal is 503 proxy_refused naming the limit, not a connect error."""
+        error = error_for(ProxyRefused(ProxyRefused.CONNECTIONS, 1.0, endpoint="tiny"))
+        self.assertEqual(status_type_code(error), (503, "server_error", "proxy_refused"))
+        self.assertEqual(
+            error.message,
+            "endpoint tiny is refusing connections: its inferproxy's connection limit is"
+            " reached; retry after 1 s",
+        )
 
 
 class InternalMappingTests(SynchronousTestCase):

@@ -17,7 +17,8 @@ import math
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.testing.fake_llama import CHAT, LOADING, json_reply
+from loopd.errors import ProxyRefused
+from loopd.testing.fake_llama import CHAT, LOADING, Reply, json_reply
 from loopd.testing.gateway import (
     BODY_BYTES,
     HI,
@@ -187,6 +188,29 @@ class HealthTests(SynchronousTestCase):
         self.assertEqual(body["endpoints"]["tiny"], "ok")
         self.assertTrue(body["endpoints"]["big"].startswith("unreachable: "), body)
 
+    def test_socket_missing_names_no_path(self) -> None:
+        """The unreachable endpoint's detail says why without naming its socket."""
+        self.harness.net.stop_listening(OTHER_PATH)
+        response = self.health()
+        self.assertEqual(
+            response.json()["endpoints"]["big"], "unreachable: no socket (nothing is serving it)"
+        )
+        self.assertNotIn(OTHER_PATH.encode(), response.body)
+
+    def test_refused_at_cap(self) -> None:
+        """
+        An endpoint whose inferproxy refuses at its connection cap: 503, and the detail
+        says so (the server itself may be up), not unreachable.
+        """
+        refused = Reply(status=503, headers=[(ProxyRefused.HEADER, ProxyRefused.CONNECTIONS)])
+        self.big.set_default("GET", "/health", refused)
+        response = self.health()
+        self.assertEqual(response.status, 503)
+        self.assertEqual(
+            response.json()["endpoints"]["big"],
+            "refused by its inferproxy: its connection limit is reached",
+        )
+
     def test_loading(self) -> None:
         """An endpoint answering 503 (loading): 503 naming it with the status."""
         self.big.set_default("GET", "/health", LOADING)
@@ -241,6 +265,33 @@ class MetricsTests(SynchronousTestCase):
         self.assertEqual(samples[outcome("-", "missing_messages")], 1.0)
         tokens = {"endpoint": "tiny", "kind": "completion"}
         self.assertEqual(samples[("loopd_tokens_total", frozenset(tokens.items()))], 2.0)
+
+    def test_pacing(self) -> None:
+        """
+        /metrics counts each endpoint's paced connections, those that waited and how long,
+        the Busy ones and the refusals its inferproxy still gave, by limit.
+        """
+        harness = GatewayHarness()
+        harness.fake.set_default("POST", CHAT, answer({"content": "a"}, delay_s=0))
+        for _ in range(11):
+            harness.post(HI)
+            harness.advance(0.01)
+        harness.advance(1)
+        harness.fake.set_default(
+            "POST", CHAT, Reply(status=503, headers=[(ProxyRefused.HEADER, "connections")])
+        )
+        harness.post(HI)
+        harness.advance(0.1)
+        samples = harness.scrape()
+        tiny = frozenset({("endpoint", "tiny")})
+        self.assertEqual(samples[("loopd_upstream_connections_total", tiny)], 12.0)
+        self.assertEqual(samples[("loopd_upstream_connection_waits_total", tiny)], 1.0)
+        waited = samples[("loopd_upstream_connection_wait_seconds_total", tiny)]
+        self.assertAlmostEqual(waited, 0.4, places=6)
+        self.assertEqual(samples[("loopd_upstream_connection_busy_total", tiny)], 0.0)
+        refused = frozenset({("endpoint", "tiny"), ("limit", "connections")})
+        self.assertEqual(samples[("loopd_upstream_refusals_total", refused)], 1.0)
+        self.assertEqual(samples[("loopd_upstream_connections_open", tiny)], 0.0)
 
     def test_queue_depth(self) -> None:
         """loopd_queue_depth counts the requests waiting at the slot gate, now."""

@@ -27,7 +27,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 import loopd
-from loopd.errors import Connect, StreamClosedEarly
+from loopd.errors import Connect, ProxyRefused, StreamClosedEarly
 from loopd.errors import Protocol as ProtocolError
 from loopd.http import HttpCaps, HttpResponse, request
 from loopd.test.support.peers import Peer, UpstreamFactory, real_reactor
@@ -362,11 +362,17 @@ class CancelAbortTests(SynchronousTestCase):
         self.assertEqual(wire.reactor.getDelayedCalls(), [])
 
     def test_refused(self):
-        """A connection that fails is Connect, with the socket path in its reason."""
+        """
+        A connection that fails is Connect: the socket's path in its C{path}, for the log,
+        and a reason that names the kind of failure and no path.
+        """
         wire = Wire(connect=False)
         _, factory, _, _ = wire.reactor.unixClients[0]
         factory.clientConnectionFailed(wire.reactor.connectors[0], Failure(ConnectionLost()))
-        self.assertIn(SOCKET, self.failureResultOf(wire.result, Connect).value.reason)
+        error = self.failureResultOf(wire.result, Connect).value
+        self.assertEqual(error.path, SOCKET)
+        self.assertNotIn(SOCKET, error.reason)
+        self.assertEqual(error.reason, "the connection was lost while it was being made")
 
     def test_abort_mid_body(self):
         """abort() aborts the connection, cancels deliver and drops later bytes; twice is fine."""
@@ -402,6 +408,63 @@ class CancelAbortTests(SynchronousTestCase):
         response.resume()
         wire.feed(chunked(b"x"))
         self.successResultOf(done)
+
+
+class RefusalTests(SynchronousTestCase):
+    """
+    An inferproxy's refusal (a 503 naming its limit) is ProxyRefused, read from the headers
+    alone, the connection aborted; the connection callbacks say when it opens and closes.
+    """
+
+    def test_refusal(self) -> None:
+        """A 503 with X-Inferproxy-Refused is ProxyRefused with its limit and Retry-After."""
+        wire = Wire()
+        wire.feed(head("X-Inferproxy-Refused: connections", "Retry-After: 1", status="503 X"))
+        error = self.failureResultOf(wire.result, ProxyRefused).value
+        self.assertEqual((error.limit, error.retry_after), (ProxyRefused.CONNECTIONS, 1.0))
+        self.assertTrue(wire.transport.disconnecting)
+
+    def test_refusal_odd_values(self) -> None:
+        """A limit loopd does not know is "unknown"; a bad or huge Retry-After is dropped."""
+        for value, limit, retry in (
+            ("accept-rate", "Retry-After: 2.5", (ProxyRefused.ACCEPT_RATE, 2.5)),
+            ("flood", "Retry-After: soon", ("unknown", None)),
+            ("connections", "Retry-After: 1e9", (ProxyRefused.CONNECTIONS, None)),
+        ):
+            wire = Wire()
+            wire.feed(head(f"X-Inferproxy-Refused: {value}", limit, status="503 X"))
+            error = self.failureResultOf(wire.result, ProxyRefused).value
+            self.assertEqual((error.limit, error.retry_after), retry)
+
+    def test_plain_503_is_a_response(self) -> None:
+        """A 503 without the header (llama-server loading) is an ordinary response."""
+        wire = Wire()
+        response = wire.answer(head("Content-Length: 0", status="503 Service Unavailable"))
+        self.assertEqual(response.status, 503)
+
+    def test_connection_callbacks(self) -> None:
+        """on_connected fires when the connection is made, on_closed when it is gone."""
+        seen: list[str] = []
+        wire = Wire(
+            connect=False,
+            on_connected=lambda: seen.append("connected"),
+            on_closed=lambda: seen.append("closed"),
+        )
+        self.assertEqual(seen, [])
+        wire.connect()
+        self.assertEqual(seen, ["connected"])
+        wire.answer(head("Content-Length: 0"))
+        wire.close()
+        self.assertEqual(seen, ["connected", "closed"])
+
+    def test_closed_when_never_connected(self) -> None:
+        """A connection that could not be made still calls on_closed, once."""
+        seen: list[str] = []
+        wire = Wire(connect=False, on_closed=lambda: seen.append("closed"))
+        _, factory, _, _ = wire.reactor.unixClients[0]
+        factory.clientConnectionFailed(wire.reactor.connectors[0], Failure(ConnectionLost()))
+        self.failureResultOf(wire.result, Connect)
+        self.assertEqual(seen, ["closed"])
 
 
 class SocketTests(TestCase):

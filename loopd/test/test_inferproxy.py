@@ -34,6 +34,8 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from zope.interface import implementer
 
 from loopd.inferproxy import (
+    MAX_LINGERING_REFUSALS,
+    REFUSAL_LINGER_SECONDS,
     InferProxyFactory,
     InferProxyService,
     ProxyLimits,
@@ -105,6 +107,19 @@ class Harness:
         transport = HalfCloseTransport()
         client.makeConnection(transport)
         return client, transport
+
+    def refusal(self) -> bytes | None:
+        """
+        Accept one connection: C{None} when a pair opened, else the refusal it was sent
+        (which must half-close it, not close it).
+        """
+        before = self.factory.open_pairs
+        _, transport = self.accept()
+        if self.factory.open_pairs == before + 1:
+            return None
+        assert transport.write_closed, "a refusal half-closes"
+        sent: bytes = transport.value()
+        return sent
 
     def connect_upstream(self) -> tuple[Any, HalfCloseTransport]:
         factory, d = self.endpoint.attempts[-1]
@@ -190,15 +205,18 @@ class LimitTests(SynchronousTestCase):
         pairs = [harness.pair() for _ in range(8)]
         self.assertEqual(harness.factory.open_pairs, 8)
         with capturedLogs() as events:
-            self.assertIsNone(harness.factory.buildProtocol(None))
+            refusal = harness.refusal()
         self.assertEqual(len(events), 1)
         self.assertIn("connection limit", events[0]["log_format"])
+        assert refusal is not None
+        self.assertTrue(refusal.startswith(b"HTTP/1.1 503 "))
+        self.assertIn(b"\r\nX-Inferproxy-Refused: connections\r\n", refusal)
         client, _, upstream, _ = pairs[0]
         client.connectionLost(Failure(ConnectionLost()))
         self.assertEqual(harness.factory.open_pairs, 8)
         upstream.connectionLost(Failure(ConnectionLost()))
         self.assertEqual(harness.factory.open_pairs, 7)
-        self.assertIsNotNone(harness.factory.buildProtocol(None))
+        self.assertIsNone(harness.refusal())
 
     def test_eleventh_burst_connection_refused(self) -> None:
         """
@@ -207,13 +225,52 @@ class LimitTests(SynchronousTestCase):
         """
         harness = Harness(ProxyLimits(max_connections=100))
         for _ in range(10):
-            self.assertIsNotNone(harness.factory.buildProtocol(None))
+            self.assertIsNone(harness.refusal())
         with capturedLogs() as events:
-            self.assertIsNone(harness.factory.buildProtocol(None))
+            refusal = harness.refusal()
         self.assertEqual(len(events), 1)
         self.assertIn("accept rate limit", events[0]["log_format"])
+        assert refusal is not None
+        self.assertIn(b"\r\nX-Inferproxy-Refused: accept-rate\r\n", refusal)
+        self.assertIn(b"\r\nRetry-After: 1\r\n", refusal)
         harness.clock.advance(0.5)
-        self.assertIsNotNone(harness.factory.buildProtocol(None))
+        self.assertIsNone(harness.refusal())
+
+    def test_refusal_lingers_until_read(self) -> None:
+        """
+        A refused connection is half-closed, not closed: what the client sends is dropped,
+        and it goes when the client closes, or is aborted after REFUSAL_LINGER_SECONDS.
+        """
+        harness = Harness(ProxyLimits(max_connections=1, burst=100))
+        harness.pair()
+        refused, transport = harness.accept()
+        self.assertTrue(transport.write_closed)
+        self.assertFalse(transport.disconnecting)
+        self.assertEqual(harness.factory.lingering_refusals, 1)
+        refused.dataReceived(b"POST /v1/chat/completions HTTP/1.1\r\n")
+        self.assertEqual(harness.endpoint.attempts[1:], [])
+        harness.clock.advance(REFUSAL_LINGER_SECONDS - 0.001)
+        self.assertFalse(transport.disconnecting)
+        harness.clock.advance(0.001)
+        self.assertTrue(transport.disconnected)
+        refused.connectionLost(Failure(ConnectionLost()))
+        self.assertEqual(harness.factory.lingering_refusals, 0)
+        self.assertEqual(harness.clock.getDelayedCalls(), [])
+
+    def test_lingering_refusals_bounded(self) -> None:
+        """
+        Past MAX_LINGERING_REFUSALS lingering refused connections, one more gets its answer
+        and is closed at once.
+        """
+        harness = Harness(ProxyLimits(max_connections=1, burst=100))
+        harness.pair()
+        for _ in range(MAX_LINGERING_REFUSALS):
+            harness.accept()
+        _, transport = harness.accept()
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 503 "))
+        self.assertFalse(transport.write_closed)
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(harness.factory.lingering_refusals, MAX_LINGERING_REFUSALS)
 
     def test_cap_refusal_spends_no_token(self) -> None:
         """
@@ -222,7 +279,7 @@ class LimitTests(SynchronousTestCase):
         harness = Harness(ProxyLimits(max_connections=1, burst=2, refill_per_second=1))
         harness.pair()
         for _ in range(5):
-            self.assertIsNone(harness.factory.buildProtocol(None))
+            self.assertIsNotNone(harness.refusal())
         self.assertEqual(harness.factory._bucket.take(), True)
 
     def test_limits_validated(self) -> None:
@@ -464,6 +521,26 @@ class ProxySocketTests(TestCase):
         del server.received[:]
 
     @inlineCallbacks
+    def test_client_close_frees_pair_to_frozen_upstream(self) -> Any:
+        """
+        A client that closes its socket (not a half-close) while the upstream never answers
+        nor closes: the proxy closes the upstream connection too, and the pair is freed.
+        """
+
+        def frozen(peer: Peer) -> None:
+            peer.on_eof = lambda p: None
+
+        upstream = self.start(frozen)
+        arrived = upstream.next_peer()
+        client = yield self.connect()
+        server = yield arrived
+        yield self.synchronise(client, server)
+        client.transport.loseConnection()
+        yield server.closed
+        yield self.proxy.all_closed()
+        self.assertEqual(self.proxy.open_pairs, 0)
+
+    @inlineCallbacks
     def test_half_close_from_client(self) -> Any:
         """
         A client that sends and then shuts down its writing still gets the reply the
@@ -676,8 +753,8 @@ class ProxySocketTests(TestCase):
     @inlineCallbacks
     def test_ninth_concurrent_connection_refused(self) -> Any:
         """
-        With 8 connections open, a 9th is closed at once without reaching the upstream, and
-        one log line names the connection limit.
+        With 8 connections open, a 9th gets the 503 naming the connection limit and is
+        closed without reaching the upstream, and one log line names the limit.
         """
 
         def echo(peer: Peer) -> None:
@@ -697,7 +774,8 @@ class ProxySocketTests(TestCase):
             ninth = yield self.connect()
             yield ninth.closed
         events = proxy_events(captured)
-        self.assertEqual(bytes(ninth.received), b"")
+        self.assertTrue(bytes(ninth.received).startswith(b"HTTP/1.1 503 "))
+        self.assertIn(b"X-Inferproxy-Refused: connections", bytes(ninth.received))
         self.assertEqual(len(upstream.peers), 8)
         self.assertEqual(len(events), 1)
         self.assertIn("connection limit", events[0]["log_format"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -21,6 +22,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 import loopd.llama
 from loopd.config import Config, Endpoint, Limits, Retry
+from loopd.errors import ProxyRefused
 from loopd.llama import (
     Busy,
     ChatEvent,
@@ -637,6 +639,131 @@ class InfoTests(ClientTestCase):
         self.assertIsInstance(client.gate, SlotGate)
         self.assertFalse(cast(SlotGate, client.gate).in_flight(0))
         self.assertEqual(self.fake.requests, [])
+        self.assert_quiet()
+
+
+def refusal(limit: str) -> Reply:
+    """What an inferproxy sends a connection over C{limit}."""
+    return Reply(status=503, headers=[(ProxyRefused.HEADER, limit), ("Retry-After", "1")])
+
+
+#: A /slots answer that never comes: a frozen server.
+FROZEN_SLOTS = dataclasses.replace(slots_reply(True), headers_delay=math.inf)
+#: A chat answer that never comes, not even its headers.
+UNANSWERED = sse_reply([], headers_delay=math.inf)
+
+
+class ConnectionTests(ClientTestCase):
+    """
+    Every connection goes through the endpoint's pacing; a refusal by its inferproxy is a
+    refusal, never a dead server; polls do not pile up.
+    """
+
+    def test_one_connection_per_chat(self) -> None:
+        """A chat whose answer starts at once makes one connection to the endpoint: its own."""
+        self.fake.set_default("POST", CHAT, answer("ok"))
+        for _ in range(3):
+            call = self.chat()
+            self.net.advance(0.01)
+            self.successResultOf(call.deferred)
+        self.assertEqual(len(self.fake.connections), 3)
+        self.assertEqual([r.target for r in self.fake.requests], [CHAT] * 3)
+        self.assertEqual(self.client.pacer.stats.connections, 3)
+
+    def test_eleventh_chat_waits_for_token(self) -> None:
+        """
+        Ten sequential chats go at once (the burst), the eleventh waits 0.5 s for a token
+        instead of being refused and retried 2 s later; the wait is counted.
+        """
+        self.fake.set_default("POST", CHAT, answer("ok"))
+        for _ in range(10):
+            call = self.chat()
+            self.net.pump()
+            self.successResultOf(call.deferred)
+        self.assertEqual(self.reactor.seconds(), 0)
+        eleventh = self.chat_with_retry()
+        self.net.advance(0.499)
+        self.assertNoResult(eleventh.deferred)
+        self.net.advance(0.001)
+        self.net.pump()
+        self.assertEqual(self.successResultOf(eleventh.deferred).content, "ok")
+        self.assertEqual(ms(eleventh.ended_at), 500)
+        self.assertEqual(eleventh.retries, [])
+        stats = self.client.pacer.stats
+        self.assertEqual((stats.connections, stats.waits, stats.refusals), (11, 1, {}))
+        self.assertAlmostEqual(stats.waited_seconds, 0.5)
+
+    def test_cap_refusal_fails_fast_not_retried(self) -> None:
+        """
+        A refusal at the inferproxy's connection cap fails the chat at once with
+        ProxyRefused naming the endpoint and the cap; it is not a Connect and not retried.
+        """
+        self.fake.set_default("POST", CHAT, refusal(ProxyRefused.CONNECTIONS))
+        call = self.chat_with_retry()
+        self.net.advance(10)
+        error = self.failureResultOf(call.deferred, ProxyRefused).value
+        self.assertNotIsInstance(error, Connect)
+        self.assertIn("endpoint tiny", str(error))
+        self.assertIn("connection limit", str(error))
+        self.assertEqual((ms(call.ended_at), call.retries), (0, []))
+        self.assertEqual(len(self.chats()), 1)
+        self.assert_quiet()
+
+    def test_rate_refusal_waits_a_token_not_a_backoff(self) -> None:
+        """
+        An accept-rate refusal (someone else drained the proxy's bucket) is sent again when
+        a token is due, 0.5 s later, with no Retrying event: the server is not taken for dead.
+        """
+        self.fake.script("POST", CHAT, refusal(ProxyRefused.ACCEPT_RATE), answer("ok"))
+        # The first-byte wait counts from the refused connection: poll_ms above the token's
+        # 0.5 s keeps the polls out of this test.
+        limits = dataclasses.replace(LIMITS, poll_ms=1000)
+        config = dataclasses.replace(make_config(), limits=limits)
+        self.client = Client(self.reactor, config, config.endpoints[0], random=lambda: 0.5)
+        call = self.chat_with_retry()
+        self.net.advance(1)
+        self.assertEqual(self.successResultOf(call.deferred).content, "ok")
+        self.assertEqual((ms(call.ended_at), call.retries), (500, []))
+        self.assertEqual(self.client.pacer.stats.refusals, {ProxyRefused.ACCEPT_RATE: 1})
+
+    def test_waiting_chats_share_one_poll(self) -> None:
+        """
+        Two chats waiting for their answers (slots 0 and 1) share one /slots poll per
+        poll_ms: never two polls in flight.
+        """
+        self.fake.set_default("POST", CHAT, UNANSWERED)
+        self.fake.set_default("GET", SLOTS, slots_reply([True, True]))
+        calls = [self.chat(slot=0), self.chat(slot=1)]
+        self.net.advance(0.15)
+        polls = self.fake.requests_to("GET", SLOTS)
+        self.assertEqual(len(polls), 1)
+        self.net.advance(0.1)
+        self.assertEqual(len(self.fake.requests_to("GET", SLOTS)), 2)
+        for call in calls:
+            call.deferred.cancel()
+            self.failureResultOf(call.deferred, CancelledError)
+        self.net.advance(1)
+        self.assert_quiet()
+
+    def test_abandoned_poll_aborted(self) -> None:
+        """
+        A /slots poll that a frozen server never answers is given up after poll_ms and its
+        connection closed then; at most one poll connection is ever open.
+        """
+        self.fake.set_default("POST", CHAT, UNANSWERED)
+        self.fake.set_default("GET", SLOTS, FROZEN_SLOTS)
+        call = self.chat()
+        most = 0
+        for _ in range(40):
+            self.net.advance(0.01)
+            polls = [c for c in self.fake.connections if c.request and c.request.target == SLOTS]
+            most = max(most, sum(1 for c in polls if c.open))
+        self.assertEqual(most, 1)
+        self.failureResultOf(call.deferred)
+        polls = [c for c in self.fake.connections if c.request and c.request.target == SLOTS]
+        self.assertGreater(len(polls), 1)
+        self.assertTrue(all(c.client_closed for c in polls))
+        self.net.advance(1)
         self.assert_quiet()
 
 

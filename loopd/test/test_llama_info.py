@@ -9,10 +9,18 @@ from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.errors import InferError, Protocol
-from loopd.llama.info import CacheOutcome, SlotState, cache_outcome, parse_slots, slot_busy
+from loopd.llama.info import (
+    CacheOutcome,
+    SharedRequest,
+    SlotState,
+    cache_outcome,
+    parse_slots,
+    slot_busy,
+)
 from loopd.llama.types import Timings
 
 #: A previous turn whose whole context is 1000 tokens (cache_n + prompt_n + predicted_n).
@@ -150,3 +158,49 @@ class SlotBusyTests(SynchronousTestCase):
         """For any slot list and slot number >= 0, the answer is that of slot % count."""
         slots = tuple(SlotState(n, b) for n, b in enumerate(busy))
         self.assertEqual(slot_busy(slots, slot), busy[slot % len(busy)])
+
+
+class SharedRequestTests(SynchronousTestCase):
+    """One request of a kind in flight, shared by its callers, cancelled with the last."""
+
+    def setUp(self) -> None:
+        self.started: list[Deferred[Any]] = []
+        self.cancelled: list[Deferred[Any]] = []
+        self.shared = SharedRequest(self.start)
+
+    def start(self) -> Deferred[Any]:
+        """Start one request, answered by hand."""
+        running: Deferred[Any] = Deferred(self.cancelled.append)
+        self.started.append(running)
+        return running
+
+    def test_callers_share_one(self) -> None:
+        """Callers while one runs share its answer; the next call after starts a new one."""
+        first, second = self.shared(), self.shared()
+        self.assertEqual(len(self.started), 1)
+        self.assertTrue(self.shared.in_flight)
+        self.started[0].callback("slots")
+        self.assertEqual(
+            (self.successResultOf(first), self.successResultOf(second)), ("slots",) * 2
+        )
+        self.assertFalse(self.shared.in_flight)
+        self.shared()
+        self.assertEqual(len(self.started), 2)
+
+    def test_failure_shared(self) -> None:
+        """A failure reaches every caller."""
+        first, second = self.shared(), self.shared()
+        self.started[0].errback(Protocol("bad"))
+        self.failureResultOf(first, Protocol)
+        self.failureResultOf(second, Protocol)
+
+    def test_last_caller_gone_cancels(self) -> None:
+        """One caller leaving keeps the request; the last leaving cancels it."""
+        first, second = self.shared(), self.shared()
+        first.cancel()
+        self.failureResultOf(first, CancelledError)
+        self.assertEqual(self.cancelled, [])
+        second.cancel()
+        self.failureResultOf(second, CancelledError)
+        self.assertEqual(self.cancelled, self.started)
+        self.assertFalse(self.shared.in_flight)
