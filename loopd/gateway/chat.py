@@ -31,7 +31,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
-from loopd.errors import Connect
+from loopd.errors import Connect, ProxyRefused
 from loopd.gateway.errors import GatewayError, error_for
 from loopd.gateway.mesh import MeshExchange, MeshHost, mesh_pool
 from loopd.gateway.render import ChunkStream, completion_json, loopd_comment, new_completion_id
@@ -257,22 +257,24 @@ class _ChatExchange:
     def _failed(self, reason: Failure) -> None:
         """
 
-        The call failed: fail over on a refused connection while the client has seen nothing
-        and the router has a next candidate; else answer the error. A cancellation is this
+        The call failed: fail over on a connection that failed or that the endpoint's
+        inferproxy refused at a limit (nothing reached its server) while the client has seen
+        nothing and the router has a next candidate; else answer the error. A cancellation is this
         exchange's own doing (the client left, or the daemon stopped) and answers nothing.
         """
         self._call = None
         if self._phase is _Phase.DONE or reason.check(CancelledError):
             return
-        if reason.check(Connect) and self._alternatives and self._phase is _Phase.QUIET:
+        unreached = reason.check(Connect, ProxyRefused) is not None
+        if unreached and self._alternatives and self._phase is _Phase.QUIET:
             self._fail_over(reason)
             return
         self._end_with_error(error_for(reason.value or Exception(reason.getErrorMessage())))
 
     def _fail_over(self, reason: Failure) -> None:
         """
-        The endpoint could not be connected to and the client has seen nothing yet: try
-        the router's next candidate.
+        The endpoint could not be reached (no connection, or its inferproxy refused one) and
+        the client has seen nothing yet: try the router's next candidate.
         """
         _log.warn(
             "auto: {endpoint} unreachable ({error}); trying {next}",

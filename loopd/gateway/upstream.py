@@ -37,7 +37,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from loopd.errors import Connect, WaitTimeout
+from loopd.errors import Connect, ProxyRefused, WaitTimeout
 from loopd.gateway.leases import GatewayLeases, LeaseHold
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.router import AutoRouter
@@ -257,8 +257,9 @@ class _LeasedCall:
     def _failed(self, reason: Failure) -> None:
         """The lease wait or the call failed: give the lease back, hand the failure on."""
         self._step = None
-        # Nothing of the session is cached where nothing answered: no grace there.
-        self._give_back(self._keys.ends or reason.check(Connect) is not None)
+        # Nothing of the session is cached where nothing answered (no connection, or the
+        # inferproxy refused it before the server saw it): no grace there.
+        self._give_back(self._keys.ends or reason.check(Connect, ProxyRefused) is not None)
         if not self._result.called:
             self._result.errback(reason)
 

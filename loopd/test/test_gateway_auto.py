@@ -16,7 +16,8 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.config import Config
-from loopd.testing.fake_llama import CHAT
+from loopd.errors import ProxyRefused
+from loopd.testing.fake_llama import CHAT, Reply
 from loopd.testing.gateway import HI, GatewayHarness, make_config
 from loopd.testing.llama_replies import TIMINGS, answer
 
@@ -265,6 +266,26 @@ class FailOverTests(AutoTestCase):
         assert harness.leases is not None
         self.assertEqual(len(harness.leases.held_sessions("tiny")), 0)
         self.assertEqual(len(harness.leases.held_sessions("big")), 1)
+
+    def test_proxy_refusal_fails_over(self) -> None:
+        """tiny's inferproxy refuses at its connection cap: big answers, stream or not."""
+        refused = Reply(status=503, headers=[(ProxyRefused.HEADER, ProxyRefused.CONNECTIONS)])
+        for stream in (False, True):
+            harness = AutoHarness(auto_config(), Scripted(0.5, 0.1), leases=True)
+            harness.fake.script("POST", CHAT, refused)
+            harness.big.script("POST", CHAT, answer({"content": "big"}))
+            connection = harness.post({**HI, "stream": stream})
+            harness.advance(1)
+            response = connection.response()
+            self.assertEqual(response.status, 200)
+            if stream:
+                data = response.data()
+                self.assertEqual(data[-1], "[DONE]")
+                self.assertEqual({d["model"] for d in data[:-1]}, {"big"})
+            else:
+                self.assertEqual(response.json()["model"], "big")
+            assert harness.leases is not None
+            self.assertEqual(len(harness.leases.held_sessions("tiny")), 0)
 
     def test_all_unreachable(self) -> None:
         """Every candidate unreachable: the last failure answers, 502 connect."""

@@ -12,10 +12,10 @@ from typing import Any
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.errors import Connect, WaitTimeout
+from loopd.errors import Connect, ProxyRefused, WaitTimeout
 from loopd.gateway.upstream import CallKeys
 from loopd.llama.types import ChatEvent, ChatRequest, Completion, Queued, User
-from loopd.testing.fake_llama import CHAT
+from loopd.testing.fake_llama import CHAT, Reply
 from loopd.testing.gateway import LIMITS, GatewayHarness, make_config
 from loopd.testing.llama_replies import answer
 
@@ -110,6 +110,15 @@ class LifecycleTests(UpstreamCase):
         d = self.call(CallKeys("s1"))
         self.harness.advance(0.1)
         self.failureResultOf(d, Connect)
+        self.assertEqual(self.held(), set())
+
+    def test_proxy_refusal_no_grace(self) -> None:
+        """A call the inferproxy refused at its cap reached no server: no grace either."""
+        refused = Reply(status=503, headers=[(ProxyRefused.HEADER, ProxyRefused.CONNECTIONS)])
+        self.harness.fake.script("POST", CHAT, refused)
+        d = self.call(CallKeys("s1"))
+        self.harness.advance(0.1)
+        self.failureResultOf(d, ProxyRefused)
         self.assertEqual(self.held(), set())
 
     def test_keeps_its_slot(self) -> None:
