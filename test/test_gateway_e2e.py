@@ -158,6 +158,28 @@ class GatewayEndToEndTests(TestCase):
         self.assertGreater(completion.usage.prompt_tokens, 0)
 
     @inlineCallbacks
+    def test_openai_models(self) -> Any:
+        """The SDK lists the models, retrieves one, and gets NotFoundError for an unknown id."""
+        yield self.start()
+        yield self.loopd.ready
+
+        def ask() -> tuple[list[str], Any, Any]:
+            with self.sdk() as client:
+                listed = [m.id for m in client.models.list()]
+                one = client.models.retrieve("tiny")
+                try:
+                    client.models.retrieve("gpt-9")
+                except openai.NotFoundError as error:
+                    return listed, one, error
+                raise AssertionError("an unknown model was retrieved")
+
+        listed, one, missing = yield deferToThread(ask)
+        self.assertEqual(listed, ["tiny", "auto", "mesh"])
+        self.assertEqual((one.id, one.object, one.owned_by), ("tiny", "model", "loopd"))
+        self.assertEqual(missing.status_code, 404)
+        self.assertEqual(missing.code, "model_not_found")
+
+    @inlineCallbacks
     def test_openai_tool_round_trip(self) -> Any:
         """A tool call, its result, then the answer, turn 2 reusing turn 1 from the cache."""
         yield self.start()

@@ -162,7 +162,8 @@ class Gateway:
         if self.leases is not None and self.leases.scheduler is not None:
             scheduler = self.leases.scheduler
             routes[b"/v1/queue"] = JsonRoute(lambda: (200, queue_status(scheduler)))
-        return GatewaySite(Root(routes), self.config.server, reactor=self.reactor)
+        items = {b"/v1/models/": lambda model_id: JsonRoute(lambda: self._model(model_id))}
+        return GatewaySite(Root(routes, items), self.config.server, reactor=self.reactor)
 
     def stop(self) -> None:
         """
@@ -173,16 +174,34 @@ class Gateway:
         if self.leases is not None:
             self.leases.stop()
 
+    def _model_ids(self) -> list[str]:
+        """The ids loopd serves: the endpoints in config order, then C{auto} and C{mesh}."""
+        return [e.name for e in self.config.endpoints] + [AUTO_MODEL, MESH_MODEL]
+
+    def _model_object(self, model_id: str) -> dict[str, object]:
+        """One model in OpenAI's shape."""
+        created = int(self.wall_clock())
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "loopd"}
+
     def _models(self) -> tuple[int, object]:
         """C{GET /v1/models}: the endpoints, then C{auto} and C{mesh}."""
-        created = int(self.wall_clock())
-        data = [
-            {"id": e.name, "object": "model", "created": created, "owned_by": "loopd"}
-            for e in self.config.endpoints
-        ]
-        for virtual in (AUTO_MODEL, MESH_MODEL):
-            data.append({"id": virtual, "object": "model", "created": created, "owned_by": "loopd"})
+        data = [self._model_object(model_id) for model_id in self._model_ids()]
         return 200, {"object": "list", "data": data}
+
+    def _model(self, model_id: str) -> tuple[int, object]:
+        """
+        C{GET /v1/models/{id}} (the OpenAI SDKs' C{models.retrieve}): the model object of an
+        id that C{/v1/models} lists, else 404 C{model_not_found} in the error shape.
+        """
+        if model_id in self._model_ids():
+            return 200, self._model_object(model_id)
+        error = GatewayError(
+            404,
+            f"no endpoint serves model {model_id!r}",
+            "invalid_request_error",
+            "model_not_found",
+        )
+        return error.status, error.body()
 
     def _health(self) -> Deferred[tuple[int, object]]:
         """

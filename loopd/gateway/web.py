@@ -118,21 +118,38 @@ class Root(Resource):
     both in the OpenAI error shape.
     """
 
-    def __init__(self, routes: Mapping[bytes, Resource]) -> None:
+    def __init__(
+        self,
+        routes: Mapping[bytes, Resource],
+        items: Mapping[bytes, Callable[[str], Resource]] | None = None,
+    ) -> None:
         """
         @param routes: the resource of each path, such as C{b"/v1/models"}.
+        @param items: for a path of collection items such as C{b"/v1/models/"}, what makes
+            the resource of one item from the rest of the path (decoded as UTF-8, its
+            trailing slash dropped): C{/v1/models/tiny} is C{items[b"/v1/models/"]("tiny")}.
         """
         super().__init__()
         self._routes = routes
+        self._items = items or {}
 
     def getChild(self, path: bytes, request: Request) -> Resource:
         """The route of the whole path (a trailing slash ignored), or a JSON 404."""
         whole = b"/" + b"/".join([path, *(request.postpath or [])])
         route = self._routes.get(whole.rstrip(b"/") or b"/")
         if route is None:
+            route = self._item(whole.rstrip(b"/"))
+        if route is None:
             return _Refusal(404, f"no route {whole.decode('latin-1')}", "not_found")
         request.postpath = []
         return _MethodGuard(route)
+
+    def _item(self, whole: bytes) -> Resource | None:
+        """The resource of one collection item at C{whole}, if a prefix of C{items} names it."""
+        for prefix, make in self._items.items():
+            if whole.startswith(prefix) and len(whole) > len(prefix):
+                return make(whole[len(prefix) :].decode("utf-8", errors="replace"))
+        return None
 
 
 class _Refusal(Resource):

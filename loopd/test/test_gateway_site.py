@@ -152,6 +152,46 @@ class ModelsTests(SynchronousTestCase):
             self.assertEqual(response.headers["content-type"], "application/json")
             self.assertEqual(response.json(), {"object": "list", "data": models})
 
+    def test_retrieve_one(self) -> None:
+        """C{/v1/models/{id}} is the listed object of that id, endpoint or virtual."""
+        harness = GatewayHarness(make_config(endpoints=("tiny", "big")))
+        for model_id in ("tiny", "big", "auto", "mesh"):
+            for target in (f"/v1/models/{model_id}", f"/v1/models/{model_id}/"):
+                response = harness.get(target).response()
+                self.assertEqual(response.status, 200, target)
+                self.assertEqual(
+                    response.json(),
+                    {"id": model_id, "object": "model", "created": NOW, "owned_by": "loopd"},
+                )
+
+    def test_retrieve_unknown(self) -> None:
+        """An id no endpoint serves is 404 model_not_found in the error shape; others go on."""
+        harness = GatewayHarness(make_config(endpoints=("tiny",)))
+        for model_id, shown in (("gpt-9", "'gpt-9'"), ("a%2Fb", "'a/b'"), ("t%C3%AFny", "'tïny'")):
+            response = harness.get(f"/v1/models/{model_id}").response()
+            self.assertEqual(response.status, 404)
+            self.assertEqual(
+                response.json(),
+                {
+                    "error": {
+                        "message": f"no endpoint serves model {shown}",
+                        "type": "invalid_request_error",
+                        "code": "model_not_found",
+                    }
+                },
+            )
+        self.assertEqual(harness.get("/v1/models/tiny").response().status, 200)
+
+    def test_retrieve_wrong_method(self) -> None:
+        """POST to a model's path is a 405 naming GET, like the other routes."""
+        harness = GatewayHarness(make_config(endpoints=("tiny",)))
+        connection = harness.connect()
+        connection.request("POST", "/v1/models/tiny", b"{}")
+        response = connection.response()
+        self.assertEqual(
+            (response.status, response.json()["error"]["code"]), (405, "method_not_allowed")
+        )
+
 
 class HealthTests(SynchronousTestCase):
     """
