@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 from twisted.internet.interfaces import IDelayedCall
@@ -93,6 +94,7 @@ class GatewayChannel(HTTPChannel):
             return False
         self._refused = True
         self._cancel_timers()
+        self.site.on_refusal(error)
         assert self.transport is not None
         self.transport.write(error_response(error))
         self.loseConnection()
@@ -349,18 +351,27 @@ class GatewaySite(Site):
 
     @ivar server: the limits (C{[server]}).
     @ivar open_channels: the channels connected now.
+    @ivar on_refusal: told of every refusal the channels and the cap make, for C{/metrics}.
     """
 
     protocol = GatewayChannel  # type: ignore[assignment]
 
-    def __init__(self, root: Resource, server: Server, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        root: Resource,
+        server: Server,
+        on_refusal: Callable[[GatewayError], None] = lambda error: None,
+        **kwargs: Any,
+    ) -> None:
         """
         @param server: the limits: C{body_bytes}, the deadlines, the rate floor and
             C{max_connections}.
+        @param on_refusal: told of each refusal (its error) as it is answered.
         @param kwargs: as for C{Site} (C{reactor}, ...).
         """
         super().__init__(root, **kwargs)
         self.server = server
+        self.on_refusal = on_refusal
         self.open_channels: set[GatewayChannel] = set()
         self.displayTracebacks = False
         self.noisy = False
@@ -371,16 +382,20 @@ class GatewaySite(Site):
         and closes (the open connections are not disturbed).
         """
         if len(self.open_channels) >= self.server.max_connections:
-            return _Overloaded(self.server.max_connections)
+            return _Overloaded(self.server.max_connections, self.on_refusal)
         return super().buildProtocol(addr)
 
 
 class _Overloaded(Protocol):
     """A connection past the listener's cap: answered 503 at once, then closed."""
 
-    def __init__(self, cap: int) -> None:
-        """@param cap: the cap, named in the answer."""
+    def __init__(self, cap: int, on_refusal: Callable[[GatewayError], None]) -> None:
+        """
+        @param cap: the cap, named in the answer.
+        @param on_refusal: told of the refusal.
+        """
         self._cap = cap
+        self._on_refusal = on_refusal
 
     def connectionMade(self) -> None:
         """Answer and close."""
@@ -390,6 +405,7 @@ class _Overloaded(Protocol):
             "server_error",
             "too_many_connections",
         )
+        self._on_refusal(error)
         assert self.transport is not None
         self.transport.write(error_response(error))
         self.transport.loseConnection()

@@ -27,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from twisted.logger import Logger
 
+from loopd.gateway.errors import GatewayError
 from loopd.gateway.router import AutoRouter, SpeedStats
 from loopd.llama.pacing import Pacer
 from loopd.llama.types import Timings
@@ -77,6 +78,10 @@ class GatewayMetrics:
         together are the whole prompt), C{completion} those it generated.
     @ivar cache_losses_total: C{loopd_cache_losses_total{endpoint}}.
     @ivar queue_depth: C{loopd_queue_depth{endpoint}}, requests waiting at the gate.
+    @ivar http_refusals_total: C{loopd_http_refusals_total{status, code}}: requests and
+        connections the gateway's HTTP channel refused (malformed, too large, too slow, over
+        the connection cap) before any route saw them.
+    @ivar http_connections_open: C{loopd_http_connections_open}, read from the site.
     """
 
     def __init__(self) -> None:
@@ -113,12 +118,31 @@ class GatewayMetrics:
             ["endpoint"],
             registry=self.registry,
         )
+        self.http_refusals_total = Counter(
+            "loopd_http_refusals_total",
+            "Requests and connections refused by the HTTP channel, by status and error code.",
+            ["status", "code"],
+            registry=self.registry,
+        )
+        self.http_connections_open = Gauge(
+            "loopd_http_connections_open",
+            "Client connections open on the gateway's listener.",
+            registry=self.registry,
+        )
         # Endpoints whose queue depth is read from a callable at scrape time.
         self._depth_sources: set[str] = set()
 
     def observe_request(self, endpoint: str, outcome: str) -> None:
         """Count one finished request of C{endpoint}: C{"ok"} or its error code."""
         self.requests_total.labels(endpoint, outcome).inc()
+
+    def observe_refusal(self, error: GatewayError) -> None:
+        """Count one refusal of the HTTP channel (its status and code)."""
+        self.http_refusals_total.labels(str(error.status), error.code).inc()
+
+    def watch_connections(self, count: Callable[[], int]) -> None:
+        """Read C{loopd_http_connections_open} from C{count} at every scrape."""
+        self.http_connections_open.set_function(count)
 
     def observe_first_token(self, endpoint: str, seconds: float) -> None:
         """Record how long a request of C{endpoint} took to its first token."""

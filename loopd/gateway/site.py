@@ -163,7 +163,14 @@ class Gateway:
             scheduler = self.leases.scheduler
             routes[b"/v1/queue"] = JsonRoute(lambda: (200, queue_status(scheduler)))
         items = {b"/v1/models/": lambda model_id: JsonRoute(lambda: self._model(model_id))}
-        return GatewaySite(Root(routes, items), self.config.server, reactor=self.reactor)
+        site = GatewaySite(
+            Root(routes, items),
+            self.config.server,
+            on_refusal=self.metrics.observe_refusal,
+            reactor=self.reactor,
+        )
+        self.metrics.watch_connections(lambda: len(site.open_channels))
+        return site
 
     def stop(self) -> None:
         """

@@ -400,6 +400,55 @@ class ConnectionCapTests(SynchronousTestCase):
         self.assertEqual([r.status for r in later.responses()], [200])
 
 
+class RefusalMetricsTests(SynchronousTestCase):
+    """
+    C{/metrics} counts the channel's refusals by status and code, and the open connections.
+    """
+
+    def refusals(self, harness: GatewayHarness) -> dict[tuple[str, str], float]:
+        """The loopd_http_refusals_total samples, keyed by (status, code)."""
+        return {
+            (dict(labels)["status"], dict(labels)["code"]): value
+            for (name, labels), value in harness.scrape().items()
+            if name == "loopd_http_refusals_total"
+        }
+
+    def test_each_refusal_counted(self) -> None:
+        """A malformed request, a body too large and a connection over the cap, each once."""
+        harness = _slow_harness(max_connections=3)
+        for raw in (b"GARBAGE\r\n\r\n", head(f"Content-Length: {BODY_BYTES + 1}")):
+            refused = harness.connect()
+            refused.send(raw)
+            refused.drop()
+        open_ones = [harness.connect() for _ in range(3)]
+        self.assertEqual(harness.connect().responses()[0].status, 503)
+        open_ones.pop().drop()
+        samples = harness.scrape()
+        refusals = {
+            (dict(labels)["status"], dict(labels)["code"]): value
+            for (name, labels), value in samples.items()
+            if name == "loopd_http_refusals_total"
+        }
+        self.assertEqual(
+            refusals,
+            {
+                ("400", "bad_request"): 1.0,
+                ("413", "too_large"): 1.0,
+                ("503", "too_many_connections"): 1.0,
+            },
+        )
+        # The two left open, and the scrape's own connection.
+        self.assertEqual(samples[("loopd_http_connections_open", frozenset())], 3.0)
+
+    def test_good_requests_not_counted(self) -> None:
+        """A request that is answered normally is no refusal."""
+        harness = GatewayHarness(make_config())
+        connection = harness.connect()
+        connection.send(MODELS)
+        self.assertEqual([r.status for r in connection.responses()], [200])
+        self.assertEqual(self.refusals(harness), {})
+
+
 class HoldTests(SynchronousTestCase):
     """
     While the transport has asked the channel to pause (its buffer is full), pipelined

@@ -59,6 +59,8 @@ class RenderTests(SynchronousTestCase):
                 "loopd_tokens": "counter",
                 "loopd_cache_losses": "counter",
                 "loopd_queue_depth": "gauge",
+                "loopd_http_refusals": "counter",
+                "loopd_http_connections_open": "gauge",
             },
         )
 
