@@ -19,6 +19,11 @@ candidates, the speeds measured, the random source).
 
 The result is an order, not only a pick (L{Route}): the first endpoint is the §5 pick and each
 next one is the §5 pick among the rest, so the gateway tries the next on a connection failure.
+
+L{place} then applies DESIGN §3 decision 34 (replaced 2026-12-01) to that order: a session
+stays on the endpoint that holds its cache (its home) while that endpoint is eligible, and no
+request queues on a full endpoint while an eligible one has a free slot; a new session goes to
+free capacity first, the §5 order deciding among equals.
 The random source is injected; the reference seeds a SplitMix64 generator from the clock,
 which loopd does not copy. Each request is routed on its own: no session affinity across
 endpoints (DESIGN §3 decision 34). Where the reference is silent: the signal words are loopd's
@@ -62,6 +67,7 @@ __all__ = [
     "make_candidate",
     "media_filter",
     "pick_weighted",
+    "place",
     "route",
     "tools_from_props",
     "wants_auto",
@@ -340,13 +346,45 @@ def route(
     return Route(tuple(ordered), classification, explored)
 
 
+def place(routed: Route, home: str | None = None, free: Mapping[str, int] | None = None) -> Route:
+    """
+    Reorder C{routed} by where the session's cache is and where slots are free (decision 34).
+
+    An endpoint has room when C{free} gives it a free slot, or when C{free} does not know it
+    (or is C{None}: nothing is known, so every endpoint has room). Then:
+     - the session's C{home} (the endpoint that served its last turn), when it is among the
+       candidates (eligible for this request) and has room, or when no candidate has room
+       (waiting at home is no worse than waiting elsewhere, and keeps the cache), goes first;
+     - the others follow with those that have room before those that have none, each group
+       in C{routed}'s order.
+    So a home that is full while another eligible endpoint has a free slot is left for the
+    free one: no request queues beside a free slot.
+
+    @param home: the endpoint of the session's last turn, or C{None} for a new session.
+    @param free: free slots by endpoint name, as the gateway knows them now.
+    """
+    candidates = routed.candidates
+
+    def room(candidate: Candidate) -> bool:
+        """Whether C{candidate} has a free slot, or nothing says it has none."""
+        return free is None or free.get(candidate.name, 1) > 0
+
+    any_room = any(room(c) for c in candidates)
+    first = [c for c in candidates if c.name == home and (room(c) or not any_room)]
+    rest = [c for c in candidates if c not in first]
+    ordered = first + [c for c in rest if room(c)] + [c for c in rest if not room(c)]
+    return Route(tuple(ordered), routed.classification, routed.explored and not first)
+
+
 class AutoRouter:
     """
     The router's state for one gateway: the candidates, their speeds, the random source.
 
-    Each request is routed on its own (DESIGN §3 decision 34): nothing of a session carries
-    over from one endpoint to another; the session's slot affinity inside the chosen
-    endpoint stays.
+    L{route} orders each request on its own; L{place} holds decision 34's placement rule
+    (the session's home first, free capacity before full endpoints), which the gateway is to
+    apply once it knows each session's home and each endpoint's free slots (issue 13, not
+    wired yet: until then a session may move between endpoints). The session's slot affinity
+    inside the chosen endpoint stays.
 
     @ivar candidates: one L{Candidate} per configured endpoint, in config order.
     @ivar speeds: each endpoint's L{SpeedStats}, by name (an endpoint with no completion yet

@@ -31,12 +31,14 @@ from loopd.gateway.router import (
     Candidate,
     MediaUnsupportedError,
     NoEndpointError,
+    Route,
     SpeedStats,
     candidate_weight,
     capability_filter,
     make_candidate,
     media_filter,
     pick_weighted,
+    place,
     route,
     tools_from_props,
     wants_auto,
@@ -242,6 +244,71 @@ class PickWeightedTests(SynchronousTestCase):
 SEEDED_COUNTS = [6963, 2175, 862]
 #: Exploration picks among 10000 with random.Random(6); expected about 1500.
 SEEDED_EXPLORED = 1541
+
+
+class PlaceTests(SynchronousTestCase):
+    """place: a session stays where its cache is; nothing queues beside a free slot."""
+
+    a = Candidate("a", BIG)
+    b = Candidate("b", BIG)
+    c = Candidate("c", SMALL)
+
+    def routed(self, *candidates: Candidate, explored: bool = False) -> Route:
+        """A route in the given order."""
+        return Route(candidates, user("hi"), explored)
+
+    def names(self, result: Route) -> list[str]:
+        """The candidates' names, in order."""
+        return [candidate.name for candidate in result.candidates]
+
+    def test_home_first_when_it_has_room(self) -> None:
+        """The session's endpoint leads even where the weights put it last."""
+        result = place(self.routed(self.a, self.b, self.c), home="c", free={"a": 1, "c": 1})
+        self.assertEqual(self.names(result), ["c", "a", "b"])
+
+    def test_full_home_gives_way_to_a_free_slot(self) -> None:
+        """A full home is passed over for an eligible endpoint with a free slot."""
+        result = place(self.routed(self.a, self.b), home="a", free={"a": 0, "b": 2})
+        self.assertEqual(self.names(result), ["b", "a"])
+
+    def test_everything_full_stays_home(self) -> None:
+        """With no free slot anywhere the session waits where its cache is."""
+        result = place(self.routed(self.a, self.b, self.c), home="b", free={"a": 0, "b": 0, "c": 0})
+        self.assertEqual(self.names(result), ["b", "a", "c"])
+
+    def test_ineligible_home_ignored(self) -> None:
+        """A home the filters removed (say it lacks vision) does not come back."""
+        result = place(self.routed(self.a, self.b), home="c", free={"a": 1, "b": 1})
+        self.assertEqual(self.names(result), ["a", "b"])
+
+    def test_new_session_goes_to_free_capacity(self) -> None:
+        """Without a home, endpoints with a free slot come first, in the routed order."""
+        result = place(self.routed(self.a, self.b, self.c), free={"a": 0, "b": 0, "c": 1})
+        self.assertEqual(self.names(result), ["c", "a", "b"])
+
+    def test_nothing_known(self) -> None:
+        """With no free counts the routed order stands, the home first."""
+        routed = self.routed(self.a, self.b, self.c, explored=True)
+        self.assertEqual(place(routed), routed)
+        self.assertEqual(self.names(place(routed, home="b")), ["b", "a", "c"])
+        self.assertFalse(place(routed, home="b").explored)
+
+    @given(
+        st.permutations(["a", "b", "c"]),
+        st.sampled_from([None, "a", "b", "c", "gone"]),
+        st.fixed_dictionaries({}, optional={n: st.integers(0, 2) for n in "abc"}),
+    )
+    def test_rules_hold(self, order: list[str], home: str | None, free: dict[str, int]) -> None:
+        """Always a permutation; never a full endpoint before one with room, but the home."""
+        by_name = {"a": self.a, "b": self.b, "c": self.c}
+        routed = self.routed(*(by_name[n] for n in order))
+        names = self.names(place(routed, home, free))
+        self.assertEqual(sorted(names), ["a", "b", "c"])
+        has_room = [free.get(n, 1) > 0 for n in names]
+        tail = has_room[1:] if names[0] == home else has_room
+        self.assertEqual(tail, sorted(tail, reverse=True))
+        if home in order and (free.get(home, 1) > 0 or not any(has_room)):
+            self.assertEqual(names[0], home)
 
 
 class RouteTests(SynchronousTestCase):
