@@ -23,7 +23,7 @@ from loopd.gateway.leases import GatewayLeases, queue_status
 from loopd.gateway.mesh import Reachability
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.request import GatewayRequest
-from loopd.gateway.router import AUTO_MODEL, AutoRouter, RandomSource
+from loopd.gateway.router import AUTO_MODEL, AutoRouter, RandomSource, place
 from loopd.gateway.sessions import Sessions
 from loopd.gateway.upstream import Upstreams
 from loopd.gateway.web import Exchange, JsonRoute, Root
@@ -143,6 +143,9 @@ class Gateway:
         chosen = self.router.route(request, self.reactor.seconds())
         if chosen is None:
             return None
+        up = self.upstreams
+        free = {c.name: up.free_slots(c.name) for c in chosen.candidates}
+        chosen = place(chosen, up.home_of(request.session.id), free)
         return tuple(self.config.endpoint(c.name) for c in chosen.candidates)
 
     def _queue_depth(self, name: str, waiting: Callable[[int], int]) -> Callable[[], int]:

@@ -28,6 +28,7 @@ Cancelling the Deferred of L{Upstreams.call} withdraws the lease wait or aborts 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Final
@@ -41,7 +42,7 @@ from loopd.errors import Connect, ProxyRefused, WaitTimeout
 from loopd.gateway.leases import GatewayLeases, LeaseHold
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.router import AutoRouter
-from loopd.gateway.sessions import Sessions
+from loopd.gateway.sessions import DEFAULT_MAX_SESSIONS, Sessions
 from loopd.llama import Client, Flow
 from loopd.llama.retry import is_retryable
 from loopd.llama.types import ChatEvent, ChatRequest, Completion, Queued
@@ -120,6 +121,9 @@ class Upstreams:
         self.router = router
         self.leases = leases
         self._slot_counts = dict(slot_counts or {})
+        # The endpoint of each session's last completion, most recent last, bounded like the
+        # session table: where the session's cache is, for auto (decision 34).
+        self._homes: OrderedDict[str, str] = OrderedDict()
 
     def slot_count(self, endpoint: str) -> int:
         """How many slots endpoint C{endpoint} has."""
@@ -127,6 +131,22 @@ class Upstreams:
             return self._slot_counts[endpoint]
         expected = self.config.endpoint(endpoint).expect.total_slots
         return expected if expected else 1
+
+    def home_of(self, session: str) -> str | None:
+        """The endpoint that served C{session}'s last completion, if loopd remembers one."""
+        return self._homes.get(session) if session else None
+
+    def free_slots(self, endpoint: str) -> int:
+        """
+        How many of C{endpoint}'s slots nobody holds now: under leases, those no session holds
+        (running or in its grace); else those with no request in flight at the gate.
+        """
+        if self.leases is not None:
+            taken = len(self.leases.held_sessions(endpoint))
+        else:
+            gate = self.clients[endpoint].gate
+            taken = sum(gate.in_flight(slot) for slot in range(self.slot_count(endpoint)))
+        return max(0, self.slot_count(endpoint) - taken)
 
     def call(
         self,
@@ -172,6 +192,11 @@ class Upstreams:
         timings = completion.timings
         self.metrics.observe_completion(endpoint, timings)
         self.router.record(endpoint, timings.predicted_per_second, self.reactor.seconds())
+        if keys.session:
+            self._homes[keys.session] = endpoint
+            self._homes.move_to_end(keys.session)
+            while len(self._homes) > DEFAULT_MAX_SESSIONS:
+                self._homes.popitem(last=False)
         outcome = self.sessions.record(keys.history, slot, timings, self.config.cache_loss_tokens)
         if outcome is None:
             return

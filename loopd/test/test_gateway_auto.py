@@ -17,6 +17,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.config import Config
 from loopd.errors import ProxyRefused
+from loopd.settings import Expect
 from loopd.testing.fake_llama import CHAT, Reply
 from loopd.testing.gateway import HI, GatewayHarness, make_config
 from loopd.testing.llama_replies import TIMINGS, answer
@@ -305,6 +306,42 @@ class FailOverTests(AutoTestCase):
         harness.advance(1)
         self.assertEqual(connection.response().status, 502)
         self.assertEqual(harness.served(), (0, 0))
+
+
+class PlacementTests(AutoTestCase):
+    """A session stays where its cache is; a new one goes to free capacity (decision 34)."""
+
+    def turn(self, harness: AutoHarness, session: str) -> str:
+        """One non-streamed auto turn of C{session}; the model that answered it."""
+        connection = harness.post(HI, session=session)
+        harness.advance(1)
+        response = connection.response()
+        self.assertEqual(response.status, 200, response.body)
+        model: str = response.json()["model"]
+        return model
+
+    def test_session_stays_home(self) -> None:
+        """Turn 1 drawn to big; turn 2's draw says tiny, but the session stays on big."""
+        harness = AutoHarness(auto_config(), Scripted(0.5, 0.6, 0.5, 0.4, 0.5, 0.4))
+        self.script_both(harness, 2)
+        self.assertEqual(self.turn(harness, "s1"), "big")
+        self.assertEqual(self.turn(harness, "s1"), "big")
+        self.assertEqual(self.turn(harness, "s2"), "tiny")
+        self.assertEqual(harness.served(), (1, 2))
+
+    def test_new_session_goes_to_the_free_endpoint(self) -> None:
+        """big's one slot is held in s1's grace: s2, drawn to big, is served by tiny at once."""
+        one_slot = {"expect": Expect(total_slots=1)}
+        harness = AutoHarness(
+            auto_config(big=one_slot, tiny=one_slot), Scripted(0.5, 0.6, 0.5, 0.6), leases=True
+        )
+        self.script_both(harness, 2)
+        self.assertEqual(self.turn(harness, "s1"), "big")
+        assert harness.leases is not None
+        self.assertEqual(harness.leases.held_sessions("big"), {"s1"})
+        # Well inside s1's 60 s grace: s2 does not wait for big's slot.
+        self.assertEqual(self.turn(harness, "s2"), "tiny")
+        self.assertEqual(harness.served(), (1, 1))
 
 
 class ModelsTests(SynchronousTestCase):

@@ -398,7 +398,7 @@ class RouteTests(SynchronousTestCase):
         self.assertEqual((fresh.candidates[0], aged.candidates[0]), (self.big_b, self.big_a))
 
     def test_no_session_affinity(self) -> None:
-        """A session's next request follows its own draws, not its last endpoint (decision 34)."""
+        """route alone follows its draws, not the last endpoint; place adds the session's home."""
         body = user("hi", user="session-1")
         endpoints = [self.big_a, self.big_b]
         first = route(body, endpoints, {}, 0.0, ScriptedRandom(0.5, 0.1))
