@@ -381,10 +381,9 @@ class AutoRouter:
     The router's state for one gateway: the candidates, their speeds, the random source.
 
     L{route} orders each request on its own; L{place} holds decision 34's placement rule
-    (the session's home first, free capacity before full endpoints), which the gateway is to
-    apply once it knows each session's home and each endpoint's free slots (issue 13, not
-    wired yet: until then a session may move between endpoints). The session's slot affinity
-    inside the chosen endpoint stays.
+    (the session's home first, free capacity before full endpoints), which the gateway
+    applies with each session's home and each endpoint's free slots (C{Upstreams.home_of},
+    C{Upstreams.free_slots}). The session's slot affinity inside the chosen endpoint stays.
 
     @ivar candidates: one L{Candidate} per configured endpoint, in config order.
     @ivar speeds: each endpoint's L{SpeedStats}, by name (an endpoint with no completion yet
