@@ -32,6 +32,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from loopd.errors import Connect, ProxyRefused
+from loopd.gateway.channel import GatewayChannel
 from loopd.gateway.errors import GatewayError, error_for
 from loopd.gateway.mesh import MeshExchange, MeshHost, mesh_pool
 from loopd.gateway.render import ChunkStream, completion_json, loopd_comment, new_completion_id
@@ -97,9 +98,7 @@ class ChatCompletions(Resource):
         content = request.content
         body = content.read() if content is not None else b""
         try:
-            session = read_session(
-                request.getHeader, lambda: host.sessions.anonymous_id(request.channel)
-            )
+            session = read_session(request.getHeader, lambda: _anonymous(host, request))
             parsed = parse_request(body, session)
             routed = host.route_auto(parsed)
             if parsed.model == MESH_MODEL:
@@ -115,6 +114,20 @@ class ChatCompletions(Resource):
             return write_json(request, e.status, e.body())
         _ChatExchange(host, request, parsed, first, rest).start()
         return NOT_DONE_YET
+
+
+def _anonymous(host: ChatHost, request: Request) -> str:
+    """
+    The anonymous session of C{request}'s connection; it ends when the connection closes
+    (no grace after it, DESIGN §3 decision 36).
+    """
+    channel = request.channel
+
+    def end_with_connection(session: str) -> None:
+        if isinstance(channel, GatewayChannel):
+            channel.when_closed(lambda: host.upstreams.end_session(session))
+
+    return host.sessions.anonymous_id(channel, end_with_connection)
 
 
 class _Phase(enum.Enum):

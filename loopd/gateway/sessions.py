@@ -127,14 +127,18 @@ class Sessions:
         if entry is not None:
             self._homes[entry.slot] -= 1
 
-    def anonymous_id(self, connection_key: object) -> str:
+    def anonymous_id(
+        self, connection_key: object, on_new: Callable[[str], None] | None = None
+    ) -> str:
         """
-        A stable session id for a request without C{X-Session-Id}: one anonymous session
+        A stable session id for a request without a session id: one anonymous session
         per connection.
 
         @param connection_key: the connection (for instance the request's channel). The
             same object always gets the same id and a later object never reuses an earlier
             one's id; a key that cannot be weakly referenced is identified by its value.
+        @param on_new: told the id when this call made it (the connection's first
+            anonymous request), so the caller can end the session with the connection.
         """
         try:
             known = self._anonymous.get(connection_key)
@@ -143,6 +147,8 @@ class Sessions:
         if known is None:
             known = f"anonymous:{next(self._anonymous_serial)}"
             self._anonymous[connection_key] = known
+            if on_new is not None:
+                on_new(known)
         return known
 
     def _age(self, slot: int) -> int:

@@ -19,8 +19,9 @@ mesh worker and reducer call go through L{Upstreams.call}.
     router, and its cache outcome against the session's previous completion on the endpoint
     to the session table, the metrics (a loss) and the log.
  5. B{Give back.} The lease goes back when the call ends: with the grace (the session's next
-    turn starts without a switch), or at once when the session said it ends, and at once
-    after a refused connection (nothing of the session is cached where nothing answered).
+    turn starts without a switch), or at once when the session said it ends or is gone (an
+    anonymous session whose connection closed, L{Upstreams.end_session}), and at once after a
+    refused connection (nothing of the session is cached where nothing answered).
 
 Cancelling the Deferred of L{Upstreams.call} withdraws the lease wait or aborts the request
 (which makes llama-server stop generating) and gives the lease back.
@@ -152,6 +153,16 @@ class Upstreams:
             L{WaitTimeout} for a lease wait that ran out; cancel it to abandon the call.
         """
         return _LeasedCall(self, endpoint, request, keys, on_event, retryable, flow).start()
+
+    def end_session(self, session: str) -> None:
+        """
+        C{session} is gone (an anonymous session whose connection closed): its leases go
+        back with no grace (L{GatewayLeases.end}) and the session table forgets it, so its
+        slot is nobody's home.
+        """
+        self.sessions.forget(session)
+        if self.leases is not None:
+            self.leases.end(session)
 
     def choose_slot(self, endpoint: str, keys: CallKeys) -> int:
         """

@@ -259,6 +259,15 @@ class AnonymousTests(SynchronousTestCase):
         gc.collect()
         self.assertNotEqual(sessions.anonymous_id(Connection()), old)
 
+    def test_on_new_once(self) -> None:
+        """on_new hears the id once, when the connection's first request made it."""
+        sessions = Sessions()
+        connection = Connection()
+        heard: list[str] = []
+        first = sessions.anonymous_id(connection, heard.append)
+        sessions.anonymous_id(connection, heard.append)
+        self.assertEqual(heard, [first])
+
     def test_value_keys(self) -> None:
         """Keys that cannot be weakly referenced are told apart by value."""
         sessions = Sessions()
