@@ -22,6 +22,7 @@ and loopd's buffers stay bounded; reading resumes when the client drains them.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import Protocol
 
@@ -51,6 +52,9 @@ __all__ = ["ChatCompletions", "ChatHost"]
 _log = Logger(namespace="loopd.gateway")
 
 _FIRST_TOKEN = (Content, Reasoning, ToolCallDelta)
+
+#: The body fields of a chat request that name its session, after the headers (decision 36).
+_BODY_SESSION_IDS = ("user",)
 
 
 class ChatHost(MeshHost, Protocol):
@@ -98,8 +102,13 @@ class ChatCompletions(Resource):
         content = request.content
         body = content.read() if content is not None else b""
         try:
-            session = read_session(request.getHeader, lambda: _anonymous(host, request))
-            parsed = parse_request(body, session)
+            parsed = parse_request(body)
+            session = read_session(
+                request.getHeader,
+                lambda: _anonymous(host, request),
+                [(name, parsed.extras.get(name)) for name in _BODY_SESSION_IDS],
+            )
+            parsed = dataclasses.replace(parsed, session=session)
             routed = host.route_auto(parsed)
             if parsed.model == MESH_MODEL:
                 pool = mesh_pool(host, parsed)

@@ -816,6 +816,46 @@ class AnonymousTests(LeaseTestCase):
         self.assertEqual(other.response().status, 200)
 
 
+class AgentIdTests(LeaseTestCase):
+    """
+    The ids agents already send name the session's lease (decision 36), over HTTP.
+    """
+
+    config = make_config(slots=2, limits=PATIENT)
+
+    def holder_for(self, headers: list[str], document: object = STREAM) -> list[str]:
+        """Who holds the queue while one long request with C{headers} runs."""
+        self.script(long_answer(1.0))
+        connection = self.harness.connect()
+        body = json.dumps(document).encode()
+        connection.request("POST", CHAT, body, ["Content-Type: application/json", *headers])
+        self.harness.advance(0.1)
+        return self.harness.holders()
+
+    def test_header_names_the_session(self) -> None:
+        """session-id (Codex CLI, the OpenAI SDK's default_headers) is the lease's session."""
+        self.assertEqual(self.holder_for(["session-id: codex-1"]), ["codex-1"])
+
+    def test_header_order(self) -> None:
+        """X-Claude-Code-Session-Id wins over x-session-affinity and the body's user."""
+        headers = ["x-session-affinity: oc", "X-Claude-Code-Session-Id: cc"]
+        self.assertEqual(self.holder_for(headers, {**STREAM, "user": "u"}), ["cc"])
+
+    def test_body_user(self) -> None:
+        """Without a header, the chat body's user names the session."""
+        self.assertEqual(self.holder_for([], {**STREAM, "user": "alice"}), ["alice"])
+
+    def test_bad_value(self) -> None:
+        """A bad session_id is 400 invalid_session_id naming it; nothing upstream, no lease."""
+        connection = self.harness.connect()
+        headers = ["Content-Type: application/json", "session_id: a\x01b"]
+        connection.request("POST", CHAT, json.dumps(HI).encode(), headers)
+        error = self.error_status(connection, 400, "invalid_session_id")
+        self.assertIn("header session_id has a control character", error["message"])
+        self.assertEqual(self.fake.requests, [])
+        self.assertEqual(self.harness.status(), {"op": "status", "queues": []})
+
+
 class SlotTests(LeaseTestCase):
     """
     A session in its grace keeps its home slot: nobody else is sent there meanwhile.
