@@ -175,7 +175,8 @@ class _ChatExchange:
         self._request = request
         self._parsed = parsed
         self._alternatives = alternatives
-        self._keys = CallKeys(parsed.session.id, parsed.session.tier, parsed.session.ends)
+        session = parsed.session
+        self._keys = CallKeys(session.id, session.tier, session.ends, anonymous=session.anonymous)
         self._phase = _Phase.QUIET
         self._started_at = host.reactor.seconds()
         self._first_token_seen = False

@@ -75,11 +75,13 @@ class SessionRef:
     @ivar id: the id the request names (L{session_id}), or its connection's anonymous id.
     @ivar tier: its lease tier, from C{X-Session-Role}.
     @ivar ends: the request is the session's last (C{X-Session-End}): no grace after it.
+    @ivar anonymous: the request named no session: C{id} is its connection's.
     """
 
     id: str
     tier: Tier = "parent"
     ends: bool = False
+    anonymous: bool = False
 
 
 NO_SESSION: Final = SessionRef("")
@@ -207,7 +209,9 @@ def read_session(
     tier = _header_choice(header, ROLE_HEADER, _ROLES, "parent", "parent or child")
     ends = _header_choice(header, END_HEADER, _ENDS, False, "true or false")
     named = session_id(header, body_ids)
-    return SessionRef(anonymous() if named is None else named, tier, ends)
+    if named is None:
+        return SessionRef(anonymous(), tier, ends, anonymous=True)
+    return SessionRef(named, tier, ends)
 
 
 def session_id(

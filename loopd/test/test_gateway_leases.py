@@ -816,6 +816,32 @@ class AnonymousTests(LeaseTestCase):
         self.assertEqual(other.response().status, 200)
 
 
+class AnonymousSlotTests(LeaseTestCase):
+    """
+    An anonymous request goes to the free slot whose last conversation is a prefix of its
+    own (decision 36), as a client making a new connection per turn needs.
+    """
+
+    config = make_config(slots=2, limits=PATIENT)
+
+    def test_prefix_slot(self) -> None:
+        """
+        On two slots, a's first turn runs on slot 0 and b's on slot 1, each on a connection
+        closed after it; b's second turn, on a new connection, goes back to slot 1, whose
+        last conversation is the beginning of its own (the older slot 0 would lose it).
+        """
+        b1 = [{"role": "user", "content": "b1"}]
+        b2 = [*b1, {"role": "assistant", "content": "x"}, {"role": "user", "content": "b2"}]
+        self.script(*[answer({"content": "x"}) for _ in range(3)])
+        for messages in ([{"role": "user", "content": "a1"}], b1, b2):
+            connection = self.harness.chat({"messages": messages})
+            self.harness.advance(0.2)
+            self.assertEqual(connection.response().status, 200)
+            connection.drop()
+        slots = [r.json["id_slot"] for r in self.fake.requests_to("POST", CHAT)]
+        self.assertEqual(slots, [0, 1, 1])
+
+
 class AgentIdTests(LeaseTestCase):
     """
     The ids agents already send name the session's lease (decision 36), over HTTP.
