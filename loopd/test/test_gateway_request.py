@@ -229,7 +229,7 @@ class ReadSessionTests(SynchronousTestCase):
 
     def test_defaults(self) -> None:
         """No header: the connection's anonymous session, a parent, not ending."""
-        self.assertEqual(self.read({}), SessionRef("anon:1", "parent", False))
+        self.assertEqual(self.read({}), SessionRef("anon:1", "parent", False, anonymous=True))
 
     def test_headers(self) -> None:
         """X-Session-Id names it; the role and the end are read in any case."""
