@@ -180,6 +180,35 @@ class GatewayEndToEndTests(TestCase):
         self.assertEqual(missing.code, "model_not_found")
 
     @inlineCallbacks
+    def test_openai_session_header(self) -> Any:
+        """
+        The SDK's default_headers session-id (as Codex CLI sends it) names the session that
+        holds the lease in its grace; an empty one is a 400 invalid_session_id naming it.
+        """
+        yield self.start()
+        yield self.loopd.ready
+
+        def ask() -> tuple[Any, Any]:
+            transport = httpx.HTTPTransport(uds=self.socket)
+            with self.sdk() as client:
+                named = client.with_options(default_headers={"session-id": "sdk-e2e"})
+                named.chat.completions.create(model="tiny", messages=HI, max_tokens=4)
+                with httpx.Client(transport=transport) as raw:
+                    queues = raw.get("http://loopd/v1/queue").json()["queues"]
+                empty = client.with_options(default_headers={"session-id": ""})
+                try:
+                    empty.chat.completions.create(model="tiny", messages=HI, max_tokens=4)
+                except openai.BadRequestError as error:
+                    return queues, error
+                raise AssertionError("an empty session-id was accepted")
+
+        queues, error = yield deferToThread(ask)
+        holders = [h["sessionKey"] for q in queues for h in q["holders"]]
+        self.assertEqual(holders, ["sdk-e2e"])
+        self.assertEqual((error.status_code, error.code), (400, "invalid_session_id"))
+        self.assertIn("header session-id is empty", error.message)
+
+    @inlineCallbacks
     def test_openai_tool_round_trip(self) -> Any:
         """A tool call, its result, then the answer, turn 2 reusing turn 1 from the cache."""
         yield self.start()

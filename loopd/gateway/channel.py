@@ -334,14 +334,25 @@ class GatewayChannel(HTTPChannel):
 
     def connectionMade(self) -> None:
         """Count this connection on the site."""
+        self._on_close: list[Callable[[], None]] = []
         self.site.open_channels.add(self)
         super().connectionMade()
 
+    def when_closed(self, callback: Callable[[], None]) -> None:
+        """
+        Call C{callback} once when this connection is lost, after its requests heard of it
+        (an anonymous session ends with its connection).
+        """
+        self._on_close.append(callback)
+
     def connectionLost(self, reason: Failure = connectionDone) -> None:
-        """Uncount it, and stop every timer."""
+        """Uncount it, stop every timer, then tell those who asked (L{when_closed})."""
         self.site.open_channels.discard(self)
         self._cancel_timers()
         super().connectionLost(reason)
+        callbacks, self._on_close = self._on_close, []
+        for callback in callbacks:
+            callback()
 
 
 class GatewaySite(Site):

@@ -22,6 +22,7 @@ and loopd's buffers stay bounded; reading resumes when the client drains them.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import Protocol
 
@@ -32,6 +33,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from loopd.errors import Connect, ProxyRefused
+from loopd.gateway.channel import GatewayChannel
 from loopd.gateway.errors import GatewayError, error_for
 from loopd.gateway.mesh import MeshExchange, MeshHost, mesh_pool
 from loopd.gateway.render import ChunkStream, completion_json, loopd_comment, new_completion_id
@@ -50,6 +52,9 @@ __all__ = ["ChatCompletions", "ChatHost"]
 _log = Logger(namespace="loopd.gateway")
 
 _FIRST_TOKEN = (Content, Reasoning, ToolCallDelta)
+
+#: The body fields of a chat request that name its session, after the headers (decision 36).
+_BODY_SESSION_IDS = ("user",)
 
 
 class ChatHost(MeshHost, Protocol):
@@ -97,10 +102,13 @@ class ChatCompletions(Resource):
         content = request.content
         body = content.read() if content is not None else b""
         try:
+            parsed = parse_request(body)
             session = read_session(
-                request.getHeader, lambda: host.sessions.anonymous_id(request.channel)
+                request.getHeader,
+                lambda: _anonymous(host, request),
+                [(name, parsed.extras.get(name)) for name in _BODY_SESSION_IDS],
             )
-            parsed = parse_request(body, session)
+            parsed = dataclasses.replace(parsed, session=session)
             routed = host.route_auto(parsed)
             if parsed.model == MESH_MODEL:
                 pool = mesh_pool(host, parsed)
@@ -115,6 +123,20 @@ class ChatCompletions(Resource):
             return write_json(request, e.status, e.body())
         _ChatExchange(host, request, parsed, first, rest).start()
         return NOT_DONE_YET
+
+
+def _anonymous(host: ChatHost, request: Request) -> str:
+    """
+    The anonymous session of C{request}'s connection; it ends when the connection closes
+    (no grace after it, DESIGN §3 decision 36).
+    """
+    channel = request.channel
+
+    def end_with_connection(session: str) -> None:
+        if isinstance(channel, GatewayChannel):
+            channel.when_closed(lambda: host.upstreams.end_session(session))
+
+    return host.sessions.anonymous_id(channel, end_with_connection)
 
 
 class _Phase(enum.Enum):
@@ -153,7 +175,8 @@ class _ChatExchange:
         self._request = request
         self._parsed = parsed
         self._alternatives = alternatives
-        self._keys = CallKeys(parsed.session.id, parsed.session.tier, parsed.session.ends)
+        session = parsed.session
+        self._keys = CallKeys(session.id, session.tier, session.ends, anonymous=session.anonymous)
         self._phase = _Phase.QUIET
         self._started_at = host.reactor.seconds()
         self._first_token_seen = False

@@ -6,7 +6,8 @@ Each chat request takes a lease on its endpoint's queue for its session before i
 upstream, competing with the leases outside clients take over the lease socket. A session's
 lease outlives its request by a grace (C{[queue] grace_ms}), so its next turn starts without a
 switch and finds its slot's KV cache warm. Concurrent requests of one session share its lease;
-the grace starts when the last of them ends.
+the grace starts when the last of them ends. A session that is gone (L{GatewayLeases.end}: an
+anonymous session whose connection closed) has no grace.
 
 While a request runs its lease gets keyed activity beats on the lease's own terms; during the
 grace it gets bare TTL refreshes only, so an idle-yield window shorter than the grace can hand
@@ -176,6 +177,19 @@ class GatewayLeases:
             hold.grace = self._reactor.callLater(self._grace, self._release, hold)
         else:
             self._release(hold)
+
+    def end(self, session_key: str) -> None:
+        """
+        C{session_key} is gone (its connection closed, for an anonymous session): every
+        lease of it goes back with no grace, at once when no request of it runs, else when
+        the last one ends (as L{done} with C{final}).
+        """
+        for hold in [h for (_, s), h in self._holds.items() if s == session_key]:
+            hold.final = True
+            if hold.users == 0:
+                if hold.grace is not None:
+                    hold.grace.cancel()
+                self._release(hold)
 
     def held_sessions(self, queue_key: str) -> set[str]:
         """

@@ -6,14 +6,15 @@ C{auto} router, the mesh, the translation to the upstream request, the leases.
 
 A front door (today C{POST /v1/chat/completions}, L{loopd.gateway.translate}) decodes and
 checks a body once and hands on a L{GatewayRequest}; nothing after it sees the body again.
-The session the request belongs to comes from its headers (L{read_session}).
+The session the request belongs to comes from its headers and, after them, the ids a front door
+finds in its body (L{read_session}, L{session_id}; DESIGN §3 decision 36).
 
 Pure: values and functions, no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
@@ -23,18 +24,36 @@ from loopd.queue.scheduler_types import Tier
 
 __all__ = [
     "END_HEADER",
+    "MAX_SESSION_ID_BYTES",
     "ROLE_HEADER",
     "SESSION_HEADER",
+    "SESSION_ID_HEADERS",
     "NO_SESSION",
     "GatewayRequest",
     "SessionRef",
     "ThinkingSwitch",
     "Tier",
     "read_session",
+    "session_id",
 ]
 
 SESSION_HEADER: Final = b"x-session-id"
 """The header that names a request's session."""
+SESSION_ID_HEADERS: Final = (
+    (b"x-session-id", "X-Session-Id"),
+    (b"x-claude-code-session-id", "X-Claude-Code-Session-Id"),
+    (b"session-id", "session-id"),
+    (b"session_id", "session_id"),
+    (b"x-session-affinity", "x-session-affinity"),
+    (b"x-litellm-session-id", "x-litellm-session-id"),
+)
+"""
+The headers that name a request's session, in the order they are read (decision 36), each
+by its lower-case name and as error messages show it: loopd's own, Claude Code's, Codex CLI's
+and pi's, OpenCode's and pi's affinity, LiteLLM's.
+"""
+MAX_SESSION_ID_BYTES: Final = 256
+"""The longest session id loopd takes, in bytes of UTF-8."""
 ROLE_HEADER: Final = b"x-session-role"
 """The header that gives the session's tier: C{parent} or C{child}."""
 END_HEADER: Final = b"x-session-end"
@@ -53,14 +72,16 @@ class SessionRef:
     """
     The session a request belongs to: the key of its lease and of its slot history.
 
-    @ivar id: the C{X-Session-Id}, or the connection's anonymous id.
+    @ivar id: the id the request names (L{session_id}), or its connection's anonymous id.
     @ivar tier: its lease tier, from C{X-Session-Role}.
     @ivar ends: the request is the session's last (C{X-Session-End}): no grace after it.
+    @ivar anonymous: the request named no session: C{id} is its connection's.
     """
 
     id: str
     tier: Tier = "parent"
     ends: bool = False
+    anonymous: bool = False
 
 
 NO_SESSION: Final = SessionRef("")
@@ -169,23 +190,90 @@ class GatewayRequest:
 
 
 def read_session(
-    header: Callable[[bytes], bytes | None], anonymous: Callable[[], str]
+    header: Callable[[bytes], bytes | None],
+    anonymous: Callable[[], str],
+    body_ids: Sequence[tuple[str, object]] = (),
 ) -> SessionRef:
     """
-    The session of a request from its headers: C{X-Session-Id} (else C{anonymous()}, the id
-    of its connection), C{X-Session-Role} (C{parent}, also when absent, or C{child}, any
-    case) and C{X-Session-End} (C{true} or C{1}; absent, C{false} or C{0}: not).
+    The session of a request: its id (L{session_id}, else C{anonymous()}, the id of its
+    connection), C{X-Session-Role} (C{parent}, also when absent, or C{child}, any case) and
+    C{X-Session-End} (C{true} or C{1}; absent, C{false} or C{0}: not).
 
     @param header: the request's header by lower-case name, C{None} when it has none.
     @param anonymous: gives the id of the request's connection, asked only when needed.
-    @raise GatewayError: 400 C{invalid_session_role} or C{invalid_session_end} for any other
-        value of those headers.
+    @param body_ids: the front door's candidate ids from the body, as for L{session_id}.
+    @raise GatewayError: 400 C{invalid_session_id} for a bad id (L{session_id}), 400
+        C{invalid_session_role} or C{invalid_session_end} for any other value of those
+        headers.
     """
     tier = _header_choice(header, ROLE_HEADER, _ROLES, "parent", "parent or child")
     ends = _header_choice(header, END_HEADER, _ENDS, False, "true or false")
-    named = header(SESSION_HEADER)
-    session = named.decode("utf-8", "backslashreplace") if named else anonymous()
-    return SessionRef(session, tier, ends)
+    named = session_id(header, body_ids)
+    if named is None:
+        return SessionRef(anonymous(), tier, ends, anonymous=True)
+    return SessionRef(named, tier, ends)
+
+
+def session_id(
+    header: Callable[[bytes], bytes | None], body_ids: Sequence[tuple[str, object]] = ()
+) -> str | None:
+    """
+    The session id a request names: the first of L{SESSION_ID_HEADERS} it carries, else the
+    first of C{body_ids} that is not C{None}; C{None} when it names none. Only that first
+    one is read, and it must be 1 to L{MAX_SESSION_ID_BYTES} bytes of UTF-8 without control
+    characters (surrounding spaces are not part of it).
+
+    @param header: the request's header by lower-case name, C{None} when it has none.
+    @param body_ids: the ids a front door found in the body, in its order of decision 36,
+        each as (the field's name in error messages, its value as sent, C{None} when
+        absent); the chat front door gives C{user}, the Anthropic and Responses ones
+        C{metadata.user_id} and C{prompt_cache_key}.
+    @raise GatewayError: 400 C{invalid_session_id}, naming the header or field, for a bad
+        id or a body id that is not a string.
+    """
+    for name, shown in SESSION_ID_HEADERS:
+        value = header(name)
+        if value is not None:
+            return _checked_id(shown, value.strip(b" \t"), "header")
+    for shown, candidate in body_ids:
+        if candidate is None:
+            continue
+        if not isinstance(candidate, str):
+            raise _bad_id(f"field {shown} must be a string, got {type(candidate).__name__}")
+        return _checked_id(shown, candidate.strip(" \t").encode("utf-8", "surrogatepass"), "field")
+    return None
+
+
+def _checked_id(shown: str, value: bytes, kind: str) -> str:
+    """
+    C{value}, a session id from C{kind} C{shown}, decoded.
+
+    @raise GatewayError: 400 C{invalid_session_id} when it is empty, too long, not UTF-8 or
+        has a control character.
+    """
+    where = f"{kind} {shown}"
+    if not value:
+        raise _bad_id(f"{where} is empty")
+    if len(value) > MAX_SESSION_ID_BYTES:
+        raise _bad_id(f"{where} is {len(value)} bytes, over {MAX_SESSION_ID_BYTES}")
+    try:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _bad_id(f"{where} is not UTF-8") from None
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in text):
+        raise _bad_id(f"{where} has a control character")
+    return text
+
+
+def _bad_id(reason: str) -> GatewayError:
+    """The 400 of a bad session id, saying why."""
+    return GatewayError(
+        400,
+        f"bad session id: {reason} (1 to {MAX_SESSION_ID_BYTES} bytes of UTF-8, no control "
+        "characters)",
+        "invalid_request_error",
+        "invalid_session_id",
+    )
 
 
 def _header_choice(

@@ -7,6 +7,10 @@ A session keeps the slot it used last whenever that slot is free, because its pr
 is still in that slot's KV cache (DESIGN §3 decision 16). When it must move, it goes to a free
 slot that no other session calls home, so sessions do not trample each other's caches.
 
+An anonymous request (no session id, DESIGN §3 decision 36) has no history of its own beyond
+its connection; it goes to the free slot whose last conversation is a prefix of its messages,
+when there is one (L{conversation_key}), since that slot's cache holds the turns it resends.
+
 Pure: no reactor, no I/O. The table is bounded; the least recently recorded session goes first.
 """
 
@@ -15,19 +19,32 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from loopd.llama.info import CacheOutcome, cache_outcome
 from loopd.llama.types import Timings
 
-__all__ = ["DEFAULT_MAX_SESSIONS", "Sessions"]
+__all__ = ["DEFAULT_MAX_SESSIONS", "Conversation", "Sessions", "conversation_key"]
 
 #: How many sessions a table remembers unless told otherwise.
 DEFAULT_MAX_SESSIONS = 1024
 
 #: Slots never recorded are older than any recorded one.
 _NEVER = -1
+
+
+Conversation = tuple[int, ...]
+"""A conversation as the table keeps it: one hash per message, in order (L{conversation_key})."""
+
+
+def conversation_key(messages: Sequence[object]) -> Conversation:
+    """
+    C{messages} as the table compares them: one hash of each message's C{repr} (messages
+    are frozen dataclasses, so equal messages have equal C{repr}s), in order. A slot's
+    last conversation is a prefix of a request's when its key is a prefix of the request's.
+    """
+    return tuple(hash(repr(message)) for message in messages)
 
 
 @dataclass(frozen=True)
@@ -59,6 +76,8 @@ class Sessions:
         self._clock = itertools.count()
         self._anonymous: weakref.WeakKeyDictionary[object, str] = weakref.WeakKeyDictionary()
         self._anonymous_serial = itertools.count(1)
+        # The last conversation each endpoint's slot served: at most one per slot.
+        self._conversations: dict[tuple[str, int], Conversation] = {}
 
     def __len__(self) -> int:
         """How many sessions the table remembers now."""
@@ -69,19 +88,29 @@ class Sessions:
         entry = self._entries.get(session)
         return None if entry is None else entry.slot
 
-    def choose_slot(self, session: str, n_slots: int, busy: Callable[[int], bool]) -> int:
+    def choose_slot(
+        self,
+        session: str,
+        n_slots: int,
+        busy: Callable[[int], bool],
+        prefix_of: tuple[str, Conversation] | None = None,
+    ) -> int:
         """
         Pick the slot for C{session}'s next request. The table is not changed.
 
           1. The session's last slot, when it is not busy.
-          2. Otherwise a free slot, preferring one that no other session used last, then
+          2. With C{prefix_of} (an anonymous request): the free slot whose last
+             conversation on that endpoint is the longest prefix of that conversation.
+          3. Otherwise a free slot, preferring one that no other session used last, then
              the one least recently used, then the lowest.
-          3. Every slot busy: the session's last slot (the request queues at the gate), or,
+          4. Every slot busy: the session's last slot (the request queues at the gate), or,
              for a new session, the slot fewest sessions call home.
 
         @param n_slots: how many slots the endpoint has, at least 1. A remembered slot
             outside C{range(n_slots)} is ignored.
         @param busy: whether a slot has a request in flight now.
+        @param prefix_of: the endpoint and the request's conversation (L{conversation_key}),
+            for rule 2.
         """
         if n_slots < 1:
             raise ValueError(f"n_slots must be >= 1, got {n_slots}")
@@ -91,6 +120,10 @@ class Sessions:
         if last is not None and not busy(last):
             return last
         free = [slot for slot in range(n_slots) if slot != last and not busy(slot)]
+        if free and prefix_of is not None:
+            matched = self._longest_prefix(*prefix_of, free)
+            if matched is not None:
+                return matched
         if free:
             return min(free, key=lambda s: (self._homes[s] > 0, self._age(s), s))
         if last is not None:
@@ -121,20 +154,28 @@ class Sessions:
             self._homes[evicted.slot] -= 1
         return outcome
 
+    def remember_conversation(self, endpoint: str, slot: int, conversation: Conversation) -> None:
+        """C{endpoint}'s C{slot} served C{conversation} last (its cache holds it now)."""
+        self._conversations[(endpoint, slot)] = conversation
+
     def forget(self, session: str) -> None:
         """Drop C{session} from the table (a closed connection's anonymous session)."""
         entry = self._entries.pop(session, None)
         if entry is not None:
             self._homes[entry.slot] -= 1
 
-    def anonymous_id(self, connection_key: object) -> str:
+    def anonymous_id(
+        self, connection_key: object, on_new: Callable[[str], None] | None = None
+    ) -> str:
         """
-        A stable session id for a request without C{X-Session-Id}: one anonymous session
+        A stable session id for a request without a session id: one anonymous session
         per connection.
 
         @param connection_key: the connection (for instance the request's channel). The
             same object always gets the same id and a later object never reuses an earlier
             one's id; a key that cannot be weakly referenced is identified by its value.
+        @param on_new: told the id when this call made it (the connection's first
+            anonymous request), so the caller can end the session with the connection.
         """
         try:
             known = self._anonymous.get(connection_key)
@@ -143,7 +184,22 @@ class Sessions:
         if known is None:
             known = f"anonymous:{next(self._anonymous_serial)}"
             self._anonymous[connection_key] = known
+            if on_new is not None:
+                on_new(known)
         return known
+
+    def _longest_prefix(
+        self, endpoint: str, conversation: Conversation, free: Sequence[int]
+    ) -> int | None:
+        """The slot of C{free} whose last conversation is the longest prefix of C{conversation}."""
+        best: tuple[int, int] | None = None
+        for slot in free:
+            last = self._conversations.get((endpoint, slot))
+            if not last or conversation[: len(last)] != last:
+                continue
+            if best is None or len(last) > best[0]:
+                best = (len(last), slot)
+        return None if best is None else best[1]
 
     def _age(self, slot: int) -> int:
         """When C{slot} last completed a request; smaller is longer ago."""

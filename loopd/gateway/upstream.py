@@ -8,7 +8,8 @@ mesh worker and reducer call go through L{Upstreams.call}.
     on the endpoint's queue (L{GatewayLeases.acquire}), hearing how many wait ahead as a
     L{Queued} event. A lease not granted within C{limits.busy_wait_ms} is L{WaitTimeout}.
  2. B{Slot.} The session's slot on the endpoint: the one it used last when that is free,
-    else a free one nobody else calls home (L{Sessions.choose_slot}); a slot is taken
+    else (an anonymous request) the free one whose last conversation is a prefix of its
+    messages, else a free one nobody else calls home (L{Sessions.choose_slot}); a slot is taken
     while a request runs on it and, under leases, while another session holding a lease on
     the endpoint calls it home, so that session's next turn finds its KV cache where it
     left it.
@@ -19,8 +20,9 @@ mesh worker and reducer call go through L{Upstreams.call}.
     router, and its cache outcome against the session's previous completion on the endpoint
     to the session table, the metrics (a loss) and the log.
  5. B{Give back.} The lease goes back when the call ends: with the grace (the session's next
-    turn starts without a switch), or at once when the session said it ends, and at once
-    after a refused connection (nothing of the session is cached where nothing answered).
+    turn starts without a switch), or at once when the session said it ends or is gone (an
+    anonymous session whose connection closed, L{Upstreams.end_session}), and at once after a
+    refused connection (nothing of the session is cached where nothing answered).
 
 Cancelling the Deferred of L{Upstreams.call} withdraws the lease wait or aborts the request
 (which makes llama-server stop generating) and gives the lease back.
@@ -42,7 +44,7 @@ from loopd.errors import Connect, ProxyRefused, WaitTimeout
 from loopd.gateway.leases import GatewayLeases, LeaseHold
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.router import AutoRouter
-from loopd.gateway.sessions import DEFAULT_MAX_SESSIONS, Sessions
+from loopd.gateway.sessions import DEFAULT_MAX_SESSIONS, Conversation, Sessions, conversation_key
 from loopd.llama import Client, Flow
 from loopd.llama.retry import is_retryable
 from loopd.llama.types import ChatEvent, ChatRequest, Completion, Queued
@@ -71,12 +73,15 @@ class CallKeys:
     @ivar ends: the session said this is its last request: no grace after it.
     @ivar slot_key: the key the session's slot history on this endpoint is kept under;
         the session's own key when C{None} (a mesh session keeps one per endpoint).
+    @ivar anonymous: the request named no session (its connection's): its slot is chosen
+        by the prefix of its conversation too (L{Sessions.choose_slot}).
     """
 
     session: str
     tier: Tier = "parent"
     ends: bool = False
     slot_key: str | None = None
+    anonymous: bool = False
 
     @property
     def history(self) -> str:
@@ -173,23 +178,55 @@ class Upstreams:
         """
         return _LeasedCall(self, endpoint, request, keys, on_event, retryable, flow).start()
 
-    def choose_slot(self, endpoint: str, keys: CallKeys) -> int:
+    def end_session(self, session: str) -> None:
+        """
+        C{session} is gone (an anonymous session whose connection closed): its leases go
+        back with no grace (L{GatewayLeases.end}) and the session table forgets it, so its
+        slot is nobody's home (nor is any endpoint its home for C{auto}).
+        """
+        self.sessions.forget(session)
+        self._homes.pop(session, None)
+        if self.leases is not None:
+            self.leases.end(session)
+
+    def choose_slot(
+        self, endpoint: str, keys: CallKeys, conversation: Conversation | None = None
+    ) -> int:
         """
         The slot of C{endpoint} for the next request of C{keys}: L{Sessions.choose_slot}
-        with the rule of step 2 (module docstring) for which slots are taken.
+        with the rule of step 2 (module docstring) for which slots are taken; an anonymous
+        request's C{conversation} prefers the slot that served its beginning.
         """
         gate = self.clients[endpoint].gate
         reserved: set[int | None] = set()
         if self.leases is not None:
             holders = self.leases.held_sessions(endpoint)
             reserved = {self.sessions.last_slot(s) for s in holders if s != keys.session}
+        prefix_of = None
+        if keys.anonymous and conversation is not None:
+            prefix_of = (endpoint, conversation)
         return self.sessions.choose_slot(
-            keys.history, self.slot_count(endpoint), lambda s: s in reserved or gate.in_flight(s)
+            keys.history,
+            self.slot_count(endpoint),
+            lambda s: s in reserved or gate.in_flight(s),
+            prefix_of,
         )
 
-    def account(self, endpoint: str, keys: CallKeys, slot: int, completion: Completion) -> None:
-        """Step 4 of the module docstring for a completion of C{endpoint} on C{slot}."""
+    def account(
+        self,
+        endpoint: str,
+        keys: CallKeys,
+        slot: int,
+        completion: Completion,
+        conversation: Conversation | None = None,
+    ) -> None:
+        """
+        Step 4 of the module docstring for a completion of C{endpoint} on C{slot}; the
+        slot's last C{conversation}, when given, is remembered for anonymous requests.
+        """
         timings = completion.timings
+        if conversation is not None:
+            self.sessions.remember_conversation(endpoint, slot, conversation)
         self.metrics.observe_completion(endpoint, timings)
         self.router.record(endpoint, timings.predicted_per_second, self.reactor.seconds())
         if keys.session:
@@ -237,6 +274,7 @@ class _LeasedCall:
         self._hold: LeaseHold | None = None
         self._step: Deferred[LeaseHold] | Deferred[Completion] | None = None
         self._slot = -1
+        self._conversation = conversation_key(request.messages)
         self._result: Deferred[Completion] = Deferred(self._cancel)
 
     def start(self) -> Deferred[Completion]:
@@ -265,7 +303,7 @@ class _LeasedCall:
 
     def _go(self) -> None:
         """Choose the slot and send the request upstream."""
-        self._slot = self._up.choose_slot(self._endpoint, self._keys)
+        self._slot = self._up.choose_slot(self._endpoint, self._keys, self._conversation)
         client = self._up.clients[self._endpoint]
         request = replace(self._request, slot=self._slot)
         calling = client.chat_with_retry(request, self._on_event, self._retryable, flow=self._flow)
@@ -276,7 +314,7 @@ class _LeasedCall:
         """The client answered: give the lease back, account for the answer, hand it on."""
         self._step = None
         self._give_back(self._keys.ends)
-        self._up.account(self._endpoint, self._keys, self._slot, completion)
+        self._up.account(self._endpoint, self._keys, self._slot, completion, self._conversation)
         self._result.callback(completion)
 
     def _failed(self, reason: Failure) -> None:

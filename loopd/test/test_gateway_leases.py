@@ -490,6 +490,45 @@ class StopTests(SynchronousTestCase):
         self.assertEqual(h.holders(), ["x"])
 
 
+class SessionGoneTests(SynchronousTestCase):
+    """
+    L{GatewayLeases.end}: a session that is gone (its connection closed) gives its slot back
+    at once, in its grace or, while a request of it still runs, when that request ends.
+    """
+
+    def test_in_grace_released_at_once(self) -> None:
+        """A hold in its grace is released by end(); the waiter is granted at once."""
+        h = Harness()
+        hold = self.successResultOf(h.acquire("a"))
+        waiter = h.acquire("b")
+        h.leases.done(hold)
+        self.assertEqual(h.holders(), ["a"])
+        h.leases.end("a")
+        self.assertEqual(h.holders(), ["b"])
+        self.successResultOf(waiter)
+        # The grace's timer went with the lease: only the new holder's beats are left.
+        self.assertEqual(len(h.clock.getDelayedCalls()), 1)
+
+    def test_running_released_when_done(self) -> None:
+        """A hold whose request still runs is kept until done(), then released (no grace)."""
+        h = Harness()
+        hold = self.successResultOf(h.acquire("a"))
+        waiter = h.acquire("b")
+        h.leases.end("a")
+        self.assertEqual(h.holders(), ["a"])
+        h.leases.done(hold)
+        self.assertEqual(h.holders(), ["b"])
+        self.successResultOf(waiter)
+
+    def test_unknown_session(self) -> None:
+        """end() of a session that holds nothing changes nothing."""
+        h = Harness()
+        hold = self.successResultOf(h.acquire("a"))
+        h.leases.end("nobody")
+        h.leases.done(hold)
+        self.assertEqual(h.holders(), ["a"])
+
+
 STREAM = {**HI, "stream": True}
 #: Limits under which a lease wait never times out in these tests.
 PATIENT = dataclasses.replace(LIMITS, busy_wait_ms=60_000)
@@ -723,6 +762,124 @@ class WaitTimeoutTests(LeaseTestCase):
         self.assertNotIn("[DONE]", response.data())
         self.assertEqual(self.harness.waiting(), [])
         self.assertEqual(self.chats_sent(), 1)
+
+
+class AnonymousTests(LeaseTestCase):
+    """
+    A request without a session id belongs to its connection's anonymous session, which
+    ends when the connection closes: no grace after it (DESIGN §3 decision 36).
+    """
+
+    def test_new_connection_per_request(self) -> None:
+        """
+        Ten sequential anonymous requests on one slot, each on a new connection closed
+        after its answer (curl, an SDK making a client per request): each is answered
+        within 0.2 s, none waits for the previous one's grace (1 s).
+        """
+        self.script(*[answer({"content": f"n{i}"}) for i in range(10)])
+        for i in range(10):
+            connection = self.harness.chat(HI)
+            self.harness.advance(0.2)
+            response = connection.response()
+            self.assertEqual((response.status, response.complete), (200, True), f"request {i}")
+            connection.drop()
+        self.assertEqual(self.chats_sent(), 10)
+        self.assertEqual(self.harness.holders(), [])
+
+    def test_keep_alive_keeps_its_session(self) -> None:
+        """
+        A connection that stays open keeps its anonymous session and slot between requests
+        (a second connection waits); when it closes, the slot goes to the waiter at once.
+        """
+        self.script(*[answer({"content": c}) for c in ("a1", "a2", "b1")])
+        kept = self.harness.connect()
+        kept.post(HI)
+        self.harness.advance(0.2)
+        other = self.harness.chat(HI)
+        self.harness.advance(0.2)
+        self.assertEqual((self.chats_sent(), len(self.harness.waiting())), (1, 1))
+        kept.post(HI)
+        self.harness.advance(0.2)
+        self.assertEqual([r.status for r in kept.responses()], [200, 200])
+        self.assertEqual((self.chats_sent(), other.responses()), (2, []))
+        kept.drop()
+        self.harness.advance(0.2)
+        self.assertEqual(other.response().status, 200)
+        self.assertEqual(self.chats_sent(), 3)
+
+    def test_closed_mid_request(self) -> None:
+        """A connection closed while its request runs gives the slot back with no grace."""
+        self.script(long_answer(1.0), answer({"content": "b"}))
+        self.harness.chat(STREAM).drop()
+        other = self.harness.chat(HI)
+        self.harness.advance(0.2)
+        self.assertEqual(other.response().status, 200)
+
+
+class AnonymousSlotTests(LeaseTestCase):
+    """
+    An anonymous request goes to the free slot whose last conversation is a prefix of its
+    own (decision 36), as a client making a new connection per turn needs.
+    """
+
+    config = make_config(slots=2, limits=PATIENT)
+
+    def test_prefix_slot(self) -> None:
+        """
+        On two slots, a's first turn runs on slot 0 and b's on slot 1, each on a connection
+        closed after it; b's second turn, on a new connection, goes back to slot 1, whose
+        last conversation is the beginning of its own (the older slot 0 would lose it).
+        """
+        b1 = [{"role": "user", "content": "b1"}]
+        b2 = [*b1, {"role": "assistant", "content": "x"}, {"role": "user", "content": "b2"}]
+        self.script(*[answer({"content": "x"}) for _ in range(3)])
+        for messages in ([{"role": "user", "content": "a1"}], b1, b2):
+            connection = self.harness.chat({"messages": messages})
+            self.harness.advance(0.2)
+            self.assertEqual(connection.response().status, 200)
+            connection.drop()
+        slots = [r.json["id_slot"] for r in self.fake.requests_to("POST", CHAT)]
+        self.assertEqual(slots, [0, 1, 1])
+
+
+class AgentIdTests(LeaseTestCase):
+    """
+    The ids agents already send name the session's lease (decision 36), over HTTP.
+    """
+
+    config = make_config(slots=2, limits=PATIENT)
+
+    def holder_for(self, headers: list[str], document: object = STREAM) -> list[str]:
+        """Who holds the queue while one long request with C{headers} runs."""
+        self.script(long_answer(1.0))
+        connection = self.harness.connect()
+        body = json.dumps(document).encode()
+        connection.request("POST", CHAT, body, ["Content-Type: application/json", *headers])
+        self.harness.advance(0.1)
+        return self.harness.holders()
+
+    def test_header_names_the_session(self) -> None:
+        """session-id (Codex CLI, the OpenAI SDK's default_headers) is the lease's session."""
+        self.assertEqual(self.holder_for(["session-id: codex-1"]), ["codex-1"])
+
+    def test_header_order(self) -> None:
+        """X-Claude-Code-Session-Id wins over x-session-affinity and the body's user."""
+        headers = ["x-session-affinity: oc", "X-Claude-Code-Session-Id: cc"]
+        self.assertEqual(self.holder_for(headers, {**STREAM, "user": "u"}), ["cc"])
+
+    def test_body_user(self) -> None:
+        """Without a header, the chat body's user names the session."""
+        self.assertEqual(self.holder_for([], {**STREAM, "user": "alice"}), ["alice"])
+
+    def test_bad_value(self) -> None:
+        """A bad session_id is 400 invalid_session_id naming it; nothing upstream, no lease."""
+        connection = self.harness.connect()
+        headers = ["Content-Type: application/json", "session_id: a\x01b"]
+        connection.request("POST", CHAT, json.dumps(HI).encode(), headers)
+        error = self.error_status(connection, 400, "invalid_session_id")
+        self.assertIn("header session_id has a control character", error["message"])
+        self.assertEqual(self.fake.requests, [])
+        self.assertEqual(self.harness.status(), {"op": "status", "queues": []})
 
 
 class SlotTests(LeaseTestCase):

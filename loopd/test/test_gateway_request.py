@@ -10,10 +10,20 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from hypothesis import given
+from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.gateway.errors import GatewayError
-from loopd.gateway.request import GatewayRequest, SessionRef, ThinkingSwitch, read_session
+from loopd.gateway.request import (
+    MAX_SESSION_ID_BYTES,
+    SESSION_ID_HEADERS,
+    GatewayRequest,
+    SessionRef,
+    ThinkingSwitch,
+    read_session,
+    session_id,
+)
 from loopd.gateway.translate import THINKING_ALIASES, parse_request
 from loopd.llama.types import ChatRequest, ToolSchema, User
 
@@ -219,7 +229,7 @@ class ReadSessionTests(SynchronousTestCase):
 
     def test_defaults(self) -> None:
         """No header: the connection's anonymous session, a parent, not ending."""
-        self.assertEqual(self.read({}), SessionRef("anon:1", "parent", False))
+        self.assertEqual(self.read({}), SessionRef("anon:1", "parent", False, anonymous=True))
 
     def test_headers(self) -> None:
         """X-Session-Id names it; the role and the end are read in any case."""
@@ -239,3 +249,133 @@ class ReadSessionTests(SynchronousTestCase):
         )
         error = self.assertRaises(GatewayError, self.read, {b"x-session-end": b"maybe"})
         self.assertEqual(error.code, "invalid_session_end")
+
+
+#: A request without headers.
+NONE: dict[bytes, bytes] = {}
+
+#: Every session-id header, lower case, in the order decision 36 reads them.
+ORDER = [
+    b"x-session-id",
+    b"x-claude-code-session-id",
+    b"session-id",
+    b"session_id",
+    b"x-session-affinity",
+    b"x-litellm-session-id",
+]
+
+
+class SessionIdTests(SynchronousTestCase):
+    """
+    C{session_id}: the id a request names, from the agents' headers in decision 36's order,
+    then the front door's body ids; every bad value a 400 naming where it came from.
+    """
+
+    def test_order(self) -> None:
+        """Each header wins over every later one and over the body; the body comes last."""
+        self.assertEqual([name for name, _ in SESSION_ID_HEADERS], ORDER)
+        for i, name in enumerate(ORDER):
+            headers = {later: b"later-" + later for later in ORDER[i + 1 :]}
+            headers[name] = b"chosen"
+            with self.subTest(header=name):
+                self.assertEqual(session_id(headers.get, [("user", "u")]), "chosen")
+        self.assertEqual(session_id(NONE.get, [("user", "u")]), "u")
+        self.assertEqual(session_id(NONE.get, [("a", None), ("b", "second"), ("c", "x")]), "second")
+        self.assertIsNone(session_id(NONE.get, [("user", None)]))
+        self.assertIsNone(session_id(NONE.get))
+
+    def test_good_values(self) -> None:
+        """UTF-8 up to the bound, surrounding spaces dropped, inner ones kept."""
+        table = [
+            (b"abc", "abc"),
+            (b" a b ", "a b"),
+            (b"s\xc3\xa9", "s\u00e9"),
+            (b"x" * MAX_SESSION_ID_BYTES, "x" * MAX_SESSION_ID_BYTES),
+            (b"_session_4f1c", "_session_4f1c"),
+        ]
+        for raw, expected in table:
+            with self.subTest(raw=raw):
+                self.assertEqual(session_id({b"session-id": raw}.get), expected)
+
+    def test_bad_header_values(self) -> None:
+        """Empty, too long, not UTF-8, a control character: 400 invalid_session_id naming it."""
+        table = [
+            (b"", "is empty"),
+            (b"   ", "is empty"),
+            (b"x" * (MAX_SESSION_ID_BYTES + 1), "is 257 bytes, over 256"),
+            ("é".encode() * 129, "is 258 bytes, over 256"),
+            (b"s\xff", "is not UTF-8"),
+            (b"a\x01b", "has a control character"),
+            (b"a\tb", "has a control character"),
+            (b"a\x7fb", "has a control character"),
+            ("a\u0085b".encode(), "has a control character"),
+        ]
+        for name, shown in SESSION_ID_HEADERS:
+            for raw, reason in table:
+                with self.subTest(header=name, raw=raw):
+                    error = self.assertRaises(GatewayError, session_id, {name: raw}.get)
+                    self.assertEqual((error.status, error.code), (400, "invalid_session_id"))
+                    self.assertEqual(error.type, "invalid_request_error")
+                    self.assertIn(f"header {shown} {reason}", error.message)
+
+    def test_bad_body_values(self) -> None:
+        """A body id: the same checks, and it must be a string; the field is named."""
+        table: list[tuple[object, str]] = [
+            ("", "field user is empty"),
+            ("x" * (MAX_SESSION_ID_BYTES + 1), "field user is 257 bytes"),
+            ("a\nb", "field user has a control character"),
+            ("\ud800", "field user is not UTF-8"),
+            (7, "field user must be a string, got int"),
+            ({"id": "x"}, "field user must be a string, got dict"),
+        ]
+        for value, reason in table:
+            with self.subTest(value=value):
+                error = self.assertRaises(GatewayError, session_id, {}.get, [("user", value)])
+                self.assertEqual(error.code, "invalid_session_id")
+                self.assertIn(reason, error.message)
+
+    def test_only_the_first_is_read(self) -> None:
+        """A bad later header or body id does not matter once an earlier one names the id."""
+        headers = {b"x-session-id": b"good", b"session-id": b""}
+        self.assertEqual(session_id(headers.get, [("user", 7)]), "good")
+
+    def test_read_session_uses_it(self) -> None:
+        """read_session: the named id, else the anonymous one, asked only then."""
+        asked: list[int] = []
+
+        def anonymous() -> str:
+            asked.append(1)
+            return "anon:1"
+
+        headers = {b"x-claude-code-session-id": b"cc"}
+        self.assertEqual(read_session(headers.get, anonymous).id, "cc")
+        self.assertEqual(read_session(NONE.get, anonymous, [("user", "u")]).id, "u")
+        self.assertEqual(asked, [])
+        self.assertEqual(read_session(NONE.get, anonymous, [("user", None)]).id, "anon:1")
+        error = self.assertRaises(GatewayError, read_session, {b"x-session-id": b""}.get, anonymous)
+        self.assertEqual(error.code, "invalid_session_id")
+
+    @given(
+        st.dictionaries(st.sampled_from(ORDER), st.binary(max_size=300), max_size=6),
+        st.one_of(st.none(), st.text(max_size=300)),
+    )
+    def test_parser(self, headers: dict[bytes, bytes], user: str | None) -> None:
+        """
+        Any headers and body id: the result is the first one present, checked, or a 400
+        naming exactly that one; never another exception.
+        """
+        first = next((name for name in ORDER if name in headers), None)
+        try:
+            result = session_id(headers.get, [("user", user)])
+        except GatewayError as error:
+            self.assertEqual((error.status, error.code), (400, "invalid_session_id"))
+            shown = dict(SESSION_ID_HEADERS)[first] if first is not None else "user"
+            self.assertIn(f" {shown} ", error.message)
+            return
+        if first is None:
+            self.assertEqual(result, None if user is None else user.strip(" \t"))
+        else:
+            self.assertEqual(result, headers[first].strip(b" \t").decode("utf-8"))
+        if result is not None:
+            self.assertTrue(0 < len(result.encode()) <= MAX_SESSION_ID_BYTES)
+            self.assertFalse(any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in result))

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.gateway.sessions import DEFAULT_MAX_SESSIONS, Sessions
+from loopd.gateway.sessions import DEFAULT_MAX_SESSIONS, Sessions, conversation_key
 from loopd.llama.info import CacheOutcome
-from loopd.llama.types import Timings
+from loopd.llama.types import Assistant, Timings, User
 
 
 def busy_of(*slots: int):
@@ -234,6 +234,60 @@ class RecordTests(SynchronousTestCase):
         self.assertRaises(ValueError, Sessions, 0)
 
 
+class PrefixTests(SynchronousTestCase):
+    """
+    choose_slot with prefix_of (an anonymous request): the free slot whose last conversation
+    on the endpoint is the longest prefix of the request's.
+    """
+
+    Q1 = conversation_key([User("q1")])
+    TURN2 = conversation_key([User("q1"), Assistant("a1"), User("q2")])
+    OTHER = conversation_key([User("other")])
+
+    def test_prefix_slot_chosen(self) -> None:
+        """The slot that served the conversation's beginning, though another is older."""
+        sessions = Sessions()
+        sessions.remember_conversation("e", 1, self.Q1)
+        self.assertEqual(sessions.choose_slot("anon", 3, never_busy, ("e", self.TURN2)), 1)
+        self.assertEqual(sessions.choose_slot("anon", 3, never_busy), 0)
+
+    def test_longest_prefix(self) -> None:
+        """Of two prefixes, the longer one's slot; the same conversation is a prefix too."""
+        sessions = Sessions()
+        sessions.remember_conversation("e", 0, self.Q1)
+        sessions.remember_conversation("e", 2, self.TURN2)
+        self.assertEqual(sessions.choose_slot("anon", 3, never_busy, ("e", self.TURN2)), 2)
+
+    def test_no_match(self) -> None:
+        """No slot's conversation is a prefix (or it is longer): the usual rules."""
+        sessions = Sessions()
+        sessions.remember_conversation("e", 0, self.TURN2)
+        sessions.remember_conversation("e", 1, self.OTHER)
+        self.assertEqual(sessions.choose_slot("anon", 3, never_busy, ("e", self.Q1)), 0)
+        sessions.record("x", 0, T, 64)
+        self.assertEqual(sessions.choose_slot("anon", 3, never_busy, ("e", self.Q1)), 1)
+
+    def test_busy_or_other_endpoint(self) -> None:
+        """A busy matching slot is not taken; another endpoint's slots do not match."""
+        sessions = Sessions()
+        sessions.remember_conversation("e", 1, self.Q1)
+        self.assertEqual(sessions.choose_slot("anon", 3, busy_of(1), ("e", self.TURN2)), 0)
+        self.assertEqual(sessions.choose_slot("anon", 3, never_busy, ("f", self.TURN2)), 0)
+
+    def test_own_last_slot_first(self) -> None:
+        """The session's own free last slot still comes first."""
+        sessions = Sessions()
+        sessions.record("anon", 2, T, 64)
+        sessions.remember_conversation("e", 1, self.Q1)
+        self.assertEqual(sessions.choose_slot("anon", 3, never_busy, ("e", self.TURN2)), 2)
+
+    def test_key(self) -> None:
+        """Equal messages give equal keys, different ones different; prefixes are prefixes."""
+        self.assertEqual(conversation_key([User("q1")]), self.Q1)
+        self.assertNotEqual(self.Q1, self.OTHER)
+        self.assertEqual(self.TURN2[:1], self.Q1)
+
+
 class AnonymousTests(SynchronousTestCase):
     """anonymous_id: one session per connection."""
 
@@ -258,6 +312,15 @@ class AnonymousTests(SynchronousTestCase):
         del first
         gc.collect()
         self.assertNotEqual(sessions.anonymous_id(Connection()), old)
+
+    def test_on_new_once(self) -> None:
+        """on_new hears the id once, when the connection's first request made it."""
+        sessions = Sessions()
+        connection = Connection()
+        heard: list[str] = []
+        first = sessions.anonymous_id(connection, heard.append)
+        sessions.anonymous_id(connection, heard.append)
+        self.assertEqual(heard, [first])
 
     def test_value_keys(self) -> None:
         """Keys that cannot be weakly referenced are told apart by value."""
