@@ -240,8 +240,9 @@ class MeshEndToEndTests(TestCase):
     @inlineCallbacks
     def test_auto_spreads(self) -> Any:
         """
-        auto: sequential requests reach both endpoints, the router's measured speeds are the
-        mean of the speeds the answers report, and loopd's per-endpoint counters match.
+        auto: sequential requests of new sessions reach both endpoints while the turns of
+        one session stay on one (decision 34), the router's measured speeds are the mean of
+        the speeds the answers report, and loopd's per-endpoint counters match.
         """
         yield self.start()
 
@@ -249,9 +250,22 @@ class MeshEndToEndTests(TestCase):
             with self.sdk() as client:
                 answers = [
                     client.chat.completions.create(
-                        model="auto", messages=HI, reasoning_effort="none"
+                        model="auto",
+                        messages=HI,
+                        reasoning_effort="none",
+                        extra_headers={"X-Session-Id": f"session-{n}"},
                     )
-                    for _ in range(AUTO_REQUESTS)
+                    for n in range(AUTO_REQUESTS - 4)
+                ]
+                # Then four turns of one session: they stay where its first went.
+                answers += [
+                    client.chat.completions.create(
+                        model="auto",
+                        messages=HI,
+                        reasoning_effort="none",
+                        extra_headers={"X-Session-Id": "one-session"},
+                    )
+                    for _ in range(4)
                 ]
             with self.http() as http:
                 metrics = http.get("http://loopd/metrics").text
@@ -260,6 +274,7 @@ class MeshEndToEndTests(TestCase):
         answers, metrics = yield deferToThread(ask)
         served = Counter(a.model for a in answers)
         self.assertEqual(set(served), set(NAMES))
+        self.assertEqual(len({a.model for a in answers[-4:]}), 1)
         speeds: dict[str, list[float]] = {name: [] for name in NAMES}
         for answer in answers:
             self.assertEqual(answer.choices[0].message.content, ANSWER)

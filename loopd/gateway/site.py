@@ -144,7 +144,7 @@ class Gateway:
         if chosen is None:
             return None
         up = self.upstreams
-        free = {c.name: up.free_slots(c.name) for c in chosen.candidates}
+        free = {c.name: up.free_slots(c.name, request.session.id) for c in chosen.candidates}
         chosen = place(chosen, up.home_of(request.session.id), free)
         return tuple(self.config.endpoint(c.name) for c in chosen.candidates)
 

@@ -141,13 +141,14 @@ class Upstreams:
         """The endpoint that served C{session}'s last completion, if loopd remembers one."""
         return self._homes.get(session) if session else None
 
-    def free_slots(self, endpoint: str) -> int:
+    def free_slots(self, endpoint: str, session: str = "") -> int:
         """
-        How many of C{endpoint}'s slots nobody holds now: under leases, those no session holds
-        (running or in its grace); else those with no request in flight at the gate.
+        How many of C{endpoint}'s slots are free for C{session} now: under leases, those no
+        other session holds (running or in its grace; the session's own lease is its slot);
+        else those with no request in flight at the gate.
         """
         if self.leases is not None:
-            taken = len(self.leases.held_sessions(endpoint))
+            taken = len(self.leases.held_sessions(endpoint) - {session})
         else:
             gate = self.clients[endpoint].gate
             taken = sum(gate.in_flight(slot) for slot in range(self.slot_count(endpoint)))

@@ -329,6 +329,17 @@ class PlacementTests(AutoTestCase):
         self.assertEqual(self.turn(harness, "s2"), "tiny")
         self.assertEqual(harness.served(), (1, 2))
 
+    def test_own_grace_is_room(self) -> None:
+        """s1 holds big's one slot in its own grace: its next turn stays on big."""
+        one_slot = {"expect": Expect(total_slots=1)}
+        harness = AutoHarness(
+            auto_config(big=one_slot, tiny=one_slot), Scripted(0.5, 0.6, 0.5, 0.4), leases=True
+        )
+        self.script_both(harness, 2)
+        self.assertEqual(self.turn(harness, "s1"), "big")
+        self.assertEqual(self.turn(harness, "s1"), "big")
+        self.assertEqual(harness.served(), (0, 2))
+
     def test_new_session_goes_to_the_free_endpoint(self) -> None:
         """big's one slot is held in s1's grace: s2, drawn to big, is served by tiny at once."""
         one_slot = {"expect": Expect(total_slots=1)}
