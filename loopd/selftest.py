@@ -655,23 +655,27 @@ class _Asking:
 
 
 @inlineCallbacks
-def _check_props(asking: _Asking) -> Generator[Deferred[Any], Any, CheckResult]:
+def _check_props(
+    asking: _Asking,
+) -> Generator[Deferred[Any], Any, tuple[CheckResult, bool]]:
     """
     Check 1 as a L{CheckResult}; an L{InferError} while asking C{/props} fails it with the
-    error in words (L{describe_error}).
+    error in words (L{describe_error}). With it, whether the wait for the endpoint gave up
+    (L{GaveUp}).
     """
     expect = asking.client.endpoint.expect
     try:
         props = yield asking.ask(asking.client.props, "/props", True)
     except InferError as error:
-        return CheckResult(
+        failed = CheckResult(
             "props",
             False,
             _props_expected_text(expect),
             _error_text(error),
             detail=describe_error(error, asking.name),
         )
-    return judge_props(props, expect)
+        return failed, isinstance(error, GaveUp)
+    return judge_props(props, expect), False
 
 
 @inlineCallbacks
@@ -749,8 +753,8 @@ def _run(asking: _Asking) -> Generator[Deferred[Any], Any, SelftestReport]:
     up waiting for the endpoint, the other two are not run.
     """
     name = asking.name
-    props = yield _check_props(asking)
-    if not props.passed and props.actual.startswith(f"{GaveUp.__name__}:"):
+    props, gave_up = yield _check_props(asking)
+    if gave_up:
         threshold = asking.client.config.cache_loss_tokens
         tools = _not_run("tools", TOOLS_EXPECTED, name)
         cache = _not_run("cache", _cache_expected_text(threshold), name)
