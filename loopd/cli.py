@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None, *, run: Runner | None = None) -> int
         except ConfigError as e:
             err(f"loopd selftest: invalid configuration:\n{e}\n")
             return USAGE_ERROR
-        return runner(lambda reactor: selftest_command(reactor, config, out))
+        return runner(lambda reactor: selftest_command(reactor, config, out, err))
     if args.command == "chat":
         try:
             socket_path = chat_socket_path(args.socket)
@@ -228,10 +228,15 @@ def run_on_reactor(command: Command) -> int:
 # -- selftest ------------------------------------------------------------------------------
 
 
-def selftest_command(reactor: Any, config: Config, write: Write) -> Deferred[int]:
+def selftest_command(
+    reactor: Any, config: Config, write: Write, progress: Write | None = None
+) -> Deferred[int]:
     """
     Run the self-test of every C{llama-server} endpoint with C{selftest = true}; write one
     line per check.
+
+    @param progress: gets the self-test's progress lines (what it waits for, as it waits),
+        each ending in a newline; C{loopd selftest} passes stderr. Not given: C{write}.
 
     @return: fires with 0 when every check passed, 1 otherwise.
     """
@@ -257,7 +262,8 @@ def selftest_command(reactor: Any, config: Config, write: Write) -> Deferred[int
         write(f"self-test could not run: {reason.getErrorMessage()}\n")
         return 1
 
-    running = require_selftests(reactor, config, {})
+    show_progress = progress if progress is not None else write
+    running = require_selftests(reactor, config, {}, lambda line: show_progress(f"{line}\n"))
     return running.addCallbacks(lambda reports: show(reports, 0), failed)
 
 

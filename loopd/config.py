@@ -183,6 +183,7 @@ _ENDPOINT_RULES: Final[Mapping[str, Rule]] = {
     "kind": one_of("llama-server", "openai"),
     "model": string(),
     "selftest": boolean,
+    "selftest_wait_ms": integer(1, INT32_MAX),
     "size_b": number(0, 1_000_000, min_open=True),
     "vision": boolean,
     "audio": boolean,

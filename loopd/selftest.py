@@ -5,23 +5,37 @@ describes, its tool calls parse, and a second turn reuses the first turn's promp
 
 Pure orchestration over a L{Client}. The three checks run in order on the endpoint's main
 slot (slot 0) and cost about 1,000 tokens; a failing check is recorded and the next one still
-runs. Chats go through C{chat_with_retry}, so a model that the server has to load first is
-covered by the load wait. L{require_selftests} is the gate C{twist loopd} passes before it
-serves.
+runs, except after a C{/props} that never reached the server: then the other two are not run
+(they would only wait again) and fail as such.
+
+The self-test has its own short, bounded wait (L{wait_for}), not the llama client's retry
+schedule (2 + 8 + 30 s per request, which made an unreachable endpoint silent for ~113 s):
+a request that fails because the endpoint cannot be reached (no socket, connection refused,
+refused by its inferproxy, closed before any answer, no answer) is tried again after 0.5, 1,
+then every 2 s, until the endpoint's C{selftest_wait_ms} (default 10 s) since the first
+attempt; a server loading its model (HTTP 503) is waited for up to C{limits.load_wait_ms}
+instead. Each failed attempt is reported as it happens, one progress line saying what the
+self-test waits for and how long it has waited ("endpoint tiny: connection refused (nothing
+is listening on the socket), retrying 1.5 of 10 s"); the check's failure line says what is
+wrong in words (L{describe_error}). L{require_selftests} is the gate C{twist loopd} passes
+before it serves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from twisted.internet.defer import Deferred, inlineCallbacks
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.defer import Deferred, inlineCallbacks, maybeDeferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from loopd import strict_json
 from loopd.config import Config, Expect
 from loopd.digest import sha256_hex
+from loopd.errors import Connect, Http, ProxyRefused, StreamClosedEarly
 from loopd.llama import (
     ChatEvent,
     ChatMessage,
@@ -36,19 +50,33 @@ from loopd.llama import (
     User,
     cache_outcome,
 )
-from loopd.llama.retry import with_retry
 
 __all__ = [
+    "RETRY_STEPS_S",
     "CheckResult",
+    "NoAnswer",
+    "Progress",
     "SelftestFailed",
     "SelftestReport",
     "WEATHER_TOOL",
+    "describe_error",
     "judge_cache",
     "judge_props",
     "judge_tool_call",
     "require_selftests",
     "run_selftest",
+    "wait_for",
 ]
+
+_T = TypeVar("_T")
+
+_log = Logger(namespace="loopd.selftest")
+
+#: Where the self-test's progress lines go: one line each, without a newline.
+Progress = Callable[[str], None]
+
+#: The waits before each retry of a self-test request, in seconds; the last repeats.
+RETRY_STEPS_S = (0.5, 1.0, 2.0)
 
 #: The slot every check runs on: the endpoint's main slot.
 MAIN_SLOT = 0
@@ -164,6 +192,299 @@ class SelftestFailed(Exception):  # noqa: N818 - the name the design gives it
         super().__init__(f"self-test of endpoint {report.endpoint} failed: {failing}")
         self.report = report
         self.reports = reports or (report,)
+
+
+class NoAnswer(InferError):  # noqa: N818 - named like the kinds of loopd.errors
+    """
+    A self-test request was sent but had no answer by the end of the self-test's wait.
+    """
+
+    def __init__(self, endpoint: str, what: str, seconds: float) -> None:
+        """
+        @param endpoint: the endpoint's name.
+        @param what: the request, as a report names it (C{/props}).
+        @param seconds: how long it was waited for.
+        """
+        super().__init__(f"endpoint {endpoint} did not answer {what} within {seconds:g} s")
+
+
+class GaveUp(InferError):  # noqa: N818 - named like the kinds of loopd.errors
+    """
+    The self-test's bounded wait (L{wait_for}) ran out while the endpoint kept failing.
+
+    @ivar error: the last failure, an L{InferError}.
+    @ivar seconds: the bound that ran out.
+    @ivar endpoint: the endpoint's name.
+    """
+
+    def __init__(self, error: BaseException, seconds: float, endpoint: str) -> None:
+        """
+        @param error: the last failure before the bound.
+        @param seconds: the bound, in seconds.
+        @param endpoint: the endpoint's name.
+        """
+        text = describe_error(error, endpoint)
+        if not isinstance(error, NoAnswer):
+            text += f"; gave up after {seconds:g} s"
+        super().__init__(text)
+        self.error = error
+        self.seconds = seconds
+        self.endpoint = endpoint
+
+
+_UNREACHABLE = "unreachable"
+_LOADING = "loading"
+_SERVICE_UNAVAILABLE = 503
+#: How much of an HTTP error's message a failure line shows.
+MESSAGE_SHOWN = 200
+
+
+def _waits_for(error: BaseException) -> str | None:
+    """
+    What a failure of a self-test request means for the wait: C{"unreachable"} (tried again
+    within C{selftest_wait_ms}), C{"loading"} (tried again within C{load_wait_ms}), or None
+    (the request has failed).
+    """
+    if isinstance(error, (Connect, ProxyRefused, StreamClosedEarly)):
+        return _UNREACHABLE
+    if isinstance(error, Http) and error.status == _SERVICE_UNAVAILABLE:
+        return _LOADING
+    return None
+
+
+def _http_message(error: Http) -> str:
+    """The message of an HTTP error: llama-server's C{error.message}, else the body, cut."""
+    message = error.body.strip()
+    try:
+        decoded = strict_json.decode(error.body)
+    except ValueError:
+        decoded = None
+    if isinstance(decoded, dict):
+        inner = decoded.get("error")
+        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+            message = inner["message"]
+        elif isinstance(inner, str):
+            message = inner
+    if len(message) > MESSAGE_SHOWN:
+        message = message[:MESSAGE_SHOWN] + "..."
+    return message
+
+
+_REFUSALS = {
+    ProxyRefused.CONNECTIONS: "refused by its inferproxy (its connection limit is reached)",
+    ProxyRefused.ACCEPT_RATE: "refused by its inferproxy (its accept rate limit is reached)",
+}
+
+
+def _waiting_text(error: BaseException) -> str:
+    """A retried failure as a progress line names it: what the self-test waits for."""
+    if isinstance(error, Connect):
+        return error.reason
+    if isinstance(error, ProxyRefused):
+        return _REFUSALS.get(error.limit, f"refused by its inferproxy (limit {error.limit!r})")
+    if isinstance(error, StreamClosedEarly):
+        return "the connection closed without an answer (is the server behind it down?)"
+    if isinstance(error, Http):
+        message = _http_message(error)
+        return f"not ready (HTTP {error.status}{': ' + message if message else ''})"
+    return _error_text(error)
+
+
+def describe_error(error: BaseException, endpoint: str) -> str:
+    """
+    A failed self-test request in words, naming the endpoint and what is wrong with it
+    ("endpoint tiny is unreachable: no socket (nothing is serving it)"), without the
+    socket's path.
+    """
+    if isinstance(error, (GaveUp, NoAnswer)):
+        return str(error)
+    if isinstance(error, Connect):
+        return f"endpoint {endpoint} is unreachable: {error.reason}"
+    if isinstance(error, ProxyRefused):
+        return str(ProxyRefused(error.limit, endpoint=endpoint))
+    if isinstance(error, StreamClosedEarly):
+        return (
+            f"endpoint {endpoint} closed the connection without a complete answer ({error}); "
+            "is the server behind its inferproxy down?"
+        )
+    if isinstance(error, Http):
+        message = _http_message(error)
+        return (
+            f"endpoint {endpoint} answered HTTP {error.status}{': ' + message if message else ''}"
+        )
+    return f"endpoint {endpoint}: {_error_text(error)}"
+
+
+def _log_progress(line: str) -> None:
+    """The default progress sink: the line goes to the log."""
+    _log.info("selftest: {line}", line=line)
+
+
+def wait_for(
+    attempt: Callable[[], Deferred[_T]],
+    *,
+    clock: IReactorTime,
+    endpoint: str,
+    what: str,
+    bound_s: float,
+    load_bound_s: float,
+    on_progress: Progress,
+    answer_within: bool = False,
+) -> Deferred[_T]:
+    """
+    Run C{attempt()} and, while it fails because the endpoint cannot be reached or is
+    loading, report it on C{on_progress} and run it again after L{RETRY_STEPS_S}, until
+    the bound of that failure since the first attempt: C{bound_s} for an endpoint that
+    cannot be reached (L{Connect}, L{ProxyRefused} (after its C{Retry-After} when that is
+    longer), L{StreamClosedEarly}), C{load_bound_s} for HTTP 503. No retry starts after the
+    bound; at the bound the wait fails with L{GaveUp} carrying the last failure. Any other
+    failure fails it at once.
+
+    @param what: the request as a line names it (C{/props}).
+    @param answer_within: an attempt still running at the bound is cancelled and the wait
+        fails with L{GaveUp} of L{NoAnswer}; otherwise (a chat, which may take its time
+        generating) it runs on.
+    @return: a Deferred with the first success. Cancelling it cancels the running attempt
+        or the pending retry.
+    """
+    wait = _Wait(attempt, clock, endpoint, what, on_progress, answer_within)
+    return wait.start({_UNREACHABLE: bound_s, _LOADING: load_bound_s})
+
+
+class _Wait:
+    """One run of L{wait_for}: the attempt in progress or the pause before the next."""
+
+    def __init__(
+        self,
+        attempt: Callable[[], Deferred[Any]],
+        clock: IReactorTime,
+        endpoint: str,
+        what: str,
+        on_progress: Progress,
+        answer_within: bool,
+    ) -> None:
+        """Nothing tried yet; L{start} begins."""
+        self._attempt = attempt
+        self._clock = clock
+        self._endpoint = endpoint
+        self._what = what
+        self._on_progress = on_progress
+        self._answer_within = answer_within
+        self._result: Deferred[Any] = Deferred(self._cancel)
+        self._bounds: dict[str, float] = {}
+        self._bound = 0.0
+        self._started = 0.0
+        self._tries = 0
+        self._last: BaseException | None = None
+        self._running: Deferred[Any] | None = None
+        self._timer: IDelayedCall | None = None
+        self._deadline: IDelayedCall | None = None
+
+    def start(self, bounds: dict[str, float]) -> Deferred[Any]:
+        """Start the first attempt, with the bound of an unreachable endpoint in force."""
+        self._bounds = bounds
+        self._started = self._clock.seconds()
+        self._set_bound(bounds[_UNREACHABLE])
+        self._try()
+        return self._result
+
+    def _elapsed(self) -> float:
+        """Seconds since the first attempt started."""
+        return self._clock.seconds() - self._started
+
+    def _set_bound(self, bound: float) -> None:
+        """Put the deadline at C{bound} seconds after the first attempt started."""
+        self._bound = bound
+        if self._deadline is not None and self._deadline.active():
+            self._deadline.cancel()
+        self._deadline = self._clock.callLater(
+            max(0.0, bound - self._elapsed()), self._deadline_reached
+        )
+
+    def _try(self) -> None:
+        """Start one attempt."""
+        self._timer = None
+        self._tries += 1
+        running = maybeDeferred(self._attempt)
+        self._running = running
+        running.addCallbacks(self._succeeded, self._failed)
+
+    def _succeeded(self, value: object) -> None:
+        """An attempt succeeded, and so does the wait (unless it has ended already)."""
+        self._running = None
+        if not self._result.called:
+            self._stop()
+            self._result.callback(value)
+
+    def _failed(self, failure: Failure) -> None:
+        """An attempt failed: report it and retry before the bound, or end the wait."""
+        self._running = None
+        if self._result.called:
+            return
+        error = failure.value
+        kind = _waits_for(error) if error is not None else None
+        if error is None or kind is None:
+            self._stop()
+            self._result.errback(failure)
+            return
+        self._last = error
+        if self._bounds[kind] != self._bound:
+            self._set_bound(self._bounds[kind])
+        elapsed = self._elapsed()
+        if elapsed >= self._bound:
+            self._give_up()
+            return
+        steps = RETRY_STEPS_S
+        step = steps[min(self._tries - 1, len(steps) - 1)]
+        if isinstance(error, ProxyRefused) and error.retry_after is not None:
+            step = max(step, error.retry_after)
+        line = (
+            f"endpoint {self._endpoint}: {_waiting_text(error)}, "
+            f"retrying {round(elapsed, 1):g} of {self._bound:g} s"
+        )
+        try:
+            self._on_progress(line)
+        except Exception:
+            _log.failure("the self-test's progress sink raised on {line!r}", line=line)
+        if elapsed + step < self._bound:
+            self._timer = self._clock.callLater(step, self._try)
+        # Otherwise the deadline ends the wait, at the bound.
+
+    def _deadline_reached(self) -> None:
+        """The bound is reached: end a pause with the last failure, and a running /props."""
+        self._deadline = None
+        if self._result.called:
+            return
+        running = self._running
+        if running is None:
+            self._give_up()
+        elif self._answer_within:
+            self._running = None
+            self._last = NoAnswer(self._endpoint, self._what, self._bound)
+            self._give_up()
+            running.cancel()
+
+    def _give_up(self) -> None:
+        """Fail the wait with L{GaveUp} of the last failure."""
+        self._stop()
+        last = self._last or NoAnswer(self._endpoint, self._what, self._bound)
+        self._result.errback(Failure(GaveUp(last, self._bound, self._endpoint)))
+
+    def _stop(self) -> None:
+        """Cancel the pending retry and the deadline."""
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+        if self._deadline is not None and self._deadline.active():
+            self._deadline.cancel()
+        self._deadline = None
+
+    def _cancel(self, result: Deferred[Any]) -> None:
+        """The canceller: stop the timers and cancel the running attempt."""
+        self._stop()
+        running, self._running = self._running, None
+        if running is not None:
+            running.cancel()
 
 
 def _error_text(error: BaseException) -> str:
@@ -293,34 +614,75 @@ def judge_cache(first: Completion, second: Completion, threshold: int) -> CheckR
     return CheckResult("cache", not outcome.loss, expected, actual)
 
 
-def _props(client: Client, clock: IReactorTime | None) -> Deferred[dict[str, Any]]:
-    """C{/props}, retried like a chat while the server is away or loading, given a clock."""
-    if clock is None:
-        return client.props()
-    return with_retry(client.props, clock=clock, policy=client.config.retry, on_event=_ignore)
+@dataclass(frozen=True)
+class _Asking:
+    """
+    How the checks ask the server: with a clock, each request through L{wait_for} with the
+    endpoint's bounds; without one, each request once.
+    """
+
+    client: Client
+    clock: IReactorTime | None
+    on_progress: Progress
+
+    @property
+    def name(self) -> str:
+        """The endpoint's name."""
+        return self.client.endpoint.name
+
+    def ask(
+        self, attempt: Callable[[], Deferred[_T]], what: str, answer_within: bool
+    ) -> Deferred[_T]:
+        """C{attempt}, within the self-test's bounded wait when there is a clock."""
+        if self.clock is None:
+            return attempt()
+        bound_s = self.client.endpoint.selftest_wait_ms / 1000
+        load_bound_s = max(bound_s, self.client.config.limits.load_wait_ms / 1000)
+        return wait_for(
+            attempt,
+            clock=self.clock,
+            endpoint=self.name,
+            what=what,
+            bound_s=bound_s,
+            load_bound_s=load_bound_s,
+            on_progress=self.on_progress,
+            answer_within=answer_within,
+        )
+
+    def chat(self, request: ChatRequest, what: str) -> Deferred[Completion]:
+        """One chat of a check on the main slot, its events ignored."""
+        return self.ask(lambda: self.client.chat(request, _ignore), what, False)
 
 
 @inlineCallbacks
 def _check_props(
-    client: Client, clock: IReactorTime | None
-) -> Generator[Deferred[Any], Any, CheckResult]:
+    asking: _Asking,
+) -> Generator[Deferred[Any], Any, tuple[CheckResult, bool]]:
     """
     Check 1 as a L{CheckResult}; an L{InferError} while asking C{/props} fails it with the
-    error's text.
+    error in words (L{describe_error}). With it, whether the wait for the endpoint gave up
+    (L{GaveUp}).
     """
-    expect = client.endpoint.expect
+    expect = asking.client.endpoint.expect
     try:
-        props = yield _props(client, clock)
+        props = yield asking.ask(asking.client.props, "/props", True)
     except InferError as error:
-        return CheckResult("props", False, _props_expected_text(expect), _error_text(error))
-    return judge_props(props, expect)
+        failed = CheckResult(
+            "props",
+            False,
+            _props_expected_text(expect),
+            _error_text(error),
+            detail=describe_error(error, asking.name),
+        )
+        return failed, isinstance(error, GaveUp)
+    return judge_props(props, expect), False
 
 
 @inlineCallbacks
-def _check_tools(client: Client) -> Generator[Deferred[Any], Any, CheckResult]:
+def _check_tools(asking: _Asking) -> Generator[Deferred[Any], Any, CheckResult]:
     """
     Check 2: ask for a C{required} call of L{WEATHER_TOOL}, without thinking, and judge the
-    completion; an L{InferError} fails the check with its text.
+    completion; an L{InferError} fails the check with the error in words.
     """
     request = ChatRequest(
         slot=MAIN_SLOT,
@@ -331,9 +693,10 @@ def _check_tools(client: Client) -> Generator[Deferred[Any], Any, CheckResult]:
         tool_choice="required",
     )
     try:
-        completion = yield client.chat_with_retry(request, _ignore)
+        completion = yield asking.chat(request, "the tool request")
     except InferError as error:
-        return CheckResult("tools", False, TOOLS_EXPECTED, _error_text(error))
+        detail = f"the tool request failed: {describe_error(error, asking.name)}"
+        return CheckResult("tools", False, TOOLS_EXPECTED, _error_text(error), detail=detail)
     return judge_tool_call(completion)
 
 
@@ -344,57 +707,88 @@ def _cache_request(messages: tuple[ChatMessage, ...]) -> ChatRequest:
     )
 
 
+def _turn_failed(turn: int, error: InferError, expected: str, asking: _Asking) -> CheckResult:
+    """The cache check failed because turn C{turn} failed with C{error}."""
+    return CheckResult(
+        "cache",
+        False,
+        expected,
+        f"turn {turn} failed: {_error_text(error)}",
+        detail=f"turn {turn} failed: {describe_error(error, asking.name)}",
+    )
+
+
 @inlineCallbacks
-def _check_cache(client: Client) -> Generator[Deferred[Any], Any, CheckResult]:
+def _check_cache(asking: _Asking) -> Generator[Deferred[Any], Any, CheckResult]:
     """
     Check 3: turn 1 opens a conversation, turn 2 repeats it with turn 1's answer and one
     more question, and L{judge_cache} compares their timings. A turn failing with an
     L{InferError} fails the check, naming the turn.
     """
-    threshold = client.config.cache_loss_tokens
+    threshold = asking.client.config.cache_loss_tokens
     opening = (System(CACHE_SYSTEM), User(CACHE_TURN_1))
     try:
-        first = yield client.chat_with_retry(_cache_request(opening), _ignore)
+        first = yield asking.chat(_cache_request(opening), "turn 1")
     except InferError as error:
-        actual = f"turn 1 failed: {_error_text(error)}"
-        return CheckResult("cache", False, _cache_expected_text(threshold), actual)
+        return _turn_failed(1, error, _cache_expected_text(threshold), asking)
     follow_up = (*opening, first.as_message(), User(CACHE_TURN_2))
     try:
-        second = yield client.chat_with_retry(_cache_request(follow_up), _ignore)
+        second = yield asking.chat(_cache_request(follow_up), "turn 2")
     except InferError as error:
         expected = _cache_expected_text(threshold, first.timings.total)
-        return CheckResult("cache", False, expected, f"turn 2 failed: {_error_text(error)}")
+        return _turn_failed(2, error, expected, asking)
     return judge_cache(first, second, threshold)
 
 
+def _not_run(name: str, expected: str, endpoint: str) -> CheckResult:
+    """A check left out because C{/props} never reached the endpoint."""
+    detail = f"not run: /props did not reach endpoint {endpoint}"
+    return CheckResult(name, False, expected, "not run", detail=detail)
+
+
 @inlineCallbacks
-def _run(
-    client: Client, clock: IReactorTime | None
-) -> Generator[Deferred[Any], Any, SelftestReport]:
-    """The three checks in order, each after the previous one has ended."""
-    props = yield _check_props(client, clock)
-    tools = yield _check_tools(client)
-    cache = yield _check_cache(client)
-    return SelftestReport(client.endpoint.name, (props, tools, cache))
+def _run(asking: _Asking) -> Generator[Deferred[Any], Any, SelftestReport]:
+    """
+    The three checks in order, each after the previous one has ended; when C{/props} gave
+    up waiting for the endpoint, the other two are not run.
+    """
+    name = asking.name
+    props, gave_up = yield _check_props(asking)
+    if gave_up:
+        threshold = asking.client.config.cache_loss_tokens
+        tools = _not_run("tools", TOOLS_EXPECTED, name)
+        cache = _not_run("cache", _cache_expected_text(threshold), name)
+        return SelftestReport(name, (props, tools, cache))
+    tools = yield _check_tools(asking)
+    cache = yield _check_cache(asking)
+    return SelftestReport(name, (props, tools, cache))
 
 
-def run_selftest(client: Client, *, clock: IReactorTime | None = None) -> Deferred[SelftestReport]:
+def run_selftest(
+    client: Client,
+    *,
+    clock: IReactorTime | None = None,
+    on_progress: Progress = _log_progress,
+) -> Deferred[SelftestReport]:
     """
     Run the three checks on C{client}'s endpoint, in order, on slot 0: (1) C{/props}
     against C{[endpoint.expect]}, (2) a forced call of one tool, (3) a two-turn exchange
     whose turn 2 must not be a cache loss. The Deferred fires with the report whatever the
-    checks find; a check that cannot reach the server records the error text as its
-    actual value.
+    checks find; a check that cannot reach the server records the error in words.
 
-    @param clock: when given, C{/props} is retried as a chat is (config C{[retry]}) while
-        the server is away or loading; chats always are.
+    @param clock: when given, each request is tried again within the self-test's bounded
+        wait (L{wait_for}: the endpoint's C{selftest_wait_ms} while it cannot be reached,
+        C{limits.load_wait_ms} while it loads), and when C{/props} gives up the other
+        checks are not run; without one, each request is made once.
+    @param on_progress: gets one line per failed attempt that will be retried, as it
+        happens; by default the log.
     """
-    return _run(client, clock)
+    return _run(_Asking(client, clock, on_progress))
 
 
 @inlineCallbacks
 def _require(
-    reactor: Any, config: Config, clients: Mapping[str, Client]
+    reactor: Any, config: Config, clients: Mapping[str, Client], on_progress: Progress
 ) -> Generator[Deferred[Any], Any, list[SelftestReport]]:
     """
     The body of L{require_selftests}: the endpoints' self-tests one after the other, each
@@ -405,7 +799,7 @@ def _require(
         if not endpoint.selftest or endpoint.kind != "llama-server":
             continue
         client = clients.get(endpoint.name) or Client(reactor, config, endpoint)
-        report = yield run_selftest(client, clock=reactor)
+        report = yield run_selftest(client, clock=reactor, on_progress=on_progress)
         reports.append(report)
     failed = [report for report in reports if not report.passed]
     if failed:
@@ -414,17 +808,22 @@ def _require(
 
 
 def require_selftests(
-    reactor: Any, config: Config, clients: Mapping[str, Client]
+    reactor: Any,
+    config: Config,
+    clients: Mapping[str, Client],
+    on_progress: Progress = _log_progress,
 ) -> Deferred[list[SelftestReport]]:
     """
     Run the self-test of every endpoint whose C{selftest} is true (kind C{llama-server}),
     one after the other in config order, and fire with their reports if all pass.
 
-    @param reactor: provides IReactorTime and IReactorUNIX: the clock of the C{/props}
-        retries, and the reactor of a client built for an endpoint missing from C{clients}.
+    @param reactor: provides IReactorTime and IReactorUNIX: the clock of the self-test's
+        bounded wait, and the reactor of a client built for an endpoint missing from
+        C{clients}.
     @param clients: the daemon's clients by endpoint name, so the self-test passes the
         same slot gates as the sessions that follow.
+    @param on_progress: gets the progress lines of the waits (L{run_selftest}).
     @raise SelftestFailed: (as the Deferred's failure) naming the first failing endpoint,
         its failing checks and their numbers.
     """
-    return _require(reactor, config, clients)
+    return _require(reactor, config, clients, on_progress)

@@ -147,6 +147,10 @@ class Endpoint:
     """The model id sent upstream, or None to send none."""
     selftest: bool = True
     """Run the startup self-test (only for C{llama-server} endpoints)."""
+    selftest_wait_ms: int = 10_000
+    """How long the self-test waits for the endpoint while it cannot be reached (no socket,
+    connection refused, refused by its inferproxy, no answer) before its check fails (> 0);
+    a server that answers 503 while loading is waited for up to C{limits.load_wait_ms}."""
     size_b: float | None = None
     """The model's size in billions of parameters; below 10 is the small tier for mesh roles
     and the auto router. None: the tier comes from the name (a single-digit-B name is small)."""

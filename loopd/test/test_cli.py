@@ -210,6 +210,16 @@ class SelftestCommandTests(MemoryCase):
         lines = self.stdout.getvalue().splitlines()
         self.assertEqual(len(lines), 3)
         self.assertTrue(all(" FAIL " in line for line in lines), lines)
+        self.assertEqual(
+            lines[0],
+            "tiny: FAIL props: endpoint tiny is unreachable: no socket (nothing is serving it); "
+            "gave up after 10 s",
+        )
+        progress = self.stderr.getvalue().splitlines()
+        self.assertEqual(len(progress), 7)
+        self.assertEqual(
+            progress[0], "endpoint tiny: no socket (nothing is serving it), retrying 0 of 10 s"
+        )
 
 
 class ChatSocketTests(MemoryCase):

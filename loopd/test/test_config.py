@@ -341,6 +341,7 @@ BAD_VALUES = [
     ("endpoint.proxy_burst", "1.5", "an integer from 1 to 2147483647"),
     ("endpoint.proxy_refill_per_second", "0", "a number x with 0 < x <= 1e+09"),
     ("endpoint.pacing_wait_ms", "-1", "an integer from 0 to 2147483647"),
+    ("endpoint.selftest_wait_ms", "0", "an integer from 1 to 2147483647"),
     ("endpoint.expect.n_ctx", '"8192"', "a positive integer"),
     ("endpoint.expect.total_slots", "0", "a positive integer"),
     (

@@ -6,6 +6,7 @@ llama-server on a L{MemoryNet}; every limit is between 50 and 200 ms and nothing
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from twisted.trial.unittest import SynchronousTestCase
 import loopd
 from loopd.config import Config, Endpoint, Expect, Limits, Retry
 from loopd.digest import sha256_hex
+from loopd.errors import ProxyRefused
 from loopd.llama import Client
 from loopd.selftest import (
     CheckResult,
@@ -284,16 +286,20 @@ class RunSelftestTests(SelftestCase):
         self.assertEqual(turn_2["chat_template_kwargs"], {"enable_thinking": False})
 
     def test_unreachable(self) -> None:
-        """A server nobody can reach fails all three checks with the error text."""
+        """
+        A server nobody can reach fails props with the error in words; the other two checks
+        are not run (they would only wait again), and nothing is left scheduled.
+        """
         report = self.run_checks(endpoint(socket=NOWHERE), clock=True)
         self.assertEqual([c.passed for c in report.checks], [False, False, False])
-        props, tools, cache = report.checks
-        for actual in (props.actual, tools.actual, cache.actual.removeprefix("turn 1 failed: ")):
-            self.assertTrue(actual.startswith("Connect: "), actual)
         self.assertEqual(
-            props.line(),
-            f"FAIL props: expected chat_template sha256 {TEMPLATE_SHA}, n_ctx 4096, "
-            f"total_slots 2 got {props.actual}",
+            report.lines(),
+            [
+                "FAIL props: endpoint tiny is unreachable: no socket (nothing is serving it); "
+                "gave up after 10 s",
+                "FAIL tools: not run: /props did not reach endpoint tiny",
+                "FAIL cache: not run: /props did not reach endpoint tiny",
+            ],
         )
         self.assertEqual(self.reactor.getDelayedCalls(), [])
 
@@ -308,7 +314,159 @@ class RunSelftestTests(SelftestCase):
         """Without a clock, a /props answering 503 fails check 1 at once."""
         self.fake.script("GET", PROPS, LOADING)
         line = self.assert_only_failure(self.run_checks(), "props")
-        self.assertIn("got Http: HTTP 503", line)
+        self.assertEqual(line, "FAIL props: endpoint tiny answered HTTP 503: Loading model")
+
+
+def refusal(limit: str = ProxyRefused.CONNECTIONS) -> Reply:
+    """An inferproxy's refusal at C{limit}, with Retry-After 1."""
+    return Reply(status=503, headers=[(ProxyRefused.HEADER, limit), ("Retry-After", "1")])
+
+
+class BoundedWaitTests(SelftestCase):
+    """
+    The self-test's own bounded wait: a progress line per failed attempt, in order, and a
+    failure at the endpoint's C{selftest_wait_ms}, whatever the client's retry schedule.
+    """
+
+    def start(self, *endpoints: Endpoint, retry: Retry = RETRY) -> Any:
+        """Start the self-test with a clock, collecting its progress lines; return its Deferred."""
+        config = dataclasses.replace(make_config(*endpoints), retry=retry)
+        self.lines: list[str] = []
+        client = Client(self.reactor, config, config.endpoints[0])
+        return run_selftest(client, clock=self.reactor, on_progress=self.lines.append)
+
+    def test_progress_lines_in_order(self) -> None:
+        """
+        No socket: a line at each attempt, at 0, 0.5, 1.5, 3.5 ... 9.5 s, saying what is
+        waited for and how long of the bound has passed.
+        """
+        d = self.start(endpoint(socket=NOWHERE))
+        self.net.advance(9.9)
+        self.assertNoResult(d)
+        what = "endpoint tiny: no socket (nothing is serving it), retrying"
+        times = ["0", "0.5", "1.5", "3.5", "5.5", "7.5", "9.5"]
+        self.assertEqual(self.lines, [f"{what} {t} of 10 s" for t in times])
+
+    def test_fails_at_the_bound(self) -> None:
+        """
+        With the client's default retries (2 + 8 + 30 s), the self-test still ends at 10 s,
+        not before and not after, with its readable line.
+        """
+        d = self.start(endpoint(socket=NOWHERE), retry=Retry())
+        self.net.run_to(9.99)
+        self.assertNoResult(d)
+        self.net.run_to(10)
+        report = self.successResultOf(d)
+        self.assertEqual(
+            report.lines()[0],
+            "FAIL props: endpoint tiny is unreachable: no socket (nothing is serving it); "
+            "gave up after 10 s",
+        )
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+    def test_configured_bound(self) -> None:
+        """selftest_wait_ms sets the bound: 3 s gives lines at 0, 0.5, 1.5 and fails at 3."""
+        d = self.start(endpoint(socket=NOWHERE, selftest_wait_ms=3000))
+        self.net.run_to(2.99)
+        self.assertNoResult(d)
+        self.net.run_to(3)
+        self.assertIn("gave up after 3 s", self.successResultOf(d).lines()[0])
+        self.assertEqual(
+            [line.split(" retrying ")[1] for line in self.lines],
+            ["0 of 3 s", "0.5 of 3 s", "1.5 of 3 s"],
+        )
+
+    def test_comes_up_while_waiting(self) -> None:
+        """A server that appears during the wait passes: the wait ends at its first answer."""
+        self.net.stop_listening(PATH)
+        d = self.start()
+        self.net.run_to(1)
+        self.net.listen(PATH, self.fake)
+        self.net.run_to(20)
+        self.assertTrue(self.successResultOf(d).passed)
+        self.assertEqual(len(self.lines), 2)
+
+    def failure_line(self, *endpoints: Endpoint) -> str:
+        """Run the self-test to its end; its props line."""
+        d = self.start(*endpoints)
+        self.net.advance(30)
+        return str(self.successResultOf(d).lines()[0])
+
+    def test_refused(self) -> None:
+        """A stale socket (connection refused) says so."""
+        self.net.kill(PATH)
+        self.assertEqual(
+            self.failure_line(),
+            "FAIL props: endpoint tiny is unreachable: connection refused (nothing is "
+            "listening on the socket); gave up after 10 s",
+        )
+        self.assertIn(
+            "connection refused (nothing is listening on the socket), retrying 0 of", self.lines[0]
+        )
+
+    def test_refused_by_inferproxy(self) -> None:
+        """An inferproxy at its connection cap: the line names the proxy's limit."""
+        self.fake.set_default("GET", PROPS, refusal())
+        self.assertEqual(
+            self.failure_line(),
+            "FAIL props: endpoint tiny is refusing connections: its inferproxy's connection "
+            "limit is reached; gave up after 10 s",
+        )
+        self.assertEqual(
+            self.lines[0],
+            "endpoint tiny: refused by its inferproxy (its connection limit is reached), "
+            "retrying 0 of 10 s",
+        )
+
+    def test_no_answer(self) -> None:
+        """A server that accepts and never answers /props fails at the bound, cancelled."""
+        self.fake.set_default("GET", PROPS, Reply(headers_delay=math.inf))
+        self.assertEqual(
+            self.failure_line(), "FAIL props: endpoint tiny did not answer /props within 10 s"
+        )
+        self.assertEqual(self.lines, [])
+        self.assertEqual(self.net.open_connections(), [])
+
+    def test_http_error(self) -> None:
+        """An HTTP error is not waited for: props fails at once in words, the others still run."""
+        self.fake.set_default("GET", PROPS, error_reply(500, "server_error", "it broke"))
+        d = self.start()
+        self.net.advance(0.01)
+        report = self.successResultOf(d)
+        self.assertEqual(report.lines()[0], "FAIL props: endpoint tiny answered HTTP 500: it broke")
+        self.assertEqual([c.passed for c in report.checks], [False, True, True])
+        self.assertEqual(self.lines, [])
+
+    def test_loading_waits_for_load_wait(self) -> None:
+        """A loading server (503) is waited for up to load_wait_ms when that is longer."""
+        limits = dataclasses.replace(LIMITS, load_wait_ms=30_000)
+        self.fake.set_default("GET", PROPS, LOADING)
+        config = Config(endpoints=(endpoint(),), limits=limits, retry=RETRY)
+        lines: list[str] = []
+        d = run_selftest(
+            Client(self.reactor, config, config.endpoints[0]),
+            clock=self.reactor,
+            on_progress=lines.append,
+        )
+        self.net.run_to(29.9)
+        self.assertNoResult(d)
+        self.net.run_to(30)
+        report = self.successResultOf(d)
+        self.assertIn(
+            "endpoint tiny answered HTTP 503: Loading model; gave up after 30 s", report.lines()[0]
+        )
+        self.assertEqual(
+            lines[0], "endpoint tiny: not ready (HTTP 503: Loading model), retrying 0 of 30 s"
+        )
+
+    def test_require_passes_progress(self) -> None:
+        """require_selftests hands the lines to its progress sink."""
+        lines: list[str] = []
+        config = make_config(endpoint(socket=NOWHERE))
+        d = require_selftests(self.reactor, config, {}, lines.append)
+        self.net.advance(30)
+        self.failureResultOf(d, SelftestFailed)
+        self.assertEqual(len(lines), 7)
 
 
 class JudgePropsTests(SynchronousTestCase):
