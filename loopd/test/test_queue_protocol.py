@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from twisted.internet.defer import Deferred, DeferredList, inlineCallbacks
 from twisted.internet.endpoints import UNIXClientEndpoint, connectProtocol
 from twisted.internet.protocol import Protocol, connectionDone
-from twisted.internet.task import Clock, deferLater
+from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
@@ -544,13 +544,18 @@ class _Client(Protocol):
 
 
 class _Silent(Protocol):
-    """Writes its lines at once and reads nothing until told to."""
+    """
+    Writes its lines at once and reads nothing until told to; C{complete} fires once
+    C{expected} bytes have arrived.
+    """
 
     transport: Any
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, expected: int) -> None:
         self.data = data
+        self.expected = expected
         self.received = bytearray()
+        self.complete: Deferred[None] = Deferred()
 
     def connectionMade(self) -> None:
         assert self.transport is not None
@@ -559,6 +564,8 @@ class _Silent(Protocol):
 
     def dataReceived(self, data: bytes) -> None:
         self.received += data
+        if len(self.received) >= self.expected and not self.complete.called:
+            self.complete.callback(None)
 
 
 def unwritten(transport: Any) -> int:
@@ -591,42 +598,48 @@ class UnreadRepliesTests(TestCase):
         servers: list[LeaseProtocol] = []
         build = factory.buildProtocol
 
+        count = 100_000
         read: list[int] = [0]
+        # Fires once the daemon stops reading the client, or has read every request.
+        settled: Deferred[None] = Deferred()
+
+        def settle() -> None:
+            if not settled.called:
+                settled.callback(None)
 
         def record(addr: Any) -> LeaseProtocol:
             server = build(addr)
-            original = server.dataReceived
+            original, pause = server.dataReceived, server.pauseProducing
 
             def counting(data: bytes) -> None:
                 read[0] += len(data)
                 original(data)
+                if read[0] >= 16 * count:
+                    settle()
+
+            def pausing() -> None:
+                pause()
+                settle()
 
             server.dataReceived = counting  # type: ignore[method-assign]
+            server.pauseProducing = pausing  # type: ignore[method-assign]
             servers.append(server)
             return server
 
         factory.buildProtocol = record  # type: ignore[method-assign]
         port = listen_unix(reactor, path, factory)
         self.addCleanup(port.stopListening)
-        count = 100_000
-        client = _Silent(b'{"op":"status"}\n' * count)
-        yield connectProtocol(UNIXClientEndpoint(reactor, path), client)
         reply = len(encode_message({"op": "status", "queues": scheduler.status()}))
-        total = count * reply
-        while not servers:
-            yield deferLater(reactor, 0.01, lambda: None)
+        client = _Silent(b'{"op":"status"}\n' * count, expected=count * reply)
+        yield connectProtocol(UNIXClientEndpoint(reactor, path), client)
+        yield settled
         server: Any = servers[0]
-        # Wait until the daemon either stopped reading or took every request in.
-        while not (server.transport.producerPaused or read[0] >= 16 * count):
-            yield deferLater(reactor, 0.01, lambda: None)
-        for _ in range(20):
-            yield deferLater(reactor, 0.01, lambda: None)
+        # A paused daemon stops reading at once: what it read is all it will read.
         self.assertLess(read[0], 16 * count)
         self.assertLessEqual(unwritten(server.transport), 65_536 + reply)
         self.assertLessEqual(len(server._buffer), 2 * 65_536)
         client.transport.resumeProducing()
-        while len(client.received) < total:
-            yield deferLater(reactor, 0.01, lambda: None)
+        yield client.complete
         lines = bytes(client.received).split(b"\n")
         self.assertEqual(len(lines) - 1, count)
         self.assertEqual(
