@@ -46,6 +46,7 @@ L{Opener} is L{request} bound to one socket; L{opener} makes the plain one.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -169,31 +170,7 @@ def opener(reactor: IReactorUNIX, socket_path: str) -> Opener:
     """
     The plain L{Opener} of C{socket_path}: every call is a L{request}, unpaced.
     """
-
-    def open_exchange(
-        method: str,
-        path: str,
-        body: bytes | None = None,
-        headers: Mapping[str, str] | None = None,
-        *,
-        caps: HttpCaps = HttpCaps(),
-        connect_timeout: float = 5.0,
-        on_connected: Callable[[], None] | None = None,
-    ) -> Deferred[HttpResponse]:
-        """One L{request} to the bound socket."""
-        return request(
-            reactor,
-            socket_path,
-            method,
-            path,
-            body,
-            headers,
-            caps=caps,
-            connect_timeout=connect_timeout,
-            on_connected=on_connected,
-        )
-
-    return open_exchange
+    return functools.partial(request, reactor, socket_path)
 
 
 class HttpResponse:
