@@ -23,6 +23,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.config import Config
 from loopd.gateway.leases import GatewayLeases, LeaseHold, queue_status
+from loopd.llama.types import Timings
 from loopd.queue.protocol import LeaseProtocol
 from loopd.queue.scheduler import Scheduler
 from loopd.queue.scheduler_types import QueuePolicy, StaticRouter, Tier
@@ -43,6 +44,9 @@ from loopd.testing.llama_replies import answer
 ONE = QueuePolicy(max_streams=1, lease_ttl_ms=3000, idle_yield_ms=30_000)
 #: The grace most tests run with, in milliseconds.
 GRACE_MS = 1000
+#: A context whose re-prefill, at the fresh endpoint's prior speed and loss share, costs
+#: 10 s: more than any grace here, so a waiter waits for the whole grace (decision 37).
+COSTLY = Timings(prompt_n=10_000)
 
 
 class Harness:
@@ -72,6 +76,10 @@ class Harness:
         """One request of C{session} takes its lease; what on_queued says goes to L{queued}."""
         heard = self.queued.setdefault(session, [])
         return self.leases.acquire(queue, session, role, on_queued=heard.append)
+
+    def served(self, hold: LeaseHold, timings: Timings = COSTLY) -> None:
+        """A completion of C{hold}'s session on slot 0 was accounted (priced by C{timings})."""
+        self.leases.observe(hold.queue_key, hold.session_key, 0, hold.session_key, timings, None)
 
     def entry(self, queue: str = "q") -> dict[str, Any]:
         """The status entry of C{queue}."""
@@ -254,6 +262,7 @@ class GraceTests(SynchronousTestCase):
         h = Harness()
         hold = self.successResultOf(h.acquire("a"))
         waiter = h.acquire("b")
+        h.served(hold)
         h.leases.done(hold)
         h.advance(0.9)
         again = self.successResultOf(h.acquire("a"))
@@ -267,6 +276,7 @@ class GraceTests(SynchronousTestCase):
         h = Harness()
         hold = self.successResultOf(h.acquire("a"))
         waiter = h.acquire("b")
+        h.served(hold)
         h.leases.done(hold)
         h.advance(0.95)
         self.assertNoResult(waiter)
@@ -408,6 +418,7 @@ class BeatTests(SynchronousTestCase):
         hold = self.successResultOf(h.acquire("a"))
         waiter = h.acquire("b")
         h.advance(1.0)
+        h.served(hold)
         h.leases.done(hold)
         h.advance(0.95)
         self.assertNoResult(waiter)
@@ -501,6 +512,7 @@ class SessionGoneTests(SynchronousTestCase):
         h = Harness()
         hold = self.successResultOf(h.acquire("a"))
         waiter = h.acquire("b")
+        h.served(hold)
         h.leases.done(hold)
         self.assertEqual(h.holders(), ["a"])
         h.leases.end("a")
@@ -537,6 +549,11 @@ PATIENT = dataclasses.replace(LIMITS, busy_wait_ms=60_000)
 def long_answer(seconds: float) -> Any:
     """An upstream answer that streams a delta every 50 ms for about C{seconds}."""
     return answer(*[{"content": "x"}] * round(seconds / 0.05 - 1))
+
+
+def costly(text: str) -> Any:
+    """An upstream answer C{text} whose context is L{COSTLY}: a waiter waits a whole grace."""
+    return answer({"content": text}, timings=dataclasses.asdict(COSTLY))
 
 
 class LeaseHarness(GatewayHarness):
@@ -683,8 +700,11 @@ class WaitTests(LeaseTestCase):
         self.assertEqual(self.chats_sent(), 2)
 
     def test_second_waits_for_grace(self) -> None:
-        """The waiter goes upstream only when the holder's grace has ended."""
-        self.script(answer({"content": "first"}), answer({"content": "second"}))
+        """
+        The waiter goes upstream only when the holder's grace has ended, when the holder's
+        re-prefill would cost more than the whole grace.
+        """
+        self.script(costly("first"), answer({"content": "second"}))
         self.harness.chat(STREAM, "a")
         self.harness.chat(STREAM, "b")
         self.harness.advance(1.05)
@@ -704,7 +724,7 @@ class WaitTests(LeaseTestCase):
 
     def test_session_end_false_keeps_grace(self) -> None:
         """X-Session-End: 0 (or false) is an ordinary request: the grace holds the slot."""
-        self.script(answer({"content": "first"}), answer({"content": "second"}))
+        self.script(costly("first"), answer({"content": "second"}))
         self.harness.chat(STREAM, "a", end="0")
         self.harness.chat(STREAM, "b")
         self.harness.advance(0.5)
@@ -791,7 +811,7 @@ class AnonymousTests(LeaseTestCase):
         A connection that stays open keeps its anonymous session and slot between requests
         (a second connection waits); when it closes, the slot goes to the waiter at once.
         """
-        self.script(*[answer({"content": c}) for c in ("a1", "a2", "b1")])
+        self.script(costly("a1"), costly("a2"), answer({"content": "b1"}))
         kept = self.harness.connect()
         kept.post(HI)
         self.harness.advance(0.2)
@@ -960,7 +980,7 @@ class MetricsTests(LeaseTestCase):
         }
 
     def test_lease_metrics(self) -> None:
-        """A waiter shows in waiters; its grant after the grace in grants and switches."""
+        """A waiter shows in waiters; its grant when a's grace is cut, in grants and switches."""
         self.assertEqual(
             self.lease_samples(),
             {
@@ -979,7 +999,7 @@ class MetricsTests(LeaseTestCase):
         self.assertEqual(samples["loopd_lease_switches_total{queue=tiny}"], 0.0)
         self.assertEqual(samples["loopd_lease_waiters{queue=tiny}"], 1.0)
         self.assertEqual(samples["loopd_lease_holders{queue=tiny}"], 1.0)
-        self.harness.advance(2)
+        self.harness.advance(0.5)
         samples = self.lease_samples()
         self.assertEqual(samples["loopd_lease_grants_total"], 2.0)
         self.assertEqual(samples["loopd_lease_releases_total"], 1.0)
