@@ -328,8 +328,9 @@ class Scheduler:
             elif waiter.session_key not in queue.waiting:
                 queue.enqueue(waiter)
         self._reindex()
+        for key in [*old, *self._queues]:
+            self._waiting_changed[key] = None
         for queue in self._queues.values():
-            self._waiting_changed[queue.key] = None
             limit = queue.policy.max_streams
             if queue.policy.enabled and len(queue.holders) > limit:
                 self._emit(
