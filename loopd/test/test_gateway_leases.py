@@ -23,6 +23,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.config import Config
 from loopd.gateway.leases import GatewayLeases, LeaseHold, queue_status
+from loopd.llama.info import CacheOutcome
 from loopd.llama.types import Timings
 from loopd.queue.protocol import LeaseProtocol
 from loopd.queue.scheduler import Scheduler
@@ -47,6 +48,8 @@ GRACE_MS = 1000
 #: A context whose re-prefill, at the fresh endpoint's prior speed and loss share, costs
 #: 10 s: more than any grace here, so a waiter waits for the whole grace (decision 37).
 COSTLY = Timings(prompt_n=10_000)
+#: A returning session that found its cache.
+HIT = CacheOutcome(loss=False, expected=100, cached=100)
 
 
 class Harness:
@@ -302,6 +305,159 @@ class GraceTests(SynchronousTestCase):
         h.advance(1.05)
         self.assertNoResult(h.acquire("a"))
         self.assertEqual((h.waiting(), h.queued["a"]), (["a"], [0]))
+
+
+#: A context whose re-prefill costs 0.5 s at the priors (1,000 tokens/s, every switch a loss).
+HALF_SECOND = Timings(prompt_n=500)
+
+
+class CostTests(SynchronousTestCase):
+    """
+    While a request waits, a grace lasts only as long as that wait stays below the holder's
+    expected re-prefill (decision 37); nobody waiting, the whole grace.
+    """
+
+    def test_waiter_cuts_at_reprefill(self) -> None:
+        """b waits from 0.2 s; a's re-prefill costs 0.5 s: the slot goes to b at 0.7 s."""
+        h = Harness()
+        hold = self.successResultOf(h.acquire("a"))
+        h.served(hold, HALF_SECOND)
+        h.leases.done(hold)
+        h.advance(0.2)
+        waiter = h.acquire("b")
+        h.advance(0.45)
+        self.assertNoResult(waiter)
+        h.advance(0.1)
+        self.assertEqual(self.successResultOf(waiter).session_key, "b")
+        self.assertEqual((h.holders(), h.switches(), h.leases.cut_short), (["b"], 1, {"q": 1}))
+
+    def test_nobody_waits(self) -> None:
+        """Nobody waiting: the session keeps its slot for the whole grace, however cheap."""
+        h = Harness()
+        hold = self.successResultOf(h.acquire("a"))
+        h.served(hold, Timings(prompt_n=1))
+        h.leases.done(hold)
+        h.advance(0.95)
+        self.assertEqual(h.holders(), ["a"])
+        h.advance(0.1)
+        self.assertEqual((h.entry()["holders"], h.leases.cut_short), ([], {}))
+
+    def test_waited_while_running(self) -> None:
+        """A request that waited longer than the re-prefill while a's ran: at once at done."""
+        h = Harness()
+        hold = self.successResultOf(h.acquire("a"))
+        waiter = h.acquire("b")
+        h.advance(0.6)
+        h.served(hold, HALF_SECOND)
+        h.leases.done(hold)
+        self.assertEqual(self.successResultOf(waiter).session_key, "b")
+
+    def test_waiter_leaves(self) -> None:
+        """A waiter that gives up gives the holder its whole grace back."""
+        h = Harness()
+        hold = self.successResultOf(h.acquire("a"))
+        h.served(hold, HALF_SECOND)
+        h.leases.done(hold)
+        h.advance(0.2)
+        waiter = h.acquire("b")
+        waiter.cancel()
+        self.failureResultOf(waiter, CancelledError)
+        h.advance(0.75)
+        self.assertEqual(h.holders(), ["a"])
+        h.advance(0.1)
+        self.assertEqual(h.entry()["holders"], [])
+
+    def test_next_turn_before_the_cut(self) -> None:
+        """The bet won: a's next turn comes before the cut, switch-free; b still waits."""
+        h = Harness()
+        hold = self.successResultOf(h.acquire("a"))
+        h.served(hold, HALF_SECOND)
+        h.leases.done(hold)
+        waiter = h.acquire("b")
+        h.advance(0.3)
+        self.assertIs(self.successResultOf(h.acquire("a")), hold)
+        self.assertNoResult(waiter)
+        self.assertEqual((h.switches(), h.leases.cut_short), (0, {}))
+
+    def test_unpriced_hold(self) -> None:
+        """A hold with no completion (its request failed) protects nothing: cut at once."""
+        h = Harness()
+        hold = self.successResultOf(h.acquire("a"))
+        waiter = h.acquire("b")
+        h.leases.done(hold)
+        self.assertEqual(self.successResultOf(waiter).session_key, "b")
+
+    def test_learned_zero_loss_share(self) -> None:
+        """
+        An endpoint whose returning sessions all found their cache (a host-RAM cache):
+        switches are free, so even a 10,000-token holder gives way at once.
+        """
+        h = Harness()
+        for n in range(4):
+            h.leases.costs.observe("q", 0, f"was-{n}", Timings(), None)
+            h.leases.costs.observe("q", 0, "back", Timings(), HIT)
+        self.assertEqual(h.leases.costs.costs("q").loss_share, 0.0)
+        hold = self.successResultOf(h.acquire("a"))
+        h.served(hold, COSTLY)
+        h.leases.done(hold)
+        waiter = h.acquire("b")
+        self.assertEqual(self.successResultOf(waiter).session_key, "b")
+
+    def test_tiers_choose_who_gets_it(self) -> None:
+        """
+        A child waits from 0.1 s, a parent from 0.3 s: the child's wait cuts the grace at
+        0.6 s, and the slot goes to the parent, as the scheduler's tiers say.
+        """
+        h = Harness()
+        hold = self.successResultOf(h.acquire("a"))
+        h.served(hold, HALF_SECOND)
+        h.leases.done(hold)
+        h.advance(0.1)
+        child = h.acquire("c", "child")
+        h.advance(0.2)
+        parent = h.acquire("p")
+        h.advance(0.25)
+        self.assertEqual(h.holders(), ["a"])
+        h.advance(0.1)
+        self.assertEqual(self.successResultOf(parent).session_key, "p")
+        self.assertNoResult(child)
+
+    def test_socket_client_counts(self) -> None:
+        """A lease-socket client's wait cuts the grace too, and it is granted the slot."""
+        h = Harness()
+        hold = self.successResultOf(h.acquire("a"))
+        h.served(hold, HALF_SECOND)
+        h.leases.done(hold)
+        peer = LeaseProtocol()
+        transport = StringTransport()
+        peer.makeConnection(transport)
+        h.scheduler.acquire(peer, "q", "outside")
+        h.advance(0.45)
+        self.assertEqual(transport.value(), b"")
+        h.advance(0.1)
+        self.assertEqual(json.loads(transport.value())["op"], "granted")
+        self.assertEqual(h.holders(), ["outside"])
+
+    def test_two_holders_one_waiter(self) -> None:
+        """
+        Two slots in grace, one waiter: the cheaper holder gives way; once the waiter is
+        granted, the other holder has its whole grace again.
+        """
+        h = Harness(QueuePolicy(max_streams=2, lease_ttl_ms=3000, idle_yield_ms=30_000))
+        cheap = self.successResultOf(h.acquire("cheap"))
+        dear = self.successResultOf(h.acquire("dear"))
+        h.served(cheap, Timings(prompt_n=200))
+        h.served(dear, HALF_SECOND)
+        h.leases.done(cheap)
+        h.leases.done(dear)
+        waiter = h.acquire("b")
+        h.advance(0.25)
+        self.assertEqual(self.successResultOf(waiter).session_key, "b")
+        self.assertEqual(sorted(h.holders()), ["b", "dear"])
+        h.advance(0.7)
+        self.assertEqual(sorted(h.holders()), ["b", "dear"])
+        h.advance(0.1)
+        self.assertEqual(h.holders(), ["b"])
 
 
 class WithdrawTests(SynchronousTestCase):
