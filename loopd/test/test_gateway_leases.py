@@ -1090,6 +1090,59 @@ class SlotTests(LeaseTestCase):
         self.assertEqual(self.harness.queue()["switches"], 0)
 
 
+class GatewayCostTests(LeaseTestCase):
+    """
+    Through the gateway: the holder's completion prices its grace with the endpoint's
+    learned prompt speed, and C{/metrics} shows what was learned.
+    """
+
+    grace_ms = 5000
+
+    def test_learned_speed_cuts(self) -> None:
+        """
+        a's answer evaluated 2,000 tokens at 4,000 tokens/s (a 0.5 s re-prefill, every switch
+        a loss at the prior); b waits from the start: b goes upstream at 0.5 s, not after
+        a's 5 s grace.
+        """
+        timings = {"prompt_n": 2000, "prompt_per_second": 4000.0}
+        self.script(answer({"content": "a"}, timings=timings), answer({"content": "b"}))
+        self.harness.chat(STREAM, "a")
+        self.harness.chat(STREAM, "b")
+        self.harness.advance(0.45)
+        self.assertEqual((self.chats_sent(), self.harness.holders()), (1, ["a"]))
+        self.harness.advance(0.1)
+        self.assertEqual((self.chats_sent(), self.harness.holders()), (2, ["b"]))
+        samples = self.harness.scrape()
+        tiny = frozenset({("endpoint", "tiny")})
+        self.assertEqual(samples[("loopd_grace_prompt_tokens_per_second", tiny)], 4000.0)
+        self.assertEqual(samples[("loopd_grace_cache_loss_share", tiny)], 1.0)
+        self.assertEqual(samples[("loopd_grace_cut_short_total", tiny)], 1.0)
+
+    def test_returning_session_hit(self) -> None:
+        """
+        a, then b on a's slot, then a again finding its 100 tokens cached (a server whose
+        RAM cache restored it): one returning session, a hit; the prior's losses make up
+        the other three of its four.
+        """
+        self.script(
+            answer({"content": "a1"}, timings={"prompt_n": 100}),
+            answer({"content": "b1"}, timings={"prompt_n": 100}),
+            answer({"content": "a2"}, timings={"cache_n": 100, "prompt_n": 10}),
+        )
+        first = self.harness.chat(STREAM, "a")
+        self.harness.advance(0.15)
+        second = self.harness.chat(STREAM, "b")
+        self.harness.advance(0.15)
+        third = self.harness.chat(STREAM, "a")
+        self.harness.advance(1.0)
+        replies = [content(c.response()) for c in (first, second, third)]
+        self.assertEqual(replies, ["a1", "b1", "a2"])
+        samples = self.harness.scrape()
+        tiny = frozenset({("endpoint", "tiny")})
+        self.assertEqual(samples[("loopd_grace_returning_sessions", tiny)], 1.0)
+        self.assertEqual(samples[("loopd_grace_cache_loss_share", tiny)], 0.75)
+
+
 class QueueRouteTests(LeaseTestCase):
     """
     C{GET /v1/queue} serves the lease protocol's status reply, only when there are leases.
