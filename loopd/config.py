@@ -128,11 +128,6 @@ def _endpoint_name(value: object) -> str:
     return value
 
 
-def _group_name(value: object) -> str:
-    """A group's name: the rules of an endpoint's name (L{_endpoint_name})."""
-    return _endpoint_name(value)
-
-
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 #: The headers loopd's HTTP client sets itself, and Dynamo's priority (affinity_priority).
 _OWN_HEADERS: Final = frozenset(
@@ -255,7 +250,8 @@ _ENDPOINT_RULES: Final[Mapping[str, Rule]] = {
     "proxy_burst": integer(1, INT32_MAX),
     "proxy_refill_per_second": number(0, 1e9, min_open=True),
     "pacing_wait_ms": integer(0, INT32_MAX),
-    "group": _group_name,
+    # A group's name follows an endpoint name's rules; L{_parse_endpoints} keeps them apart.
+    "group": _endpoint_name,
     "affinity_header": _affinity_header,
     "affinity_field": _affinity_field,
     "affinity_priority": boolean,

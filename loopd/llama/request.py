@@ -198,7 +198,7 @@ def affinity_headers(request: ChatRequest, endpoint: Endpoint) -> dict[str, str]
     The headers that carry C{request}'s session to an C{openai} endpoint's own affinity
     (DESIGN §3 decision 42): its C{affinity_header} with C{request.session} when the request
     has one, and with C{affinity_priority} L{PRIORITY_HEADER}, 1 for a parent and 0 for a
-    child. None for a llama-server, whose slot loopd pins itself.
+    child. None at all for a llama-server, whose slot loopd pins itself.
 
     A session id is UTF-8 without control characters (L{loopd.gateway.request.session_id});
     it goes out as those bytes (a header value may carry bytes above 0x7F), each one
