@@ -19,11 +19,13 @@ direct's and no request waiting.
 
 Part 2, ``auto``: ``--sessions`` (4: as many as the two servers have slots) sessions at
 once, each ``--turns`` (6) turns of a conversation it extends, with its own
-``X-Session-Id`` and model ``auto``. It prints how many sessions changed endpoint after
-their first turn, the share of each later turn's prompt that was cached (the lowest,
-and the sums), and how many requests waited (a ``queued`` or ``waiting`` event). The
-anchor: the same sessions sent straight to the servers, session i to server i % 2
-(``id_slot`` -1, the server's own choice). Goals: no session moves, every later turn
+``X-Session-Id`` and model ``auto``, or with ``--model tiny`` the endpoint group ``tiny``
+that both endpoints belong to (DESIGN decision 42: routed among its members as ``auto``
+is). It prints how many sessions changed endpoint after their first turn, the share of
+each later turn's prompt that was cached (the lowest, and the sums), and how many
+requests waited (a ``queued`` or ``waiting`` event). The anchor: the same sessions sent
+straight to the servers, session i to server i % 2 (``id_slot`` -1, the server's own
+choice). Goals: no session moves, every later turn
 finds some of its prompt cached, no request waits.
 
 The exit status is 0 when every measurement ran (goals met or not), else 1.
@@ -62,6 +64,8 @@ from loopd.llama.request import chat_body, encode
 
 ENDPOINTS = ("tiny-a", "tiny-b")
 """The two endpoints' names in loopd.toml."""
+GROUP = "tiny"
+"""The endpoint group both endpoints belong to in loopd.toml."""
 ANONYMOUS_P99_GOAL = 2.0
 """Part 1: loopd's p99 at most this many times direct's."""
 PROXY_LIMITS = (
@@ -94,11 +98,12 @@ class Answer:
 
 
 def loopd_config(listen: str, sockets: tuple[str, ...]) -> str:
-    """The loopd.toml text: the two endpoints, no self-test."""
+    """The loopd.toml text: the two endpoints, in group L{GROUP}, no self-test."""
     lines = ["[server]", f"listen = {json.dumps('unix:' + listen.replace(':', chr(92) + ':'))}"]
     for name, path in zip(ENDPOINTS, sockets, strict=True):
         lines += ["", "[[endpoint]]", f"name = {json.dumps(name)}"]
         lines += [f"socket = {json.dumps(path)}", "selftest = false", *PROXY_LIMITS]
+        lines += [f"group = {json.dumps(GROUP)}"]
     return "\n".join(lines) + "\n"
 
 
@@ -228,9 +233,9 @@ def measure_anonymous(stack: Stack, requests: int, timeout: float) -> dict[str, 
 
 
 def _conversation(
-    path: str, stack: Stack, index: int, turns: int, timeout: float, out: list[Answer]
+    path: str, stack: Stack, model: str, index: int, turns: int, timeout: float, out: list[Answer]
 ) -> None:
-    """One session's turns in order, through loopd's ``auto`` or straight to a server."""
+    """One session's turns in order, through loopd's ``model`` or straight to a server."""
     history: list[ChatMessage] = []
     wire: list[dict[str, str]] = []
     for turn in range(turns):
@@ -239,7 +244,7 @@ def _conversation(
         wire.append({"role": "user", "content": text})
         if path == "loopd":
             answer = stream(
-                stack.loopd_socket, loopd_body("auto", wire), timeout, f"routing-{index}"
+                stack.loopd_socket, loopd_body(model, wire), timeout, f"routing-{index}"
             )
         else:
             port = stack.ports[index % len(stack.ports)]
@@ -251,7 +256,7 @@ def _conversation(
 
 
 def measure_auto(
-    stack: Stack, sessions: int, turns: int, timeout: float
+    stack: Stack, model: str, sessions: int, turns: int, timeout: float
 ) -> dict[str, list[list[Answer]]]:
     """Part 2: sessions conversations at once per path; each session's answers in order."""
     out: dict[str, list[list[Answer]]] = {}
@@ -260,7 +265,7 @@ def measure_auto(
         out[path] = answers
 
         def converse(index: int, path: str = path, answers: list[list[Answer]] = answers) -> None:
-            _conversation(path, stack, index, turns, timeout, answers[index])
+            _conversation(path, stack, model, index, turns, timeout, answers[index])
 
         run_concurrently(sessions, converse, path)
     return out
@@ -296,9 +301,10 @@ def _later_turns(sessions: list[list[Answer]]) -> list[Answer]:
 def print_auto(results: dict[str, list[list[Answer]]], args: argparse.Namespace) -> None:
     """Print part 2's figures per path and the goals."""
     header = (
-        f"Part 2, auto: {args.sessions} sessions at once, {args.turns} turns each of a"
-        " conversation it extends, thinking off. loopd: model auto over endpoints tiny-a"
-        " and tiny-b (two 2-slot servers, each behind its inferproxy), each session its own"
+        f"Part 2, {args.model}: {args.sessions} sessions at once, {args.turns} turns each of a"
+        f" conversation it extends, thinking off. loopd: model {args.model} over endpoints"
+        " tiny-a and tiny-b (two 2-slot servers, each behind its inferproxy, both in group"
+        f" {GROUP}), each session its own"
         " X-Session-Id; direct: session i straight to server i % 2, id_slot -1 (the anchor,"
         " same run)."
     )
@@ -320,6 +326,9 @@ def print_auto(results: dict[str, list[list[Answer]]], args: argparse.Namespace)
         cells = f"{rows['loopd'][label]:>10.2f}{rows['direct'][label]:>10.2f}"
         print(f"{label:<{W}}{cells}")
     loopd = rows["loopd"]
+    homes = [s[0].model for s in results["loopd"] if s]
+    spread = ", ".join(f"{name} {homes.count(name)}" for name in ENDPOINTS)
+    print(f"{'loopd sessions per endpoint':<{W}}{spread}")
     print()
     print(f"{'sessions that moved':<{W}}{loopd['sessions that moved']:>10.0f}", end="")
     print(f"   {verdict(loopd['sessions that moved'], '<=', 0)}")
@@ -343,7 +352,7 @@ def run(args: argparse.Namespace) -> None:
             anonymous = measure_anonymous(stack, args.requests, args.io_timeout)
         if args.part in ("all", "auto"):
             print(f"  part 2: {args.sessions} sessions per path ...", file=sys.stderr)
-            auto = measure_auto(stack, args.sessions, args.turns, args.io_timeout)
+            auto = measure_auto(stack, args.model, args.sessions, args.turns, args.io_timeout)
     finally:
         ignore_exit_signals()
         children.stop_all()
@@ -364,6 +373,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--requests", type=positive, default=100, help="part 1: requests per path")
     add("--sessions", type=positive, default=4, help="part 2: concurrent sessions")
     add("--turns", type=positive, default=6, help="part 2: turns per session")
+    add("--model", choices=("auto", GROUP), default="auto", help="part 2: the model asked for")
     add("--threads", type=positive, default=1, help="threads of each llama server")
     add("--io-timeout", type=float, default=120.0, help="longest wait on a socket, s")
     return parser.parse_args(argv)

@@ -171,6 +171,20 @@ class Endpoint:
     under the cap) before it fails with Busy (>= 0)."""
     expect: Expect = field(default_factory=Expect)
     """What the self-test checks in /props."""
+    group: str | None = None
+    """The group the endpoint belongs to: endpoints serving the same model share one, and a
+    request naming the group is routed among them as C{auto} is (DESIGN §3 decision 42).
+    Not an endpoint's name, nor C{auto} or C{mesh}. None: in no group."""
+    affinity_header: str | None = None
+    """An C{openai} endpoint only: the request header that carries the session's id to the
+    engine's own session affinity (C{x-smg-routing-key} for SGLang's gateway,
+    C{X-Dynamo-Session-ID} for Dynamo, C{x-session-token} for llm-d). None: no header."""
+    affinity_field: str | None = None
+    """An C{openai} endpoint only: the top-level body field that carries the session's id
+    (C{user} for mesh-llm and vLLM's router). None: no field."""
+    affinity_priority: bool = False
+    """An C{openai} endpoint only: send the session's tier as Dynamo's request priority,
+    C{x-dynamo-request-priority} (1 for a parent, 0 for a child: higher goes first)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -261,3 +275,12 @@ class Config:
             if endpoint.name == name:
                 return endpoint
         raise KeyError(name)
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The endpoint groups' names, each once, in the order of their first member."""
+        return tuple(dict.fromkeys(e.group for e in self.endpoints if e.group is not None))
+
+    def members(self, group: str) -> tuple[Endpoint, ...]:
+        """The endpoints of group C{group}, in file order; empty for a name no group has."""
+        return tuple(e for e in self.endpoints if e.group == group)

@@ -8,7 +8,10 @@ of reference C{mesh-moa.md} §1.12, and the C{x-moa-*} headers.
 B{The pool.} Every configured endpoint that takes the request's images or audio (C{vision},
 C{audio}, as for C{auto}) and counts as reachable (L{Reachability}: an endpoint whose socket
 could not be connected to is left out for L{RECHECK_S} seconds, then tried again; any answer
-from it puts it back at once), deduplicated by canonical name.
+from it puts it back at once), deduplicated by canonical name. An endpoint group (replicas of
+one model) is one worker, as one model is one worker in the reference (§1.2): the member that
+L{group_member} picks for the session among the group's members in the pool, so a session's
+mesh calls to the group stay on one member while it is up.
 
 B{The calls.} Each worker or reducer call is one L{Upstreams.call} with a C{child}-tier lease
 for the session (when the gateway leases), a slot history of its own per endpoint, and the
@@ -46,7 +49,7 @@ from loopd.errors import Connect, Http
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.request import GatewayRequest, SessionRef
-from loopd.gateway.router import AutoRouter
+from loopd.gateway.router import AutoRouter, group_member
 from loopd.gateway.upstream import CallKeys, Upstreams
 from loopd.gateway.web import (
     Exchange,
@@ -75,7 +78,7 @@ from loopd.moa.roles import Worker, build_pool
 from loopd.moa.turn import read_turn
 from loopd.settings import Config
 
-__all__ = ["RECHECK_S", "MeshExchange", "MeshHost", "Reachability", "mesh_pool"]
+__all__ = ["RECHECK_S", "MeshExchange", "MeshHost", "Reachability", "mesh_pool", "one_per_group"]
 
 RECHECK_S: Final = 30.0
 """Seconds an endpoint that refused a connection stays out of the mesh pool."""
@@ -158,7 +161,21 @@ def mesh_pool(host: MeshHost, request: GatewayRequest) -> tuple[Worker, ...]:
     workers = [Worker(e.name, e.size_b) for e in host.config.endpoints if e.name in takes]
     now = host.reactor.seconds()
     pool = build_pool(workers, reachable=lambda name: host.reachability.up(name, now))
-    return pool if pool else build_pool(workers)
+    return one_per_group(pool if pool else build_pool(workers), host.config, request.session.id)
+
+
+def one_per_group(pool: tuple[Worker, ...], config: Config, session: str) -> tuple[Worker, ...]:
+    """
+    C{pool} with each endpoint group's members in it down to one, L{group_member}'s pick
+    for C{session}; workers in no group stay. The order is C{pool}'s.
+    """
+    groups = {w.name: config.endpoint(w.name).group for w in pool}
+    present: dict[str, list[str]] = {}
+    for name, group in groups.items():
+        if group is not None:
+            present.setdefault(group, []).append(name)
+    chosen = {group: group_member(names, session) for group, names in present.items()}
+    return tuple(w for w in pool if (g := groups[w.name]) is None or chosen[g] == w.name)
 
 
 class _MeshCalls:

@@ -135,8 +135,9 @@ class Gateway:
 
     def route_auto(self, request: GatewayRequest) -> tuple[Endpoint, ...] | None:
         """
-        The endpoints to try, in order, for a request whose C{model} is C{auto} or missing
-        (the C{auto} router's order); C{None} for any other request.
+        The endpoints to try, in order, for a request whose C{model} is C{auto} or missing,
+        or a group's name (the C{auto} router's order among every endpoint, or among the
+        group's members, placed by L{place}); C{None} for any other request.
 
         @raise GatewayError: the router's errors (C{media_unsupported}, C{no_endpoint}).
         """
@@ -185,8 +186,12 @@ class Gateway:
             self.leases.stop()
 
     def _model_ids(self) -> list[str]:
-        """The ids loopd serves: the endpoints in config order, then C{auto} and C{mesh}."""
-        return [e.name for e in self.config.endpoints] + [AUTO_MODEL, MESH_MODEL]
+        """
+        The ids loopd serves: the endpoints in config order, the groups (in the order of
+        their first member), then C{auto} and C{mesh}.
+        """
+        endpoints = [e.name for e in self.config.endpoints]
+        return endpoints + list(self.config.groups) + [AUTO_MODEL, MESH_MODEL]
 
     def _model_object(self, model_id: str) -> dict[str, object]:
         """One model in OpenAI's shape."""
@@ -194,7 +199,7 @@ class Gateway:
         return {"id": model_id, "object": "model", "created": created, "owned_by": "loopd"}
 
     def _models(self) -> tuple[int, object]:
-        """C{GET /v1/models}: the endpoints, then C{auto} and C{mesh}."""
+        """C{GET /v1/models}: the endpoints, the groups, then C{auto} and C{mesh}."""
         data = [self._model_object(model_id) for model_id in self._model_ids()]
         return 200, {"object": "list", "data": data}
 

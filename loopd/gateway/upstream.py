@@ -14,8 +14,10 @@ mesh worker and reducer call go through L{Upstreams.call}.
     the endpoint calls it home, so that session's next turn finds its KV cache where it
     left it.
  3. B{Call.} The endpoint's robust llama client (L{Client.chat_with_retry}: its slot gate,
-    bounded waits and retries), the request pinned to the slot; a streaming client's
-    backpressure (a L{Flow}) pauses the upstream read while the client does not read.
+    bounded waits and retries), the request pinned to the slot and carrying the session's
+    id and tier (for an C{openai} endpoint's own affinity, decision 42; an anonymous
+    session's id stays home); a streaming client's backpressure (a L{Flow}) pauses the
+    upstream read while the client does not read.
  4. B{Accounting.} A completion's token counts go to the metrics, its speed to the C{auto}
     router, and its cache outcome against the session's previous completion on the endpoint
     to the session table, the metrics (a loss) and the log.
@@ -306,7 +308,11 @@ class _LeasedCall:
         """Choose the slot and send the request upstream."""
         self._slot = self._up.choose_slot(self._endpoint, self._keys, self._conversation)
         client = self._up.clients[self._endpoint]
-        request = replace(self._request, slot=self._slot)
+        keys = self._keys
+        # An anonymous session's id names a connection, not a conversation: an engine's own
+        # affinity (decision 42) is left to its prefix-aware routing for it.
+        session = None if keys.anonymous or not keys.session else keys.session
+        request = replace(self._request, slot=self._slot, session=session, tier=keys.tier)
         calling = client.chat_with_retry(request, self._on_event, self._retryable, flow=self._flow)
         self._step = calling
         calling.addCallbacks(self._completed, self._failed)

@@ -203,6 +203,37 @@ class ValidDocumentTests(SynchronousTestCase):
         self.assertIs(config.endpoint("qwen3:0.6b"), config.endpoints[1])
         self.assertRaises(KeyError, config.endpoint, "nope")
 
+    def test_groups(self) -> None:
+        """Endpoints sharing a group are its members, in file order; groups listed once."""
+        text = "".join(
+            EP.replace("local", name) + group
+            for name, group in [
+                ("a", 'group = "qwen"\n'),
+                ("b", ""),
+                ("c", 'group = "qwen"\n'),
+                ("d", 'group = "llama"\n'),
+            ]
+        )
+        config = parse_config(text)
+        self.assertEqual(config.groups, ("qwen", "llama"))
+        self.assertEqual([e.name for e in config.members("qwen")], ["a", "c"])
+        self.assertEqual(config.members("b"), ())
+        self.assertEqual(config.endpoint("b").group, None)
+
+    def test_affinity(self) -> None:
+        """An openai endpoint takes an affinity header, field and priority as written."""
+        text = OPENAI + 'affinity_header = "X-Dynamo-Session-ID"\naffinity_field = "user"\n'
+        (endpoint,) = parse_config(text + "affinity_priority = true\n").endpoints
+        self.assertEqual(
+            (endpoint.affinity_header, endpoint.affinity_field, endpoint.affinity_priority),
+            ("X-Dynamo-Session-ID", "user", True),
+        )
+        (plain,) = parse_config(EP + "affinity_priority = false\n").endpoints
+        self.assertEqual(
+            (plain.affinity_header, plain.affinity_field, plain.affinity_priority),
+            (None, None, False),
+        )
+
     def test_socket_home_expanded(self) -> None:
         """A socket path starting with ~ is expanded to the home directory."""
         config = parse_config(EP.replace("/tmp/ld/", "~/"))
@@ -279,6 +310,13 @@ class PropertyTests(SynchronousTestCase):
 
 
 NAME = "a non-empty string without spaces or control characters"
+HEADER = "a header name (letters, digits and !#$%&'*+-.^_`|~)"
+OWN_HEADER = (
+    "a header other than connection, content-length, content-type, host, transfer-encoding, "
+    "x-dynamo-request-priority"
+)
+FIELD = "a field name (a letter or _, then letters, digits, _ . or -)"
+LLAMA_AFFINITY = "only for an openai endpoint: loopd pins a llama-server's slot itself"
 JITTER = "a number x with 0 <= x < 1"
 BACKOFF = "a non-empty array of non-negative integers"
 # (dotted key, a bad TOML value for it, what the error says was expected)
@@ -342,6 +380,24 @@ BAD_VALUES = [
     ("endpoint.proxy_refill_per_second", "0", "a number x with 0 < x <= 1e+09"),
     ("endpoint.pacing_wait_ms", "-1", "an integer from 0 to 2147483647"),
     ("endpoint.selftest_wait_ms", "0", "an integer from 1 to 2147483647"),
+    ("endpoint.group", '""', NAME),
+    ("endpoint.group", '"my group"', NAME),
+    *[
+        ("endpoint.group", bad, 'a name other than "auto" and "mesh", which the gateway routes')
+        for bad in ('"auto"', '"mesh"')
+    ],
+    *[("endpoint.affinity_header", bad, HEADER) for bad in ('""', '"x session"', '"a:b"', "1")],
+    ("endpoint.affinity_header", '"x-é"', HEADER),
+    *[
+        ("endpoint.affinity_header", bad, OWN_HEADER)
+        for bad in ('"Host"', '"content-type"', '"X-Dynamo-Request-Priority"')
+    ],
+    *[("endpoint.affinity_field", bad, FIELD) for bad in ('""', '"a b"', '"1st"', "true")],
+    *[
+        ("endpoint.affinity_field", bad, "a field loopd does not send itself (such as user)")
+        for bad in ('"model"', '"messages"', '"max_tokens"')
+    ],
+    ("endpoint.affinity_priority", '"yes"', "a boolean (true or false)"),
     ("endpoint.expect.n_ctx", '"8192"', "a positive integer"),
     ("endpoint.expect.total_slots", "0", "a positive integer"),
     (
@@ -368,6 +424,21 @@ OTHER_PROBLEMS = [
     (
         OPENAI + "selftest = true",
         "endpoint[0].selftest: must be false for an openai endpoint: the self-test needs /props",
+    ),
+    *[
+        (EP + line, f"endpoint[0].{line.split(' = ')[0]}: {LLAMA_AFFINITY}")
+        for line in ('affinity_header = "x-smg-routing-key"', 'affinity_field = "user"')
+    ],
+    (EP + "affinity_priority = true", f"endpoint[0].affinity_priority: {LLAMA_AFFINITY}"),
+    (
+        EP + EP.replace("local", "b") + 'group = "local"',
+        'endpoint[1].group: group "local" is the name of an endpoint (endpoint[0]): '
+        "a model name must say which it means",
+    ),
+    (
+        EP + 'group = "b"\n' + EP.replace("local", "b"),
+        'endpoint[0].group: group "b" is the name of an endpoint (endpoint[1]): '
+        "a model name must say which it means",
     ),
     ("max_tokens = 5", "endpoint: at least one [[endpoint]] table is required"),
     ("endpoint = []", "endpoint: at least one [[endpoint]] table is required"),

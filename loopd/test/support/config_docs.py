@@ -157,7 +157,9 @@ expects = st.builds(
 
 
 def endpoints_of(kind: str, selftest: st.SearchStrategy[bool]) -> st.SearchStrategy[Endpoint]:
-    """Valid endpoints of one kind."""
+    """Valid endpoints of one kind; an openai one may name its engine's affinity."""
+    openai = kind == "openai"
+    headers = ["x-smg-routing-key", "X-Dynamo-Session-ID", "x-session-token"] if openai else []
     return st.builds(
         Endpoint,
         kind=st.just(kind),
@@ -169,6 +171,9 @@ def endpoints_of(kind: str, selftest: st.SearchStrategy[bool]) -> st.SearchStrat
         size_b=optional(reals(0, 1_000_000, open_low=True)),
         vision=st.booleans(),
         audio=st.booleans(),
+        affinity_header=st.sampled_from([None, *headers]),
+        affinity_field=st.sampled_from([None, "user"] if openai else [None]),
+        affinity_priority=st.booleans() if openai else st.just(False),
     )
 
 
