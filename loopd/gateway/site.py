@@ -19,9 +19,10 @@ from twisted.web.server import Request, Site
 from loopd.gateway.channel import GatewaySite
 from loopd.gateway.chat import ChatCompletions
 from loopd.gateway.errors import GatewayError
+from loopd.gateway.health import HealthBoard, ProbePace
 from loopd.gateway.leases import GatewayLeases, queue_status
-from loopd.gateway.mesh import Reachability
 from loopd.gateway.metrics import GatewayMetrics
+from loopd.gateway.probe import HealthProbes
 from loopd.gateway.request import GatewayRequest
 from loopd.gateway.router import AUTO_MODEL, AutoRouter, RandomSource, place
 from loopd.gateway.sessions import Sessions
@@ -99,7 +100,11 @@ class Gateway:
         if leases is not None and leases.scheduler is not None:
             self.metrics.watch_scheduler(leases.scheduler)
         self.router = AutoRouter(config.endpoints, props, rng)
-        self.reachability = Reachability()
+        names = [e.name for e in config.endpoints]
+        self.health = HealthBoard(names, ProbePace.from_settings(config.health), reactor.seconds())
+        self.probes = HealthProbes(
+            reactor, self.health, self.clients, config.health.timeout_ms / 1000.0
+        )
         self.upstreams = Upstreams(
             reactor,
             config,
@@ -109,6 +114,7 @@ class Gateway:
             router=self.router,
             leases=leases,
             slot_counts=slot_counts,
+            health=self.health,
         )
         self.metrics.watch_router(self.router, reactor.seconds)
         self.metrics.watch_pacing({name: client.pacer for name, client in self.clients.items()})
@@ -136,9 +142,11 @@ class Gateway:
     def route_auto(self, request: GatewayRequest) -> tuple[Endpoint, ...] | None:
         """
         The endpoints to try, in order, for a request whose C{model} is C{auto} or missing
-        (the C{auto} router's order); C{None} for any other request.
+        (the C{auto} router's order, without the endpoints that are down); C{None} for any
+        other request.
 
-        @raise GatewayError: the router's errors (C{media_unsupported}, C{no_endpoint}).
+        @raise GatewayError: the router's errors (C{media_unsupported}, C{no_endpoint}), or
+            503 C{endpoint_unavailable} when every candidate is down.
         """
         chosen = self.router.route(request, self.reactor.seconds())
         if chosen is None:
@@ -146,7 +154,11 @@ class Gateway:
         up = self.upstreams
         free = {c.name: up.free_slots(c.name, request.session.id) for c in chosen.candidates}
         chosen = place(chosen, up.home_of(request.session.id), free)
-        return tuple(self.config.endpoint(c.name) for c in chosen.candidates)
+        names = [c.name for c in chosen.candidates]
+        eligible = [name for name in names if self.health.eligible(name)]
+        if not eligible:
+            raise self.health.unavailable(names, self.reactor.seconds())
+        return tuple(self.config.endpoint(name) for name in eligible)
 
     def _queue_depth(self, name: str, waiting: Callable[[int], int]) -> Callable[[], int]:
         """How many requests wait at endpoint C{name}'s gate, over all its slots."""
@@ -175,10 +187,15 @@ class Gateway:
         self.metrics.watch_connections(lambda: len(site.open_channels))
         return site
 
+    def start(self) -> None:
+        """Start probing every endpoint's health (L{loopd.gateway.probe})."""
+        self.probes.start()
+
     def stop(self) -> None:
         """
-        End every exchange under way with an error event (or status).
+        Stop the health probes; end every exchange under way with an error event (or status).
         """
+        self.probes.stop()
         for exchange in list(self.in_flight):
             exchange.shutdown()
         if self.leases is not None:

@@ -41,6 +41,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from loopd.errors import Connect, ProxyRefused, WaitTimeout
+from loopd.gateway.health import HealthBoard, means_down
 from loopd.gateway.leases import GatewayLeases, LeaseHold
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.router import AutoRouter
@@ -106,6 +107,7 @@ class Upstreams:
         router: AutoRouter,
         leases: GatewayLeases | None = None,
         slot_counts: Mapping[str, int] | None = None,
+        health: HealthBoard | None = None,
     ) -> None:
         """
         @param reactor: the clock of the lease wait and of the speed samples.
@@ -117,8 +119,10 @@ class Upstreams:
         @param leases: the lease scheduler's gateway side; C{None}: no leases.
         @param slot_counts: each endpoint's number of slots (from its C{/props}); an
             endpoint not named uses its C{expect.total_slots}, else 1.
+        @param health: the endpoints' health, fed by every call's outcome (L{call}).
         """
         self.reactor = reactor
+        self.health = health
         self.config = config
         self.clients: Mapping[str, Client] = dict(clients)
         self.sessions = sessions
@@ -176,8 +180,35 @@ class Upstreams:
             while it is paused the upstream answer is not read (L{Flow}).
         @return: fires with the completion; fails with the client's L{loopd.errors} kinds or
             L{WaitTimeout} for a lease wait that ran out; cancel it to abandon the call.
+
+        With a health board, a failure that says the endpoint is down (L{means_down}) is
+        never retried: it puts the endpoint down at once, so the caller can fail over or
+        answer 503 rather than wait through the retry schedule (DESIGN decision 38); a
+        completion tells the board that the endpoint answers.
         """
-        return _LeasedCall(self, endpoint, request, keys, on_event, retryable, flow).start()
+        if self.health is None:
+            return _LeasedCall(self, endpoint, request, keys, on_event, retryable, flow).start()
+        narrowed = _unless_down(retryable)
+        calling = _LeasedCall(self, endpoint, request, keys, on_event, narrowed, flow).start()
+        return calling.addCallbacks(
+            self._answered, self._failed, callbackArgs=(endpoint,), errbackArgs=(endpoint,)
+        )
+
+    def _answered(self, completion: Completion, endpoint: str) -> Completion:
+        """A call's completion: C{endpoint} answers."""
+        assert self.health is not None
+        self.health.request_answered(endpoint, self.reactor.seconds())
+        return completion
+
+    def _failed(self, reason: Failure, endpoint: str) -> Failure:
+        """A call's failure: C{endpoint} is down when it says so."""
+        assert self.health is not None
+        error = reason.value
+        if error is not None and self.health.request_failed(
+            endpoint, error, self.reactor.seconds()
+        ):
+            _log.warn("endpoint {endpoint} is down: {error}", endpoint=endpoint, error=error)
+        return reason
 
     def end_session(self, session: str) -> None:
         """
@@ -339,6 +370,11 @@ class _LeasedCall:
         hold, self._hold = self._hold, None
         if hold is not None and self._up.leases is not None:
             self._up.leases.done(hold, at_once)
+
+
+def _unless_down(retryable: Callable[[BaseException], bool]) -> Callable[[BaseException], bool]:
+    """C{retryable}, but never for a failure that says the endpoint is down."""
+    return lambda error: not means_down(error) and retryable(error)
 
 
 def _lease_timeout(wait_ms: int) -> Callable[[object, float], object]:

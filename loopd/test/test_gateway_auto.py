@@ -289,22 +289,36 @@ class FailOverTests(AutoTestCase):
             self.assertEqual(len(harness.leases.held_sessions("tiny")), 0)
 
     def test_all_unreachable(self) -> None:
-        """Every candidate unreachable: the last failure answers, 502 connect."""
+        """
+        Every candidate unreachable: 503 endpoint_unavailable naming each and why, with a
+        Retry-After.
+        """
         harness = AutoHarness(auto_config(), Scripted(0.5, 0.1), big_listens=False)
         harness.net.stop_listening(harness.config.endpoints[0].socket)
         connection = harness.post(HI)
         harness.advance(1)
         response = connection.response()
-        self.assertEqual((response.status, response.json()["error"]["code"]), (502, "connect"))
+        error = response.json()["error"]
+        self.assertEqual((response.status, error["code"]), (503, "endpoint_unavailable"))
+        self.assertEqual(
+            error["message"],
+            "every candidate endpoint is down (tiny: no socket (nothing is serving it);"
+            " big: no socket (nothing is serving it)); retry after 1 s",
+        )
+        self.assertEqual(response.headers["retry-after"], "1")
 
     def test_named_model_no_fail_over(self) -> None:
-        """A named endpoint that cannot be connected to is a 502, not another endpoint."""
+        """
+        A named endpoint that cannot be connected to is a 503 endpoint_unavailable, not
+        another endpoint.
+        """
         harness = AutoHarness(auto_config(), Scripted())
         harness.net.stop_listening(harness.config.endpoints[0].socket)
         self.script_both(harness)
         connection = harness.post({**HI, "model": "tiny"})
         harness.advance(1)
-        self.assertEqual(connection.response().status, 502)
+        response = connection.response()
+        self.assertEqual((response.status, response.headers["retry-after"]), (503, "1"))
         self.assertEqual(harness.served(), (0, 0))
 
 

@@ -251,7 +251,7 @@ class FailureTests(MeshTestCase):
         response = harness.ask(ASK, 1.0)
         self.assert_answer(response, VERBOSE, moa("fanout", 2, 1, False, 0))
         self.assertEqual(response.headers["x-moa-elapsed-ms"], "1000")
-        self.assertFalse(harness.gateway.reachability.up("mistral-7b", harness.reactor.seconds()))
+        self.assertFalse(harness.gateway.health.eligible("mistral-7b"))
 
     def test_dead_worker_next_turn_single(self) -> None:
         """The turn after: the pool is one model, which serves the request alone."""
