@@ -117,6 +117,7 @@ class Gateway:
             health=self.health,
         )
         self.metrics.watch_router(self.router, reactor.seconds)
+        self.metrics.watch_health(self.health)
         self.metrics.watch_pacing({name: client.pacer for name, client in self.clients.items()})
         for name, client in self.clients.items():
             self.metrics.set_queue_depth(name, self._queue_depth(name, client.gate.waiting))
@@ -176,7 +177,9 @@ class Gateway:
         }
         if self.leases is not None and self.leases.scheduler is not None:
             scheduler = self.leases.scheduler
-            routes[b"/v1/queue"] = JsonRoute(lambda: (200, queue_status(scheduler)))
+            routes[b"/v1/queue"] = JsonRoute(
+                lambda: (200, {**queue_status(scheduler), "endpoints": self._states()})
+            )
         items = {b"/v1/models/": lambda model_id: JsonRoute(lambda: self._model(model_id))}
         site = GatewaySite(
             Root(routes, items),
@@ -233,9 +236,10 @@ class Gateway:
     def _health(self) -> Deferred[tuple[int, object]]:
         """
         C{GET /health}: every endpoint's own C{/health}, asked through its client (paced,
-        and shared with any check already under way). An endpoint whose inferproxy refuses
-        loopd at its connection cap is named as refused by its inferproxy, not unreachable;
-        no detail names a socket path.
+        and shared with any check already under way), and under C{states} each endpoint's
+        health state (L{_states}). An endpoint whose inferproxy refuses loopd at its
+        connection cap is named as refused by its inferproxy, not unreachable; no detail
+        names a socket path.
         """
         checks = [self.clients[e.name].health() for e in self.config.endpoints]
 
@@ -247,7 +251,18 @@ class Gateway:
             }
             healthy = all(health.ok for health in healths)
             status = "ok" if healthy else "degraded"
-            return (200 if healthy else 503), {"status": status, "endpoints": endpoints}
+            body = {"status": status, "endpoints": endpoints, "states": self._states()}
+            return (200 if healthy else 503), body
 
         gathered: Deferred[list[tuple[bool, Health]]] = DeferredList(checks, consumeErrors=True)
         return gathered.addCallback(summarise)
+
+    def _states(self) -> dict[str, dict[str, str]]:
+        """
+        Each endpoint's health state and what put it there (L{HealthBoard}), by name: what
+        C{/health} and C{/v1/queue} show.
+        """
+        return {
+            name: {"state": state.value, "detail": self.health.why(name)}
+            for name, state in self.health.states().items()
+        }

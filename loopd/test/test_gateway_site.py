@@ -214,7 +214,12 @@ class HealthTests(SynchronousTestCase):
         """Both endpoints answer 200: 200 ok."""
         response = self.health()
         self.assertEqual(response.status, 200)
-        expected = {"status": "ok", "endpoints": {"tiny": "ok", "big": "ok"}}
+        probing = {"state": "probing", "detail": "not probed yet"}
+        expected = {
+            "status": "ok",
+            "endpoints": {"tiny": "ok", "big": "ok"},
+            "states": {"tiny": probing, "big": probing},
+        }
         self.assertEqual(response.json(), expected)
         self.assertEqual([r.path for r in self.big.requests], ["/health"])
 
