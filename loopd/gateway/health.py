@@ -197,7 +197,8 @@ class HealthBoard:
         Whole seconds from C{now} until endpoint C{name}'s next probe is due, at least 1:
         the C{Retry-After} of a 503.
         """
-        return max(1, math.ceil(self._endpoints[name].due - now))
+        # Clock times are float sums: (now + 1) - now can exceed 1 by a hair.
+        return max(1, math.ceil(round(self._endpoints[name].due - now, 6)))
 
     def unavailable(self, names: Iterable[str], now: float) -> EndpointUnavailableError:
         """The 503 for a request whose endpoints C{names} (at least one) are all down."""

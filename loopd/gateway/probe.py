@@ -107,7 +107,7 @@ class HealthProbes:
 
     def _no_answer(self, reason: Failure) -> Health:
         """A probe that timed out (or was stopped): failed."""
-        return Health(False, f"no answer within {self._timeout:g} s")
+        return Health(False, f"unreachable: no answer within {self._timeout:g} s")
 
     def _ended(self, health: Health, name: str, probe: Deferred[Health]) -> None:
         """The probe of C{name} ended: tell the board (which schedules the next)."""

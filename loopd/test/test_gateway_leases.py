@@ -944,6 +944,15 @@ class QueueRouteTests(LeaseTestCase):
         }
         self.assertEqual(self.harness.status(), {"op": "status", "queues": [entry]})
 
+    def test_endpoint_states(self) -> None:
+        """Beside the lease status, C{endpoints} has each endpoint's health state and why."""
+        self.harness.net.stop_listening(self.config.endpoints[0].socket)
+        self.harness.post(HI)
+        self.harness.advance(0.1)
+        body = self.harness.get("/v1/queue").response().json()
+        detail = "no socket (nothing is serving it)"
+        self.assertEqual(body["endpoints"], {"tiny": {"state": "down", "detail": detail}})
+
     def test_get_only(self) -> None:
         """POST /v1/queue is 405 method_not_allowed."""
         connection = self.harness.connect()
