@@ -8,7 +8,10 @@ way) when the L{HealthBoard} says a probe is due, and telling the board what it 
 At most one probe per endpoint is in flight; the next is scheduled when it ends, one
 interval of the endpoint's new state later, so probes never pile up however slow the answer.
 A probe with no answer within C{[health] timeout_ms} is cancelled (which closes its
-connection) and counts as failed. When a request outcome moves an endpoint's next probe (an
+connection) and counts as failed. A probe is not sent while loopd's own connections to the
+endpoint fill its inferproxy's connection limit (or wait for the pacing): the endpoint is
+busy answering them, and a probe queued behind them would time out and call it down; that
+probe counts as refused (no news). When a request outcome moves an endpoint's next probe (an
 endpoint that just went down is probed at the down pace), its timer moves with it.
 """
 
@@ -99,7 +102,11 @@ class HealthProbes:
         self._timers.pop(name, None)
         if not self._board.probe_started(name):
             return
-        probe = self._clients[name].health()
+        client = self._clients[name]
+        if _saturated(client):
+            self._board.probe_ended(name, ProbeOutcome.BUSY, self._reactor.seconds())
+            return
+        probe = client.health()
         probe.addTimeout(self._timeout, self._reactor)
         self._running[name] = probe
         probe.addErrback(self._no_answer)
@@ -126,3 +133,9 @@ class HealthProbes:
                 state=after.value,
                 detail=health.detail,
             )
+
+
+def _saturated(client: Client) -> bool:
+    """Whether loopd's own connections fill the endpoint's inferproxy limit, or wait for it."""
+    pacer = client.pacer
+    return pacer.waiting > 0 or pacer.open_connections >= client.endpoint.proxy_max_connections

@@ -121,6 +121,28 @@ class PaceTests(SynchronousTestCase):
         self.assertEqual(self.probes(harness), 2)
         self.assertEqual(harness.gateway.health.state("tiny"), State.UP)
 
+    def test_no_probe_while_saturated(self) -> None:
+        """
+        While loopd's requests fill the inferproxy's connection limit no probe is sent (it
+        would queue behind them and time out): the state stays, and the probe comes when a
+        connection is free.
+        """
+        limits = dataclasses.replace(LIMITS, liveness_ms=10_000)
+        config = make_config(health=HealthProbe(up_interval_ms=1000), limits=limits)
+        endpoint = dataclasses.replace(config.endpoints[0], proxy_max_connections=1)
+        harness = GatewayHarness(dataclasses.replace(config, endpoints=(endpoint,)))
+        harness.fake.set_default(*HEALTH, OK)
+        harness.gateway.start()
+        harness.advance(0.01)
+        harness.fake.script("POST", CHAT, answer({"content": "slow"}, delay_s=1.25))
+        connection = harness.post({**HI, "model": "tiny"})
+        harness.advance(2.0)
+        self.assertEqual(self.probes(harness), 1)
+        self.assertEqual(harness.gateway.health.state("tiny"), State.UP)
+        harness.advance(2.1)
+        self.assertEqual(connection.response().status, 200)
+        self.assertEqual(self.probes(harness), 2)
+
     def test_request_failure_moves_the_probe(self) -> None:
         """An up endpoint put down by a request is probed one down interval later, not 5 s."""
         harness = probed_harness(up_interval_ms=5000, down_interval_ms=1000)
