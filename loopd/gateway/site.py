@@ -2,8 +2,9 @@
 """
 The gateway's wiring and its small routes: L{Gateway} holds what one gateway serves with (a
 llama client per endpoint behind the leased upstream calls, the sessions, the router, the
-metrics) and builds its twisted.web site: C{/v1/chat/completions}, C{/v1/models},
-C{/health}, C{/metrics} and, with leases, C{/v1/queue}.
+endpoints' health and its probes, the metrics) and builds its twisted.web site:
+C{/v1/chat/completions}, C{/v1/models}, C{/health}, C{/metrics} and, with leases,
+C{/v1/queue}.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class Gateway:
     mesh read (L{loopd.gateway.chat.ChatHost}).
 
     @ivar in_flight: the exchanges under way, so stopping can end them.
+    @ivar health: each endpoint's health state (L{HealthBoard}), fed by every upstream
+        call and by the probes.
+    @ivar probes: the background C{/health} probes (L{HealthProbes}); L{start} starts them.
     """
 
     def __init__(
