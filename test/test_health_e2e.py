@@ -41,11 +41,11 @@ CHAT_URL = "http://loopd/v1/chat/completions"
 def health_toml(listen: str, sockets: dict[str, str]) -> str:
     """
     A loopd.toml: the gateway on C{listen}, one endpoint per item of C{sockets}, self-test
-    off, probes every 0.5 s while up and 0.2 s while down, retries that wait 10 minutes.
+    off, probes every 1 s while up and 0.2 s while down, retries that wait 10 minutes.
     """
     lines = ["[server]", f"listen = {json.dumps('unix:' + listen)}"]
     lines += ["[retry]", "backoff_ms = [600000]", "total_ms = 1200000"]
-    lines += ["[health]", "up_interval_ms = 500", "down_interval_ms = 200"]
+    lines += ["[health]", "up_interval_ms = 1000", "down_interval_ms = 200"]
     for name, socket in sockets.items():
         lines += ["[[endpoint]]", f"name = {json.dumps(name)}"]
         lines += [f"socket = {json.dumps(socket)}", "selftest = false"]

@@ -16,12 +16,13 @@ lines (C{: loopd {...}}), which OpenAI clients ignore. A client that goes away c
 the upstream request, and llama-server frees the slot.
 
 Endpoint health (DESIGN decision 38, L{loopd.gateway.health}): a request naming an endpoint
-that is down is answered 503 C{endpoint_unavailable} with C{Retry-After} at once. A call
-whose endpoint turns out to be down (no connection, its inferproxy closing at once, an
-upstream 502/503 that is not the model loading) is not retried: an C{auto} request then
-fails over to the router's next candidate that is not down, at once and before anything
-went to the client (so a stream never opens on a C{retrying} comment first); with no
-candidate left the answer is the same 503.
+that is down is answered 503 C{endpoint_unavailable} with C{Retry-After} at once. When a call
+finds its endpoint down (no connection, its inferproxy closing at once, an upstream 502/503
+that is not the model loading) while the client has seen nothing and the router has another
+candidate that is not down, the call is not retried: the request fails over at once (so a
+stream never opens on a C{retrying} comment first). Otherwise the client's retries run as
+they always did (a server that restarts under a stream resumes it); a call that still ends
+with its endpoint down is answered with the same 503.
 
 Backpressure: a streaming exchange registers a L{Flow} as its request's producer, and the
 upstream call reads through it, so a client that stops reading pauses the upstream read
@@ -52,6 +53,7 @@ from loopd.gateway.translate import parse_request
 from loopd.gateway.upstream import CallKeys
 from loopd.gateway.web import comment_line, data_line, done_line, open_event_stream, write_json
 from loopd.llama import Flow
+from loopd.llama.retry import is_retryable
 from loopd.llama.types import ChatEvent, Completion, Content, Reasoning, ToolCallDelta
 from loopd.moa.roles import VIRTUAL_MODEL_NAME as MESH_MODEL
 from loopd.settings import Endpoint
@@ -233,10 +235,23 @@ class _ChatExchange:
             self._parsed.chat_request(),
             self._keys,
             on_event=self._event,
+            retryable=self._retryable,
             flow=self._flow,
         )
         self._call = call
         call.addCallbacks(self._completed, self._failed)
+
+    def _retryable(self, error: BaseException) -> bool:
+        """
+        The client's retries, but not of a failure that says the endpoint is down while
+        the request can still fail over (nothing sent yet, a candidate left that is not
+        down): it goes there at once instead.
+        """
+        if means_down(error) and self._phase is _Phase.QUIET:
+            health = self._host.health
+            if any(health.eligible(e.name) for e in self._alternatives):
+                return False
+        return is_retryable(error)
 
     def shutdown(self) -> None:
         """

@@ -8,7 +8,8 @@ B{The states.}
   - C{probing}: loopd does not know yet, or the endpoint was down and its probe answered
     once since. It takes requests; the next successful probe or answered request makes it
     C{up}, the next failure C{down}. Every endpoint starts here, with a probe due at once.
-  - C{up}: it answers. It takes requests and is probed every C{up_interval_ms}.
+  - C{up}: it answers. It takes requests and is probed once C{up_interval_ms} has passed
+    since its last probe or its last answered request.
   - C{down}: a request or a probe failed in a way that says nothing serves it. C{auto} and
     C{mesh} leave it out; a request naming it is answered 503 C{endpoint_unavailable} at
     once, with C{Retry-After} the seconds until its next probe (at least 1). It is probed
@@ -220,11 +221,18 @@ class HealthBoard:
         return True
 
     def request_answered(self, name: str, now: float) -> None:
-        """A request to C{name} got its answer: a C{probing} endpoint is C{up}."""
+        """
+        A request to C{name} got its answer: a C{probing} endpoint is C{up}, and an C{up}
+        one needs no probe for an up interval from now (requests that are answered say as
+        much as a probe would, and each probe spends a connection of the inferproxy's).
+        """
         endpoint = self._endpoints[name]
         if endpoint.state is State.PROBING:
             endpoint.why = "a request was answered"
             self._enter(name, State.UP, now)
+        elif endpoint.state is State.UP and not endpoint.probing:
+            endpoint.due = max(endpoint.due, now + self.pace.up)
+            self._tell(name)
 
     # -- the probe -------------------------------------------------------------------------
 

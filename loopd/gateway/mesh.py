@@ -12,9 +12,9 @@ every such endpoint is down the request is 503 C{endpoint_unavailable} with C{Re
 
 B{The calls.} Each worker or reducer call is one L{Upstreams.call} with a C{child}-tier lease
 for the session (when the gateway leases), a slot history of its own per endpoint, and the
-endpoint's robust llama client, which never retries a failure that says the endpoint is down:
-a worker whose endpoint is down fails at once (decision 29) rather than hold the turn through
-the client's backoff, and the endpoint leaves the pool of the next turns. An HTTP 429 fails
+endpoint's robust llama client, but for a failure that says the endpoint is down: a worker
+whose endpoint is down fails at once (decision 29) rather than hold the turn through the
+client's backoff, and the endpoint leaves the pool of the next turns. An HTTP 429 fails
 the call with L{RateLimited} (and its C{Retry-After}), which the fan-out retries once.
 Cancelling a call withdraws its lease wait or aborts its request.
 
@@ -45,7 +45,7 @@ from twisted.web.server import Request
 
 from loopd.errors import Http
 from loopd.gateway.errors import GatewayError
-from loopd.gateway.health import HealthBoard
+from loopd.gateway.health import HealthBoard, means_down
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.request import GatewayRequest, SessionRef
 from loopd.gateway.router import AutoRouter
@@ -58,6 +58,7 @@ from loopd.gateway.web import (
     open_event_stream,
     write_json,
 )
+from loopd.llama.retry import is_retryable
 from loopd.llama.types import ChatRequest, Completion
 from loopd.moa.engine import MeshTimings, MeshTurn, TurnResult
 from loopd.moa.fanout import RateLimited
@@ -154,7 +155,17 @@ class _MeshCalls:
             # The slot history is kept per endpoint: a mesh session calls several at once.
             slot_key=f"{self._session.id} mesh:{name}",
         )
-        return self._host.upstreams.call(name, request, keys).addErrback(_rate_limited)
+        calling = self._host.upstreams.call(name, request, keys, retryable=_retry_unless_down)
+        return calling.addErrback(_rate_limited)
+
+
+def _retry_unless_down(error: BaseException) -> bool:
+    """
+    The robust client's retries, but not of a failure that says the endpoint is down: such
+    a worker has failed at once (DESIGN decision 29), so the turn does not wait on its
+    backoff.
+    """
+    return not means_down(error) and is_retryable(error)
 
 
 def _rate_limited(reason: Failure) -> Failure:

@@ -41,7 +41,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from loopd.errors import Connect, ProxyRefused, WaitTimeout
-from loopd.gateway.health import HealthBoard, means_down
+from loopd.gateway.health import HealthBoard
 from loopd.gateway.leases import GatewayLeases, LeaseHold
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.router import AutoRouter
@@ -181,18 +181,30 @@ class Upstreams:
         @return: fires with the completion; fails with the client's L{loopd.errors} kinds or
             L{WaitTimeout} for a lease wait that ran out; cancel it to abandon the call.
 
-        With a health board, a failure that says the endpoint is down (L{means_down}) is
-        never retried: it puts the endpoint down at once, so the caller can fail over or
-        answer 503 rather than wait through the retry schedule (DESIGN decision 38); a
-        completion tells the board that the endpoint answers.
+        With a health board, every failed attempt is told to the board as it happens (before
+        C{retryable} judges it), so a failure that says the endpoint is down puts it down at
+        once, while this call may still retry; a caller that can go elsewhere narrows
+        C{retryable} not to retry such a failure (DESIGN decision 38). A completion tells the
+        board that the endpoint answers.
         """
         if self.health is None:
             return _LeasedCall(self, endpoint, request, keys, on_event, retryable, flow).start()
-        narrowed = _unless_down(retryable)
-        calling = _LeasedCall(self, endpoint, request, keys, on_event, narrowed, flow).start()
+        telling = self._telling(endpoint, retryable)
+        calling = _LeasedCall(self, endpoint, request, keys, on_event, telling, flow).start()
         return calling.addCallbacks(
             self._answered, self._failed, callbackArgs=(endpoint,), errbackArgs=(endpoint,)
         )
+
+    def _telling(
+        self, endpoint: str, retryable: Callable[[BaseException], bool]
+    ) -> Callable[[BaseException], bool]:
+        """C{retryable}, telling the board about each failed attempt first."""
+
+        def judged(error: BaseException) -> bool:
+            self._note(endpoint, error)
+            return retryable(error)
+
+        return judged
 
     def _answered(self, completion: Completion, endpoint: str) -> Completion:
         """A call's completion: C{endpoint} answers."""
@@ -201,14 +213,16 @@ class Upstreams:
         return completion
 
     def _failed(self, reason: Failure, endpoint: str) -> Failure:
-        """A call's failure: C{endpoint} is down when it says so."""
-        assert self.health is not None
-        error = reason.value
-        if error is not None and self.health.request_failed(
-            endpoint, error, self.reactor.seconds()
-        ):
-            _log.warn("endpoint {endpoint} is down: {error}", endpoint=endpoint, error=error)
+        """A call's failure (a lease wait's too): C{endpoint} is down when it says so."""
+        if reason.value is not None:
+            self._note(endpoint, reason.value)
         return reason
+
+    def _note(self, endpoint: str, error: BaseException) -> None:
+        """Tell the board that a call to C{endpoint} failed with C{error}; log a change."""
+        assert self.health is not None
+        if self.health.request_failed(endpoint, error, self.reactor.seconds()):
+            _log.warn("endpoint {endpoint} is down: {error}", endpoint=endpoint, error=error)
 
     def end_session(self, session: str) -> None:
         """
@@ -370,11 +384,6 @@ class _LeasedCall:
         hold, self._hold = self._hold, None
         if hold is not None and self._up.leases is not None:
             self._up.leases.done(hold, at_once)
-
-
-def _unless_down(retryable: Callable[[BaseException], bool]) -> Callable[[BaseException], bool]:
-    """C{retryable}, but never for a failure that says the endpoint is down."""
-    return lambda error: not means_down(error) and retryable(error)
 
 
 def _lease_timeout(wait_ms: int) -> Callable[[object, float], object]:

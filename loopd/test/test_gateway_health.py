@@ -143,6 +143,18 @@ class TransitionTests(SynchronousTestCase):
         health.request_answered("tiny", 1.5)
         self.assertEqual(health.state("tiny"), State.UP)
 
+    def test_answer_defers_the_up_probe(self) -> None:
+        """An answered request of an up endpoint moves its next probe an up interval on."""
+        health = probed(board())
+        self.assertEqual(health.due("tiny"), 5.0)
+        heard: list[str] = []
+        health.watch(heard.append)
+        health.request_answered("tiny", 3.0)
+        self.assertEqual((health.due("tiny"), heard), (8.0, ["tiny"]))
+        health.request_failed("tiny", Connect("refused"), 4.0)
+        health.request_answered("tiny", 4.5)
+        self.assertEqual((health.state("tiny"), health.due("tiny")), (State.DOWN, 5.0))
+
     def test_probe_failure_puts_down(self) -> None:
         """A failed probe puts an up endpoint down; a refused one tells nothing."""
         health = board()

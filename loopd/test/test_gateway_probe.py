@@ -16,7 +16,7 @@ from loopd.errors import ProxyRefused
 from loopd.gateway.health import ProbeOutcome, State
 from loopd.gateway.probe import outcome_of
 from loopd.llama import Health
-from loopd.settings import HealthProbe
+from loopd.settings import HealthProbe, Retry
 from loopd.testing.fake_llama import CHAT, LOADING, Reply, json_reply
 from loopd.testing.gateway import HI, LIMITS, PATH, GatewayHarness, make_config
 from loopd.testing.llama_replies import answer
@@ -124,8 +124,8 @@ class PaceTests(SynchronousTestCase):
     def test_no_probe_while_saturated(self) -> None:
         """
         While loopd's requests fill the inferproxy's connection limit no probe is sent (it
-        would queue behind them and time out): the state stays, and the probe comes when a
-        connection is free.
+        would queue behind them and time out): the state stays, and the probes resume once
+        a connection is free.
         """
         limits = dataclasses.replace(LIMITS, liveness_ms=10_000)
         config = make_config(health=HealthProbe(up_interval_ms=1000), limits=limits)
@@ -141,6 +141,9 @@ class PaceTests(SynchronousTestCase):
         self.assertEqual(harness.gateway.health.state("tiny"), State.UP)
         harness.advance(2.1)
         self.assertEqual(connection.response().status, 200)
+        # The answer said the endpoint is up: the next probe is an up interval after it.
+        self.assertEqual(self.probes(harness), 1)
+        harness.advance(1.0)
         self.assertEqual(self.probes(harness), 2)
 
     def test_request_failure_moves_the_probe(self) -> None:
@@ -170,6 +173,25 @@ class PaceTests(SynchronousTestCase):
 
 class RecoveryTests(SynchronousTestCase):
     """A down endpoint comes back by its probe, and only by it."""
+
+    def test_named_call_retries_while_others_are_refused(self) -> None:
+        """
+        A named request whose endpoint fails puts it down at its first failed attempt, so a
+        request naming it meanwhile is 503 at once; the first request itself still retries
+        (there is nowhere else to go) and is answered once the server is back.
+        """
+        config = make_config(retry=Retry(attempts=3, backoff_ms=(1000,), jitter=0.0))
+        harness = GatewayHarness(config)
+        harness.fake.script("POST", CHAT, Reply(head=b""), answer({"content": "back"}))
+        first = harness.post({**HI, "model": "tiny"})
+        harness.advance(0.01)
+        self.assertEqual(harness.gateway.health.state("tiny"), State.DOWN)
+        second = harness.post({**HI, "model": "tiny"})
+        self.assertEqual(second.response().status, 503)
+        self.assertEqual(first.responses(), [])
+        harness.advance(1.5)
+        self.assertEqual(first.response().status, 200)
+        self.assertEqual(len(harness.fake.requests_to("POST", CHAT)), 2)
 
     def test_named_request_then_recovery(self) -> None:
         """
