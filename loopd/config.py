@@ -49,6 +49,7 @@ from loopd.settings import (
     Endpoint,
     EndpointKind,
     Expect,
+    HealthProbe,
     Limits,
     Mesh,
     Queue,
@@ -70,6 +71,7 @@ __all__ = [
     "Endpoint",
     "EndpointKind",
     "Expect",
+    "HealthProbe",
     "Limits",
     "Mesh",
     "Queue",
@@ -286,6 +288,11 @@ _QUEUE_RULES: Final[Mapping[str, Rule]] = {
     "sweep_ms": integer(1, INT32_MAX),
     "grace_ms": integer(0, INT32_MAX),
 }
+_HEALTH_RULES: Final[Mapping[str, Rule]] = {
+    "up_interval_ms": integer(1, INT32_MAX),
+    "down_interval_ms": integer(1, INT32_MAX),
+    "timeout_ms": integer(1, INT32_MAX),
+}
 
 
 def _parse_expect(value: object, path: str, problems: Problems) -> Expect:
@@ -390,6 +397,7 @@ _SECTIONS: Final[Mapping[str, _Section]] = {
     "server": _Section("server", table_parser(Server, _SERVER_RULES)),
     "queue": _Section("queue", table_parser(Queue, _QUEUE_RULES)),
     "mesh": _Section("mesh", table_parser(Mesh, {"strong_patience_ms": integer(0, INT32_MAX)})),
+    "health": _Section("health", table_parser(HealthProbe, _HEALTH_RULES)),
 }
 
 

@@ -243,6 +243,18 @@ class Queue:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HealthProbe:
+    """The background probe of each endpoint's C{/health} ([health], DESIGN decision 38)."""
+
+    up_interval_ms: int = 5000
+    """Between probes of an endpoint that is up."""
+    down_interval_ms: int = 1000
+    """Between probes of an endpoint that is down or probing (also the least C{Retry-After})."""
+    timeout_ms: int = 2000
+    """A probe with no answer within this is a failed probe."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """The whole of loopd.toml."""
 
@@ -268,6 +280,8 @@ class Config:
     """The lease scheduler."""
     mesh: Mesh = field(default_factory=Mesh)
     """The mixture of agents."""
+    health: HealthProbe = field(default_factory=HealthProbe)
+    """The endpoints' health probe."""
 
     def endpoint(self, name: str) -> Endpoint:
         """Return the endpoint called C{name}; raise KeyError if there is none."""

@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 from twisted.logger import Logger
 
 from loopd.gateway.errors import GatewayError
+from loopd.gateway.health import HealthBoard, State
 from loopd.gateway.router import AutoRouter, SpeedStats
 from loopd.llama.pacing import Pacer
 from loopd.llama.types import Timings
@@ -36,6 +37,7 @@ from loopd.queue.scheduler import Scheduler
 __all__ = [
     "TTFT_BUCKETS",
     "GatewayMetrics",
+    "HealthCollector",
     "PacingCollector",
     "RouterCollector",
     "SchedulerCollector",
@@ -195,6 +197,10 @@ class GatewayMetrics:
         @param pacers: each endpoint's pacer, by name.
         """
         self.registry.register(PacingCollector(pacers))
+
+    def watch_health(self, board: HealthBoard) -> None:
+        """Add each endpoint's health (C{loopd_endpoint_up}, C{loopd_endpoint_state})."""
+        self.registry.register(HealthCollector(board))
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of every metric here, and its content type."""
@@ -402,3 +408,37 @@ class PacingCollector(Collector):
         yield refusals
         yield open_now
         yield waiting
+
+
+class HealthCollector(Collector):
+    """
+    A collector over one L{HealthBoard}; it keeps no numbers of its own.
+    """
+
+    def __init__(self, board: HealthBoard) -> None:
+        """
+        @param board: the endpoints' health, read at each scrape.
+        """
+        self._board = board
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """
+        Yield C{loopd_endpoint_up} (1 while the endpoint takes requests: up or probing, 0
+        while down) and C{loopd_endpoint_state} (1 for the state it is in, 0 for the others).
+        """
+        up = GaugeMetricFamily(
+            "loopd_endpoint_up",
+            "1 while the endpoint takes requests (up or probing), 0 while it is down.",
+            labels=["endpoint"],
+        )
+        state = GaugeMetricFamily(
+            "loopd_endpoint_state",
+            "The endpoint's health state: 1 for the one it is in (up, down, probing).",
+            labels=["endpoint", "state"],
+        )
+        for name, now in self._board.states().items():
+            up.add_metric([name], 0 if now is State.DOWN else 1)
+            for each in State:
+                state.add_metric([name, each.value], 1 if each is now else 0)
+        yield up
+        yield state

@@ -43,6 +43,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from loopd.errors import Connect, ProxyRefused, WaitTimeout
+from loopd.gateway.health import HealthBoard
 from loopd.gateway.leases import GatewayLeases, LeaseHold
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.router import AutoRouter
@@ -108,6 +109,7 @@ class Upstreams:
         router: AutoRouter,
         leases: GatewayLeases | None = None,
         slot_counts: Mapping[str, int] | None = None,
+        health: HealthBoard | None = None,
     ) -> None:
         """
         @param reactor: the clock of the lease wait and of the speed samples.
@@ -119,8 +121,10 @@ class Upstreams:
         @param leases: the lease scheduler's gateway side; C{None}: no leases.
         @param slot_counts: each endpoint's number of slots (from its C{/props}); an
             endpoint not named uses its C{expect.total_slots}, else 1.
+        @param health: the endpoints' health, fed by every call's outcome (L{call}).
         """
         self.reactor = reactor
+        self.health = health
         self.config = config
         self.clients: Mapping[str, Client] = dict(clients)
         self.sessions = sessions
@@ -178,8 +182,49 @@ class Upstreams:
             while it is paused the upstream answer is not read (L{Flow}).
         @return: fires with the completion; fails with the client's L{loopd.errors} kinds or
             L{WaitTimeout} for a lease wait that ran out; cancel it to abandon the call.
+
+        With a health board, every failed attempt is told to the board as it happens (before
+        C{retryable} judges it), so a failure that says the endpoint is down puts it down at
+        once, while this call may still retry; a caller that can go elsewhere narrows
+        C{retryable} not to retry such a failure (DESIGN decision 38). A completion tells the
+        board that the endpoint answers.
         """
-        return _LeasedCall(self, endpoint, request, keys, on_event, retryable, flow).start()
+        if self.health is None:
+            return _LeasedCall(self, endpoint, request, keys, on_event, retryable, flow).start()
+        telling = self._telling(endpoint, retryable)
+        calling = _LeasedCall(self, endpoint, request, keys, on_event, telling, flow).start()
+        return calling.addCallbacks(
+            self._answered, self._failed, callbackArgs=(endpoint,), errbackArgs=(endpoint,)
+        )
+
+    def _telling(
+        self, endpoint: str, retryable: Callable[[BaseException], bool]
+    ) -> Callable[[BaseException], bool]:
+        """C{retryable}, telling the board about each failed attempt first."""
+
+        def judged(error: BaseException) -> bool:
+            self._note(endpoint, error)
+            return retryable(error)
+
+        return judged
+
+    def _answered(self, completion: Completion, endpoint: str) -> Completion:
+        """A call's completion: C{endpoint} answers."""
+        assert self.health is not None
+        self.health.request_answered(endpoint, self.reactor.seconds())
+        return completion
+
+    def _failed(self, reason: Failure, endpoint: str) -> Failure:
+        """A call's failure (a lease wait's too): C{endpoint} is down when it says so."""
+        if reason.value is not None:
+            self._note(endpoint, reason.value)
+        return reason
+
+    def _note(self, endpoint: str, error: BaseException) -> None:
+        """Tell the board that a call to C{endpoint} failed with C{error}; log a change."""
+        assert self.health is not None
+        if self.health.request_failed(endpoint, error, self.reactor.seconds()):
+            _log.warn("endpoint {endpoint} is down: {error}", endpoint=endpoint, error=error)
 
     def end_session(self, session: str) -> None:
         """

@@ -24,6 +24,7 @@ from loopd.config import (
     ConfigError,
     Endpoint,
     Expect,
+    HealthProbe,
     Limits,
     Retry,
     Sampling,
@@ -90,6 +91,15 @@ class DefaultsTests(SynchronousTestCase):
         self.assertEqual(Server().backlog, socket.SOMAXCONN)
         self.assertEqual(parse_config("[server]\nbacklog = 200\n" + EP).server.backlog, 200)
 
+    def test_health_probe(self) -> None:
+        """The health probe runs every 5 s while up, every 1 s while down, 2 s for an answer."""
+        self.assertEqual(
+            Config(endpoints=()).health,
+            HealthProbe(up_interval_ms=5000, down_interval_ms=1000, timeout_ms=2000),
+        )
+        parsed = parse_config("[health]\ndown_interval_ms = 250\n" + EP).health
+        self.assertEqual(parsed.down_interval_ms, 250)
+
     def test_sampling_unset(self) -> None:
         """Every sampling setting is unset by default, so nothing is sent upstream."""
         self.assertEqual(Sampling().request_fields(), {})
@@ -111,6 +121,7 @@ class DefaultsTests(SynchronousTestCase):
             Caps: config_module._CAPS_RULES,
             Sampling: config_module._SAMPLING_RULES,
             Expect: config_module._EXPECT_RULES,
+            HealthProbe: config_module._HEALTH_RULES,
         }
         for cls, table in rules.items():
             self.assertEqual(set(table), {f.name for f in fields(cls)}, cls)
@@ -352,6 +363,9 @@ BAD_VALUES = [
     ("server.backlog", "4096.0", "an integer from 1 to 2147483647"),
     ("server.backlog", "true", "an integer from 1 to 2147483647"),
     ("server.backlog", "2147483648", "an integer from 1 to 2147483647"),
+    ("health.up_interval_ms", "0", "an integer from 1 to 2147483647"),
+    ("health.down_interval_ms", "1000.5", "an integer from 1 to 2147483647"),
+    ("health.timeout_ms", "true", "an integer from 1 to 2147483647"),
     ("sampling.temperature", "-0.1", "a number from 0 to 5"),
     ("sampling.top_p", "1.5", "a number from 0 to 1"),
     ("sampling.min_p", "nan", "a number from 0 to 1"),

@@ -23,8 +23,8 @@ from loopd.gateway.mesh import mesh_pool
 from loopd.gateway.request import SessionRef
 from loopd.gateway.router import group_member
 from loopd.gateway.translate import parse_request
-from loopd.settings import Endpoint, Expect
-from loopd.testing.fake_llama import CHAT, Reply
+from loopd.settings import Endpoint, Expect, Retry
+from loopd.testing.fake_llama import CHAT, LOADING, Reply, error_reply
 from loopd.testing.gateway import HI, GatewayHarness, make_config
 from loopd.testing.llama_replies import TIMINGS, answer
 
@@ -264,6 +264,50 @@ class FailOverTests(AutoTestCase):
         self.assertEqual(data[-1], "[DONE]")
         self.assertEqual({d["model"] for d in data[:-1]}, {"big"})
 
+    def test_fail_over_without_retries(self) -> None:
+        """
+        With the client's retries on (2 s before the first), a candidate that cannot be
+        reached fails over at once, stream or not: no retry waited, no retrying comment (a
+        stream opens on big's answer), and the next auto request skips the down endpoint.
+        Each way of being down: refused, the inferproxy closing at once, an upstream 502.
+        """
+        retrying = dataclasses.replace(auto_config(), retry=Retry(attempts=4))
+        downs = {
+            "refused": None,
+            "closed": Reply(head=b""),
+            "502": error_reply(502, "server_error", "bad gateway"),
+        }
+        for why, reply in downs.items():
+            for stream in (False, True):
+                harness = AutoHarness(retrying, Scripted(0.5, 0.1, 0.5, 0.9))
+                if reply is None:
+                    harness.net.stop_listening(harness.config.endpoints[0].socket, stale=True)
+                else:
+                    harness.fake.script("POST", CHAT, reply)
+                harness.big.script("POST", CHAT, *[answer({"content": "big"})] * 2)
+                connection = harness.post({**HI, "stream": stream})
+                harness.advance(0.5)
+                response = connection.response()
+                self.assertEqual((response.status, response.complete), (200, True), why)
+                if stream:
+                    self.assertEqual(response.comments(), [], why)
+                    self.assertEqual({d["model"] for d in response.data()[:-1]}, {"big"}, why)
+                else:
+                    self.assertEqual(response.json()["model"], "big", why)
+                self.assertFalse(harness.gateway.health.eligible("tiny"), why)
+                self.assertEqual(self.ask(harness, HI)["model"], "big", why)
+                self.assertEqual(len(harness.fake.requests_to("POST", CHAT)), int(bool(reply)))
+
+    def test_loading_is_not_down(self) -> None:
+        """A 503 while the model loads is not down: the endpoint stays eligible."""
+        harness = AutoHarness(auto_config(), Scripted(0.5, 0.1))
+        harness.fake.script("POST", CHAT, LOADING)
+        harness.big.script("POST", CHAT, answer({"content": "big"}))
+        connection = harness.post(HI)
+        harness.advance(1)
+        self.assertEqual(connection.response().status, 502)
+        self.assertTrue(harness.gateway.health.eligible("tiny"))
+
     def test_connect_fails_over_with_leases(self) -> None:
         """Under leases the failed endpoint's lease goes back at once (no grace)."""
         harness = AutoHarness(auto_config(), Scripted(0.5, 0.1), leases=True)
@@ -295,22 +339,36 @@ class FailOverTests(AutoTestCase):
             self.assertEqual(len(harness.leases.held_sessions("tiny")), 0)
 
     def test_all_unreachable(self) -> None:
-        """Every candidate unreachable: the last failure answers, 502 connect."""
+        """
+        Every candidate unreachable: 503 endpoint_unavailable naming each and why, with a
+        Retry-After.
+        """
         harness = AutoHarness(auto_config(), Scripted(0.5, 0.1), big_listens=False)
         harness.net.stop_listening(harness.config.endpoints[0].socket)
         connection = harness.post(HI)
         harness.advance(1)
         response = connection.response()
-        self.assertEqual((response.status, response.json()["error"]["code"]), (502, "connect"))
+        error = response.json()["error"]
+        self.assertEqual((response.status, error["code"]), (503, "endpoint_unavailable"))
+        self.assertEqual(
+            error["message"],
+            "every candidate endpoint is down (tiny: no socket (nothing is serving it);"
+            " big: no socket (nothing is serving it)); retry after 1 s",
+        )
+        self.assertEqual(response.headers["retry-after"], "1")
 
     def test_named_model_no_fail_over(self) -> None:
-        """A named endpoint that cannot be connected to is a 502, not another endpoint."""
+        """
+        A named endpoint that cannot be connected to is a 503 endpoint_unavailable, not
+        another endpoint.
+        """
         harness = AutoHarness(auto_config(), Scripted())
         harness.net.stop_listening(harness.config.endpoints[0].socket)
         self.script_both(harness)
         connection = harness.post({**HI, "model": "tiny"})
         harness.advance(1)
-        self.assertEqual(connection.response().status, 502)
+        response = connection.response()
+        self.assertEqual((response.status, response.headers["retry-after"]), (503, "1"))
         self.assertEqual(harness.served(), (0, 0))
 
 

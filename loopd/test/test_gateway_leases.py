@@ -566,10 +566,15 @@ class LeaseHarness(GatewayHarness):
         return connection
 
     def status(self) -> Any:
-        """C{GET /v1/queue}'s JSON body (asserting a 200)."""
+        """
+        C{GET /v1/queue}'s JSON body (asserting a 200) without the gateway's C{endpoints}
+        (asserting it is there): the lease protocol's own status reply.
+        """
         response = self.get("/v1/queue").response()
         assert response.status == 200, response
-        return response.json()
+        body = response.json()
+        del body["endpoints"]
+        return body
 
     def queue(self, key: str = "tiny") -> dict[str, Any]:
         """The status entry of queue C{key}."""
@@ -938,6 +943,15 @@ class QueueRouteTests(LeaseTestCase):
             "waiting": [],
         }
         self.assertEqual(self.harness.status(), {"op": "status", "queues": [entry]})
+
+    def test_endpoint_states(self) -> None:
+        """Beside the lease status, C{endpoints} has each endpoint's health state and why."""
+        self.harness.net.stop_listening(self.config.endpoints[0].socket)
+        self.harness.post(HI)
+        self.harness.advance(0.1)
+        body = self.harness.get("/v1/queue").response().json()
+        detail = "no socket (nothing is serving it)"
+        self.assertEqual(body["endpoints"], {"tiny": {"state": "down", "detail": detail}})
 
     def test_get_only(self) -> None:
         """POST /v1/queue is 405 method_not_allowed."""

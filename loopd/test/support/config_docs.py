@@ -17,6 +17,7 @@ from loopd.config import (
     Config,
     Endpoint,
     Expect,
+    HealthProbe,
     Limits,
     Mesh,
     Queue,
@@ -39,6 +40,7 @@ SECTION_TYPES: dict[str, type] = {
     "server": Server,
     "queue": Queue,
     "mesh": Mesh,
+    "health": HealthProbe,
 }
 """Each top-level table of a document other than [[endpoint]], with its dataclass."""
 
@@ -224,6 +226,12 @@ configs = st.builds(
         max_connections=st.integers(1, 2**31 - 1),
     ),
     mesh=st.builds(Mesh, strong_patience_ms=st.integers(0, 2**31 - 1)),
+    health=st.builds(
+        HealthProbe,
+        up_interval_ms=st.integers(1, 2**31 - 1),
+        down_interval_ms=st.integers(1, 2**31 - 1),
+        timeout_ms=st.integers(1, 2**31 - 1),
+    ),
     queue=st.builds(
         Queue,
         serve=st.booleans(),
