@@ -524,13 +524,17 @@ class GroupTests(AutoTestCase):
             self.assertEqual(self.other_served(harness), 0)
 
     def test_all_members_unreachable(self) -> None:
-        """Every member unreachable: 502 connect, and other is not tried."""
+        """
+        Every member unreachable: 503 endpoint_unavailable (each is down once it failed;
+        decision 38), and the endpoint outside the group is not tried.
+        """
         harness = AutoHarness(group_config(), Scripted(0.5, 0.1), big_listens=False)
         harness.net.stop_listening(harness.config.endpoints[0].socket)
         connection = harness.post({**HI, "model": "qwen"})
         harness.advance(1)
         response = connection.response()
-        self.assertEqual((response.status, response.json()["error"]["code"]), (502, "connect"))
+        code = response.json()["error"]["code"]
+        self.assertEqual((response.status, code), (503, "endpoint_unavailable"))
         self.assertEqual(self.other_served(harness), 0)
 
     def test_listed(self) -> None:
