@@ -37,8 +37,11 @@ answer) and the ratio loopd/direct, and the prompt tokens the server evaluated (
 tokens (``timings.cache_n``), the server's prefill speed on each path (``prompt_n`` over
 ``prompt_ms``; "-" where loopd's timings do not carry it) and the load average after
 each path: the machine's other load shows there, and a slower prefill makes every switch
-dearer. ``--quick`` runs a small version (2 agents x 3 turns, 1,200-token prompts) to see
-that it works. The exit status is 0 when every measurement ran (goals met or not), else 1.
+dearer. ``--rounds`` (1) repeats both paths on the case's stack, each round with
+conversations of its own, and prints the medians (a ratio: the median of each round's), so
+that a burst of other load on a shared machine weighs less. ``--quick`` runs a small
+version (2 agents x 3 turns, 1,200-token prompts) to see that it works. The exit status
+is 0 when every measurement ran (goals met or not), else 1.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import dataclasses
 import http.client
 import json
 import os
+import statistics
 import sys
 import textwrap
 import time
@@ -126,11 +130,13 @@ def filler(tokens: int, tag: str) -> str:
     return "".join(parts)[:tokens]
 
 
-def _agent(path: str, target: int | str, index: int, args: argparse.Namespace) -> list[Any]:
-    """Run one agent's turns on one path; return the timings of every answer."""
-    tag = f"{path[0]}{index}"
+def _agent(
+    path: str, target: int | str, index: int, round_: int, args: argparse.Namespace
+) -> list[Any]:
+    """Run one agent's turns on one path in one round; return every answer's timings."""
+    tag = f"{path[0]}{index}r{round_}"
     history: list[ChatMessage] = [System(f"You are agent {tag}." + filler(args.prompt_tokens, tag))]
-    session = f"agent-{index}" if path == "loopd" else None
+    session = f"agent-{index}-{round_}" if path == "loopd" else None
     timings: list[Any] = []
     for turn in range(args.turns):
         if turn:
@@ -145,12 +151,12 @@ def _agent(path: str, target: int | str, index: int, args: argparse.Namespace) -
     return timings
 
 
-def run_path(path: str, target: int | str, args: argparse.Namespace) -> PathResult:
+def run_path(path: str, target: int | str, round_: int, args: argparse.Namespace) -> PathResult:
     """Every agent at once on one path; the wall time and the summed timings."""
     found: list[list[Any]] = [[] for _ in range(args.agents)]
 
     def work(index: int) -> None:
-        found[index] = _agent(path, target, index, args)
+        found[index] = _agent(path, target, index, round_, args)
 
     wall = run_concurrently(args.agents, work, path)
     timings = [t for agent in found for t in agent]
@@ -200,27 +206,35 @@ def start_case(children: Children, case: Case, args: argparse.Namespace) -> tupl
 
 
 @dataclass(frozen=True)
-class CaseResult:
-    """Both paths of one case, and the 1-minute load average after each."""
+class Round:
+    """Both paths of one round, and the 1-minute load average after each."""
 
     paths: dict[str, PathResult]
     load: dict[str, float]
 
+    def ratio(self, figure: str) -> float:
+        """loopd's figure (an attribute of PathResult) over direct's."""
+        return _ratio(getattr(self.paths["loopd"], figure), getattr(self.paths["direct"], figure))
 
-def measure_case(case: Case, args: argparse.Namespace) -> CaseResult:
-    """Both paths on a fresh stack for one case, direct first; the stack is stopped after."""
+
+def measure_case(case: Case, args: argparse.Namespace) -> list[Round]:
+    """The rounds of both paths on a fresh stack for one case, direct first in each;
+    each round's conversations are new. The stack is stopped after."""
     children = Children()
-    paths: dict[str, PathResult] = {}
-    load: dict[str, float] = {}
+    rounds: list[Round] = []
     try:
         port, listen = start_case(children, case, args)
-        for path, target in (("direct", port), ("loopd", listen)):
-            print(f"  {case.label}: {path} ...", file=sys.stderr, flush=True)
-            paths[path] = run_path(path, target, args)
-            load[path] = os.getloadavg()[0]
+        for round_ in range(args.rounds):
+            paths: dict[str, PathResult] = {}
+            load: dict[str, float] = {}
+            for path, target in (("direct", port), ("loopd", listen)):
+                print(f"  {case.label}, round {round_ + 1}: {path} ...", file=sys.stderr)
+                paths[path] = run_path(path, target, round_, args)
+                load[path] = os.getloadavg()[0]
+            rounds.append(Round(paths, load))
     finally:
         children.stop_all()
-    return CaseResult(paths, load)
+    return rounds
 
 
 def _ratio(value: float, anchor: float) -> float:
@@ -235,8 +249,35 @@ def _speed(result: PathResult) -> str:
     return f"{result.prompt_n / (result.prompt_ms / 1e3):.0f}" if result.prompt_ms else "-"
 
 
+def print_case(case: Case, rounds: list[Round]) -> None:
+    """Print one case: medians over its rounds, the ratios (median of each round's), goals."""
+    loopd = [r.paths["loopd"] for r in rounds]
+    direct = [r.paths["direct"] for r in rounds]
+    wall = statistics.median(r.ratio("wall") for r in rounds)
+    prompt = statistics.median(r.ratio("prompt_n") for r in rounds)
+    print(
+        f"{case.label:<24}{statistics.median(p.wall for p in loopd):>10.1f}s"
+        f"{statistics.median(p.wall for p in direct):>8.1f}s{wall:>7.2f}"
+        f"{statistics.median(p.prompt_n for p in loopd):>14.0f}"
+        f"{statistics.median(p.prompt_n for p in direct):>9.0f}{prompt:>7.2f}"
+    )
+    print(f"{'':<24}wall ratio {verdict(wall, '<=', case.wall_goal)}")
+    print(f"{'':<24}prompt ratio {verdict(prompt, '<=', 1.0)}")
+    for number, one in enumerate(rounds, 1):
+        mine, anchor = one.paths["loopd"], one.paths["direct"]
+        if len(rounds) > 1:
+            walls = f"{one.paths['loopd'].wall:.1f}s/{one.paths['direct'].wall:.1f}s"
+            ratios = f"ratios {one.ratio('wall'):.2f} {one.ratio('prompt_n'):.2f}"
+            print(f"{'':<24}round {number}: wall {walls}, {ratios}")
+        print(
+            f"{'':<24}  cached tokens {mine.cache_n}/{anchor.cache_n}, prefill tokens/s"
+            f" {_speed(mine)}/{_speed(anchor)}"
+        )
+        print(f"{'':<24}  load average after {one.load['loopd']:.1f}/{one.load['direct']:.1f}")
+
+
 def print_report(
-    results: list[tuple[Case, CaseResult]],
+    results: list[tuple[Case, list[Round]]],
     skipped: list[tuple[Case, str]],
     args: argparse.Namespace,
 ) -> None:
@@ -250,35 +291,24 @@ def print_report(
         " turns, thinking off. loopd: an X-Session-Id per agent through twist loopd"
         f" (grace_ms {'default' if args.grace_ms is None else args.grace_ms}); direct:"
         " straight to the server (the anchor, same server, run first). Prompt tokens: the"
-        f" server's timings.prompt_n summed. {os.cpu_count()} CPUs, shared by all."
+        f" server's timings.prompt_n summed. {args.rounds} round(s) per case: medians, ratios"
+        " the median of each round's; figure pairs are loopd/direct."
+        f" {os.cpu_count()} CPUs, shared by all."
     )
     print("\n" + textwrap.fill(header, 88) + "\n")
     head = ("case", "wall loopd", "direct", "ratio", "prompt loopd", "direct", "ratio")
     print(
         f"{head[0]:<24}{head[1]:>11}{head[2]:>9}{head[3]:>7}{head[4]:>14}{head[5]:>9}{head[6]:>7}"
     )
-    for case, run in results:
-        loopd, direct = run.paths["loopd"], run.paths["direct"]
-        wall = _ratio(loopd.wall, direct.wall)
-        prompt = _ratio(loopd.prompt_n, direct.prompt_n)
-        print(
-            f"{case.label:<24}{loopd.wall:>10.1f}s{direct.wall:>8.1f}s{wall:>7.2f}"
-            f"{loopd.prompt_n:>14}{direct.prompt_n:>9}{prompt:>7.2f}"
-        )
-        print(f"{'':<24}wall ratio {verdict(wall, '<=', case.wall_goal)}")
-        print(f"{'':<24}prompt ratio {verdict(prompt, '<=', 1.0)}")
-        cached = f"cached tokens loopd {loopd.cache_n}, direct {direct.cache_n}"
-        print(f"{'':<24}{cached}; answers {loopd.answers} + {direct.answers}")
-        speed = "/".join(_speed(r) for r in (loopd, direct))
-        load = "/".join(f"{run.load[path]:.1f}" for path in PATHS)
-        print(f"{'':<24}prefill tokens/s {speed}; load average after {load}")
+    for case, rounds in results:
+        print_case(case, rounds)
     for case, why in skipped:
         print(f"{case.label:<24}skipped: {why}")
 
 
 def run(args: argparse.Namespace) -> None:
     """Run the cases asked for and print the report."""
-    results: list[tuple[Case, CaseResult]] = []
+    results: list[tuple[Case, list[Round]]] = []
     skipped: list[tuple[Case, str]] = []
     need = args.prompt_tokens + args.turns * (args.growth + 64) + 64
     if need > N_CTX:
@@ -341,6 +371,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--ballast", type=_ballast, default=Ballast(4096, 6), help="FF:LAYERS of the model")
     add("--grace-ms", type=int, help="loopd's [queue] grace_ms (default: loopd's)")
     add("--threads", type=positive, default=2, help="llama server threads")
+    add("--rounds", type=positive, default=1, help="rounds of both paths per case (medians)")
     add("--quick", action="store_true", help="a small run, to see that it works")
     add("--io-timeout", type=float, default=600.0, help="longest wait for one answer, s")
     args = parser.parse_args(argv)
