@@ -63,17 +63,15 @@ from _client_e2e import ANSWER, PROXY_CMD, start_server
 from _gateway_runs import run_concurrently
 from _gateway_stack import loopd_config
 from _lease_turns import _body, _post
-from _report import positive, verdict
+from _report import non_negative, positive, verdict
 from _servers import BenchError, Children, run_guarded, start_forwarder, wait_socket
 
 from loopd.config import ConfigError, parse_config
-from loopd.demo.tiny_model import Ballast, BallastError
+from loopd.demo.tiny_model import Ballast, BallastError, write_tiny_model
 from loopd.llama.types import Assistant, ChatMessage, System, User
 
 N_CTX = 8192
 """The server's context: the one slot has all of it."""
-PATHS = ("loopd", "direct")
-"""Both paths, in the order printed."""
 ENDPOINT_PACING = (
     "proxy_max_connections = 64\nproxy_burst = 1000000\nproxy_refill_per_second = 1000000.0\n"
 )
@@ -181,8 +179,6 @@ def slot_save_missing() -> str | None:
 
 def start_case(children: Children, case: Case, args: argparse.Namespace) -> tuple[int, str]:
     """The ballast model on a one-slot server, inferproxy and loopd; port and loopd socket."""
-    from loopd.demo.tiny_model import write_tiny_model
-
     model = os.path.join(children.dir, "ballast.gguf")
     write_tiny_model(model, ballast=args.ballast)
     more: dict[str, Any] = {"n_ctx": N_CTX}
@@ -358,22 +354,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse the command line; --quick fills in the small sizes not given."""
     parser = argparse.ArgumentParser(
         description="Benchmark agents sharing one slot through loopd against direct.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
     add("--agents", type=positive, help="agents at once (4; --quick 2)")
     add("--turns", type=positive, help="turns per agent (4; --quick 3)")
     add("--prompt-tokens", type=positive, help="system prompt tokens (2500; --quick 1200)")
     add("--growth", type=positive, help="tokens each turn adds (250; --quick 100)")
-    add("--tool-time", type=_seconds, default=0.5, help="s between an agent's turns")
-    add("--cases", type=_cases, default="abcd", help="which cases to run")
-    add("--small-cache-mib", type=positive, default=4, help="(a) and (d): --cache-ram MiB")
-    add("--ballast", type=_ballast, default=Ballast(4096, 6), help="FF:LAYERS of the model")
-    add("--grace-ms", type=int, help="loopd's [queue] grace_ms (default: loopd's)")
-    add("--threads", type=positive, default=2, help="llama server threads")
-    add("--rounds", type=positive, default=1, help="rounds of both paths per case (medians)")
+    add("--tool-time", type=_seconds, default=0.5, help="s between an agent's turns (0.5)")
+    add("--cases", type=_cases, default="abcd", help="which cases to run (abcd)")
+    add("--small-cache-mib", type=positive, default=4, help="(a), (d): --cache-ram MiB (4)")
+    add("--ballast", type=_ballast, default="4096:6", help="the model's FF:LAYERS (4096:6)")
+    add("--grace-ms", type=non_negative, help="loopd's [queue] grace_ms (default: loopd's)")
+    add("--threads", type=positive, default=2, help="llama server threads (2)")
+    add("--rounds", type=positive, default=1, help="rounds per case, medians (1)")
     add("--quick", action="store_true", help="a small run, to see that it works")
-    add("--io-timeout", type=float, default=600.0, help="longest wait for one answer, s")
+    add("--io-timeout", type=float, default=600.0, help="longest wait for an answer, s (600)")
     args = parser.parse_args(argv)
     defaults = (
         QUICK if args.quick else {"agents": 4, "turns": 4, "prompt_tokens": 2500, "growth": 250}
