@@ -88,7 +88,7 @@ class Ballast:
 
     @classmethod
     def parse(cls, text: str) -> Ballast:
-        """Parse ``FF:LAYERS`` (e.g. ``8192:6``); `BallastError` names what is wrong."""
+        """Parse ``FF:LAYERS`` (e.g. ``4096:6``); `BallastError` names what is wrong."""
         ff, sep, layers = text.partition(":")
         if not sep or not ff.isdecimal() or not layers.isdecimal():
             raise BallastError(f"ballast {text!r} is not FF:LAYERS (two whole numbers)")
@@ -342,6 +342,11 @@ def _chain(think_forever: bool) -> list[tuple[str, str]]:
     return pairs
 
 
+def _sizes(ballast: Ballast | None) -> tuple[int, int]:
+    """The feed-forward width and layer count of the model with `ballast` (or none)."""
+    return (N_FF, N_LAYER) if ballast is None else (ballast.ff, ballast.layers)
+
+
 def build_weights(
     vocab: Vocab, *, think_forever: bool = False, ballast: Ballast | None = None
 ) -> dict[str, F32]:
@@ -349,7 +354,7 @@ def build_weights(
 
     With `ballast` the feed-forwards are wider and there are more layers, all zero.
     """
-    n_ff, n_layer = (N_FF, N_LAYER) if ballast is None else (ballast.ff, ballast.layers)
+    n_ff, n_layer = _sizes(ballast)
     n_vocab = len(vocab.tokens)
     dims = {vocab.id_of(text): 2 + i for i, text in enumerate(STATEFUL)}
     assert max(dims.values()) < N_EMBD
@@ -437,8 +442,9 @@ def write_tiny_model(
     writer.add_name(name)
     writer.add_context_length(CONTEXT_LENGTH)
     writer.add_embedding_length(N_EMBD)
-    writer.add_block_count(N_LAYER if ballast is None else ballast.layers)
-    writer.add_feed_forward_length(N_FF if ballast is None else ballast.ff)
+    n_ff, n_layer = _sizes(ballast)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
     writer.add_head_count(N_HEAD)
     writer.add_head_count_kv(N_HEAD)
     writer.add_rope_dimension_count(HEAD_DIM)
@@ -495,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--ballast",
         type=_ballast_option,
         metavar="FF:LAYERS",
-        help="zero-weight compute ballast, same answers (e.g. 8192:6)",
+        help="zero-weight compute ballast, same answers (e.g. 4096:6)",
     )
     args = parser.parse_args(argv)
     digest = write_tiny_model(args.output, think_forever=args.think_forever, ballast=args.ballast)
