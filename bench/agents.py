@@ -5,7 +5,7 @@ lists the options. It needs the test extra (``xllamacpp``, ``gguf``, ``numpy``).
 
 The model is the project's tiny model with zero-weight compute ballast
 (``loopd.demo.tiny_model.Ballast``, ``--ballast``, 4096:6 by default): it answers exactly
-like the plain one, but prompt processing costs real CPU time (about 1,000 tokens/s on
+like the plain one, but prompt processing costs real CPU time (about 800-1,300 tokens/s on
 2 threads), so a session that lost its place in the KV cache pays seconds to get it back,
 as with a real model. A real llama.cpp server (xllamacpp) serves it with ONE slot,
 ``python -m twisted inferproxy`` forwards a Unix socket to it and ``python -m twisted

@@ -29,7 +29,7 @@ The model is a script, not a trained network:
   layer) and every weight of the extra layers are zero, so each adds nothing to the
   residual stream and the answers stay exactly the same, while the server still does
   the arithmetic: prompt processing and generation cost real CPU time.  With
-  ``Ballast(4096, 6)`` (19 MB) llama.cpp on 2 threads processes ~800-1,000 prompt tokens/s
+  ``Ballast(4096, 6)`` (19 MB) llama.cpp on 2 threads processes ~800-1,300 prompt tokens/s
   of a 3,000-token prompt: a session switch costs seconds, as with a real model.
 
 Run ``python -m loopd.demo.tiny_model OUT.gguf [--think-forever] [--ballast FF:LAYERS]``
