@@ -37,16 +37,15 @@ import argparse
 import http.client
 import json
 import os
-import socket
-import struct
 import sys
 import textwrap
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from _client_e2e import PROXY_CMD, UnixHTTPConnection, start_server
-from _gateway_runs import SHORT_ANSWER, SHORT_MAX_TOKENS, run_concurrently
+from _client_e2e import PROXY_CMD, start_server
+from _gateway_runs import SHORT_ANSWER, SHORT_MAX_TOKENS, run_concurrently, upstream_body
+from _gateway_stack import sse_events
 from _report import W, percentile, positive, verdict
 from _servers import (
     BenchError,
@@ -57,10 +56,7 @@ from _servers import (
     wait_socket,
 )
 
-from loopd.config import Config, Endpoint
 from loopd.llama import Assistant, ChatMessage, ChatRequest, User
-from loopd.llama.chat import CHAT_PATH
-from loopd.llama.request import chat_body, encode
 
 ENDPOINTS = ("tiny-a", "tiny-b")
 """The two endpoints' names in loopd.toml."""
@@ -143,11 +139,9 @@ def loopd_body(model: str, wire: list[dict[str, str]]) -> bytes:
 
 def direct_body(history: list[ChatMessage]) -> bytes:
     """The body loopd's client would send a server for history, the server choosing the slot."""
-    endpoint = Endpoint(name=ENDPOINTS[0], socket="")
-    request = ChatRequest(
-        slot=-1, messages=tuple(history), thinking=False, max_tokens=SHORT_MAX_TOKENS
+    return upstream_body(
+        ChatRequest(slot=-1, messages=tuple(history), thinking=False, max_tokens=SHORT_MAX_TOKENS)
     )
-    return encode(chat_body(request, Config(endpoints=(endpoint,)), endpoint))
 
 
 def _take_event(event: bytes, answer: Answer) -> bool:
@@ -182,39 +176,15 @@ def _take_event(event: bytes, answer: Answer) -> bool:
 def stream(target: int | str, body: bytes, timeout: float, session: str | None) -> Answer:
     """One streamed chat on a fresh connection: to a server's TCP port or loopd's socket."""
     start_ns = time.perf_counter_ns()
-    if isinstance(target, str):
-        conn: http.client.HTTPConnection = UnixHTTPConnection(target)
-    else:
-        conn = http.client.HTTPConnection("127.0.0.1", target)
+    headers = {} if session is None else {"X-Session-Id": session}
     answer = Answer()
-    try:
-        conn.connect()
-        sock = conn.sock
-        assert sock is not None
-        if sock.family != socket.AF_UNIX:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(timeout), 0))
-        headers = {"Content-Type": "application/json", "Connection": "close"}
-        if session is not None:
-            headers["X-Session-Id"] = session
-        conn.request("POST", CHAT_PATH, body, headers)
-        response = conn.getresponse()
-        if response.status != 200:
-            raise BenchError(f"HTTP {response.status}: {response.read()[:300]!r}")
-        pending = b""
-        while True:
-            data = response.read1(65536)
-            if not data:
-                raise BenchError("the body ended before [DONE]")
-            *events, pending = (pending + data).split(b"\n\n")
-            for event in events:
-                if _take_event(event, answer):
-                    answer.total = time.perf_counter_ns() - start_ns
-                    if "".join(answer.text) != SHORT_ANSWER:
-                        raise BenchError(f"answer {''.join(answer.text)!r}")
-                    return answer
-    finally:
-        conn.close()
+    for event in sse_events(target, body, timeout, headers):
+        if _take_event(event, answer):
+            answer.total = time.perf_counter_ns() - start_ns
+            if "".join(answer.text) != SHORT_ANSWER:
+                raise BenchError(f"answer {''.join(answer.text)!r}")
+            return answer
+    raise BenchError("the body ended before [DONE]")
 
 
 def measure_anonymous(stack: Stack, requests: int, timeout: float) -> dict[str, list[Answer]]:
