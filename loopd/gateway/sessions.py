@@ -5,7 +5,29 @@ completion went.
 
 A session keeps the slot it used last whenever that slot is free, because its prompt prefix
 is still in that slot's KV cache (DESIGN §3 decision 16). When it must move, it goes to a free
-slot that no other session calls home, so sessions do not trample each other's caches.
+occupied slot before an empty one, then to one that no other session calls home, so sessions
+do not trample each other's caches.
+
+Occupied before empty (DESIGN §3 decision 39) holds for every session, new ones too. A slot is
+occupied once it served a request on its endpoint (L{Sessions.remember_conversation}); one
+that never did is empty. llama.cpp looks in its host-RAM prompt cache (C{--cache-ram}, 8 GiB
+by default) only when a request lands on a slot that holds something: measured on the
+C{xllamacpp} wheel's server (llama.cpp b11549, 2 slots, a 2,340-token conversation switched
+out of its slot by another), the conversation pinned to an empty slot re-evaluated all 2,340
+tokens, pinned to an idle occupied slot it was restored (2,309 cached); on b11434 the issue
+measured the same (2,325 against 2,307 of 2,323). A new session gains too: one sharing a
+2,000-token system prompt with the conversation in an occupied slot reused 2,004 tokens there
+and none on an empty slot, also with the RAM cache off (C{--cache-ram 0}), because the
+shared prefix is in that slot's own KV. The occupant loses nothing with the RAM cache on (its
+state goes there when the slot is taken); with it off, the occupant's next turn finds the
+shared prefix only. Slots whose occupant holds a lease are never free (L{Upstreams}).
+
+A limit: with a unified KV cache (C{--kv-unified}, llama-server's default when C{-np} is not
+given), llama.cpp moves every idle slot to the RAM cache and clears it whenever a task
+starts, so a slot the table calls occupied may be empty on the server: measured on the same
+server, a session back on its own slot after another session ran on the other one
+re-evaluated its whole prompt (cache_n 0 of 2,340), while any slot that still held something
+would have restored it.
 
 An anonymous request (no session id, DESIGN §3 decision 36) has no history of its own beyond
 its connection; it goes to the free slot whose last conversation is a prefix of its messages,
@@ -94,6 +116,8 @@ class Sessions:
         n_slots: int,
         busy: Callable[[int], bool],
         prefix_of: tuple[str, Conversation] | None = None,
+        *,
+        endpoint: str | None = None,
     ) -> int:
         """
         Pick the slot for C{session}'s next request. The table is not changed.
@@ -101,8 +125,9 @@ class Sessions:
           1. The session's last slot, when it is not busy.
           2. With C{prefix_of} (an anonymous request): the free slot whose last
              conversation on that endpoint is the longest prefix of that conversation.
-          3. Otherwise a free slot, preferring one that no other session used last, then
-             the one least recently used, then the lowest.
+          3. Otherwise a free slot, preferring an occupied one to an empty one (module
+             docstring), then one that no other session used last, then the one least
+             recently used, then the lowest.
           4. Every slot busy: the session's last slot (the request queues at the gate), or,
              for a new session, the slot fewest sessions call home.
 
@@ -111,6 +136,9 @@ class Sessions:
         @param busy: whether a slot has a request in flight now.
         @param prefix_of: the endpoint and the request's conversation (L{conversation_key}),
             for rule 2.
+        @param endpoint: the endpoint whose slots these are, for rule 3: its slots that never
+            served a request (L{remember_conversation}) are empty. C{None}: no slot counts as
+            occupied.
         """
         if n_slots < 1:
             raise ValueError(f"n_slots must be >= 1, got {n_slots}")
@@ -125,7 +153,15 @@ class Sessions:
             if matched is not None:
                 return matched
         if free:
-            return min(free, key=lambda s: (self._homes[s] > 0, self._age(s), s))
+            return min(
+                free,
+                key=lambda s: (
+                    endpoint is None or (endpoint, s) not in self._conversations,
+                    self._homes[s] > 0,
+                    self._age(s),
+                    s,
+                ),
+            )
         if last is not None:
             return last
         return min(range(n_slots), key=lambda s: (self._homes[s], self._age(s), s))
@@ -155,7 +191,10 @@ class Sessions:
         return outcome
 
     def remember_conversation(self, endpoint: str, slot: int, conversation: Conversation) -> None:
-        """C{endpoint}'s C{slot} served C{conversation} last (its cache holds it now)."""
+        """
+        C{endpoint}'s C{slot} served C{conversation} last (its cache holds it now): the slot
+        is occupied from now on (L{choose_slot} rule 3).
+        """
         self._conversations[(endpoint, slot)] = conversation
 
     def forget(self, session: str) -> None:

@@ -211,6 +211,7 @@ class Upstreams:
             self.slot_count(endpoint),
             lambda s: s in reserved or gate.in_flight(s),
             prefix_of,
+            endpoint=endpoint,
         )
 
     def account(

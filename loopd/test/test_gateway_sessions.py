@@ -147,6 +147,65 @@ class ChooseSlotTests(SynchronousTestCase):
         self.assertRaises(ValueError, Sessions().choose_slot, "a", 0, never_busy)
 
 
+class OccupiedTests(SynchronousTestCase):
+    """
+    choose_slot rule 3 with an endpoint: a free occupied slot (one that served a request on
+    that endpoint) before an empty one, for a moving session and a new one alike.
+    """
+
+    C = conversation_key([User("q")])
+
+    def test_moving_session_takes_occupied_slot(self) -> None:
+        """
+        A session whose slot is busy moves to the occupied slot, though it is another's home
+        and the empty one is nobody's (only there can the server restore it from its RAM cache).
+        """
+        sessions = Sessions()
+        for session, slot in (("a", 0), ("b", 1)):
+            sessions.record(session, slot, T, 64)
+            sessions.remember_conversation("e", slot, self.C)
+        self.assertEqual(sessions.choose_slot("a", 3, busy_of(0), endpoint="e"), 1)
+        self.assertEqual(sessions.choose_slot("a", 3, busy_of(0)), 2)
+
+    def test_new_session_takes_occupied_slot(self) -> None:
+        """A new session too: its shared prefix (a system prompt) is in the occupied slot."""
+        sessions = Sessions()
+        sessions.record("a", 1, T, 64)
+        sessions.remember_conversation("e", 1, self.C)
+        self.assertEqual(sessions.choose_slot("new", 3, never_busy, endpoint="e"), 1)
+
+    def test_occupied_only_on_its_endpoint(self) -> None:
+        """A slot that served another endpoint is empty on this one."""
+        sessions = Sessions()
+        sessions.remember_conversation("f", 1, self.C)
+        self.assertEqual(sessions.choose_slot("new", 3, never_busy, endpoint="e"), 0)
+        self.assertEqual(sessions.choose_slot("new", 3, never_busy, endpoint="f"), 1)
+
+    def test_among_occupied_nobodys_home_then_least_recently_used(self) -> None:
+        """Among occupied slots, the usual order: nobody's home first, then the oldest."""
+        sessions = Sessions()
+        for session, slot in (("x", 0), ("y", 1), ("z", 2)):
+            sessions.record(session, slot, T, 64)
+            sessions.remember_conversation("e", slot, self.C)
+        sessions.forget("z")
+        self.assertEqual(sessions.choose_slot("new", 4, never_busy, endpoint="e"), 2)
+        sessions.forget("y")
+        self.assertEqual(sessions.choose_slot("new", 4, never_busy, endpoint="e"), 1)
+
+    def test_busy_occupied_slot_is_not_taken(self) -> None:
+        """Busy occupied slots are not free: then the empty one."""
+        sessions = Sessions()
+        sessions.remember_conversation("e", 0, self.C)
+        self.assertEqual(sessions.choose_slot("new", 2, busy_of(0), endpoint="e"), 1)
+
+    def test_own_free_slot_still_first(self) -> None:
+        """The session's own free last slot comes before every other occupied slot."""
+        sessions = Sessions()
+        sessions.record("a", 2, T, 64)
+        sessions.remember_conversation("e", 0, self.C)
+        self.assertEqual(sessions.choose_slot("a", 3, never_busy, endpoint="e"), 2)
+
+
 class RecordTests(SynchronousTestCase):
     """record, forget and the table's bound."""
 
@@ -366,13 +425,20 @@ class PropertyTests(SynchronousTestCase):
         sessions = Sessions(max_sessions)
         for name, slot in history:
             sessions.record(name, slot, T, 64)
-        chosen = sessions.choose_slot(session, n_slots, busy.__contains__)
+            sessions.remember_conversation("e", slot, conversation_key([User(name)]))
+        chosen = sessions.choose_slot(session, n_slots, busy.__contains__, endpoint="e")
         self.assertTrue(0 <= chosen < n_slots)
         last = sessions.last_slot(session)
         if last is not None and last < n_slots and last not in busy:
             self.assertEqual(chosen, last)
-        if any(slot not in busy for slot in range(n_slots)):
+            return
+        free = [slot for slot in range(n_slots) if slot not in busy]
+        if free:
             self.assertNotIn(chosen, busy)
+        served = {slot for _, slot in history}
+        if any(slot in served for slot in free):
+            # Never an empty slot while a free occupied one is there (decision 39).
+            self.assertIn(chosen, served)
 
     @given(history=records, max_sessions=st.integers(min_value=1, max_value=6))
     def test_bounded(self, history, max_sessions) -> None:
