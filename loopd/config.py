@@ -191,6 +191,7 @@ _ENDPOINT_RULES: Final[Mapping[str, Rule]] = {
     "proxy_burst": integer(1, INT32_MAX),
     "proxy_refill_per_second": number(0, 1e9, min_open=True),
     "pacing_wait_ms": integer(0, INT32_MAX),
+    "slot_save": boolean,
 }
 
 
@@ -265,6 +266,11 @@ def _parse_endpoint(
             "must be false for an openai endpoint: the self-test needs /props",
         )
     values.setdefault("selftest", kind == "llama-server")
+    if kind == "openai" and values.get("slot_save") is True:
+        problems.add(
+            key_path(path, "slot_save"),
+            "must be false for an openai endpoint: slot files need llama-server's /slots",
+        )
     expect = table.get("expect", ABSENT)
     values["expect"] = _parse_expect(expect, key_path(path, "expect"), problems)
     kind_invalid = "kind" in table and "kind" not in values

@@ -169,6 +169,7 @@ def endpoints_of(kind: str, selftest: st.SearchStrategy[bool]) -> st.SearchStrat
         size_b=optional(reals(0, 1_000_000, open_low=True)),
         vision=st.booleans(),
         audio=st.booleans(),
+        slot_save=st.booleans() if kind == "llama-server" else st.just(False),
     )
 
 
