@@ -11,16 +11,25 @@ do not trample each other's caches.
 Occupied before empty (DESIGN §3 decision 39) holds for every session, new ones too. A slot is
 occupied once it served a request on its endpoint (L{Sessions.remember_conversation}); one
 that never did is empty. llama.cpp looks in its host-RAM prompt cache (C{--cache-ram}, 8 GiB
-by default) only when a request lands on a slot that holds something: measured on the
-C{xllamacpp} wheel's server (llama.cpp b11549, 2 slots, a 2,340-token conversation switched
-out of its slot by another), the conversation pinned to an empty slot re-evaluated all 2,340
-tokens, pinned to an idle occupied slot it was restored (2,309 cached); on b11434 the issue
-measured the same (2,325 against 2,307 of 2,323). A new session gains too: one sharing a
-2,000-token system prompt with the conversation in an occupied slot reused 2,004 tokens there
-and none on an empty slot, also with the RAM cache off (C{--cache-ram 0}), because the
-shared prefix is in that slot's own KV. The occupant loses nothing with the RAM cache on (its
-state goes there when the slot is taken); with it off, the occupant's next turn finds the
-shared prefix only. Slots whose occupant holds a lease are never free (L{Upstreams}).
+by default) only when a request lands on a slot that holds something, and moves what that
+slot held into the RAM cache first. Measured on the C{xllamacpp} wheel's server (llama.cpp
+b11549, 2 slots, the tiny model):
+
+ - a session switched out of its slot (2,340-token prompt) and pinned to an empty slot
+   re-evaluated all of it; pinned to an idle occupied slot it was restored from the RAM
+   cache (2,309 cached). The issue measured the same on b11434 (2,325 against 2,307 of 2,323).
+ - a new session sharing a 2,000-token system prompt with a conversation that only the RAM
+   cache still held reused 2,004 tokens on an unrelated occupied slot, none on an empty one;
+   the occupant it displaced came back with 2,708 of 2,739 tokens cached, as it would have
+   without the newcomer.
+ - with the RAM cache off (C{--cache-ram 0}) the same newcomer reused nothing on either slot,
+   and the occupant it displaced came back with 1 of 2,739 tokens cached: there an empty slot
+   would have been the better choice for a new session whose prefix no slot holds (on a
+   slot whose own conversation shares the system prompt it reused 2,004 tokens, RAM cache
+   or not). loopd cannot see the server's C{--cache-ram}; llama.cpp's default is the case
+   chosen for.
+
+Slots whose occupant holds a lease are never free (L{Upstreams}).
 
 A limit: with a unified KV cache (C{--kv-unified}, llama-server's default when C{-np} is not
 given), llama.cpp moves every idle slot to the RAM cache and clears it whenever a task
