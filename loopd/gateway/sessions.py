@@ -8,11 +8,18 @@ is still in that slot's KV cache (DESIGN §3 decision 16). When it must move, it
 occupied slot before an empty one, then to one that no other session calls home, so sessions
 do not trample each other's caches.
 
-Occupied before empty (DESIGN §3 decision 39) holds for every session, new ones too. A slot is
-occupied once it served a request on its endpoint (L{Sessions.remember_conversation}); one
-that never did is empty. llama.cpp looks in its host-RAM prompt cache (C{--cache-ram}, 8 GiB
-by default) only when a request lands on a slot that holds something, and moves what that
-slot held into the RAM cache first. Measured on the C{xllamacpp} wheel's server (llama.cpp
+Occupied before empty (DESIGN §3 decision 39) holds for every session that moves, and for a
+new session whose first message begins a conversation that one of the endpoint's slots
+served last (agents of one kind share their system prompt); among occupied slots, the one
+whose conversation shares the most leading messages comes first. A new session that shares
+nothing with any slot goes to an empty slot when there is one: nothing of it is cached
+anywhere loopd knows of, and an empty slot displaces nobody, so sessions spread over the
+slots instead of crowding one. A slot is occupied once it served a request on its endpoint
+(L{Sessions.remember_conversation}); one that never did is empty.
+
+llama.cpp looks in its host-RAM prompt cache (C{--cache-ram}, 8 GiB by default) only when a
+request lands on a slot that holds something, and moves what that slot held into the RAM
+cache first. Measured on the C{xllamacpp} wheel's server (llama.cpp
 b11549, 2 slots, the tiny model):
 
  - a session switched out of its slot (2,340-token prompt) and pinned to an empty slot
@@ -26,8 +33,9 @@ b11549, 2 slots, the tiny model):
    and the occupant it displaced came back with 1 of 2,739 tokens cached: there an empty slot
    would have been the better choice for a new session whose prefix no slot holds (on a
    slot whose own conversation shares the system prompt it reused 2,004 tokens, RAM cache
-   or not). loopd cannot see the server's C{--cache-ram}; llama.cpp's default is the case
-   chosen for.
+   or not). loopd cannot see the server's C{--cache-ram}; it sends a new session that shares
+   a beginning with a slot's conversation to an occupied slot, and one that shares none to
+   an empty slot, which costs that session nothing in either case.
 
 Slots whose occupant holds a lease are never free (L{Upstreams}).
 
@@ -127,6 +135,7 @@ class Sessions:
         prefix_of: tuple[str, Conversation] | None = None,
         *,
         endpoint: str | None = None,
+        conversation: Conversation | None = None,
     ) -> int:
         """
         Pick the slot for C{session}'s next request. The table is not changed.
@@ -135,8 +144,11 @@ class Sessions:
           2. With C{prefix_of} (an anonymous request): the free slot whose last
              conversation on that endpoint is the longest prefix of that conversation.
           3. Otherwise a free slot, preferring an occupied one to an empty one (module
-             docstring), then one that no other session used last, then the one least
-             recently used, then the lowest.
+             docstring), then the one whose last conversation shares the most leading
+             messages with C{conversation}, then one that no other session used last, then
+             the one least recently used, then the lowest. A new session whose first
+             message begins no conversation of the endpoint's slots prefers an empty one
+             instead: nothing of it is cached, and an empty slot displaces nobody.
           4. Every slot busy: the session's last slot (the request queues at the gate), or,
              for a new session, the slot fewest sessions call home.
 
@@ -148,6 +160,8 @@ class Sessions:
         @param endpoint: the endpoint whose slots these are, for rule 3: its slots that never
             served a request (L{remember_conversation}) are empty. C{None}: no slot counts as
             occupied.
+        @param conversation: the request's conversation (L{conversation_key}), for rule 3;
+            C{None}: every new session counts as sharing a beginning.
         """
         if n_slots < 1:
             raise ValueError(f"n_slots must be >= 1, got {n_slots}")
@@ -162,10 +176,15 @@ class Sessions:
             if matched is not None:
                 return matched
         if free:
+            held = {s: self._conversation(endpoint, s) for s in range(n_slots)}
+            shared = {s: _shared(conversation, held[s]) for s in free}
+            kin = any(_shared(conversation, c) for c in held.values())
+            want_occupied = last is not None or conversation is None or kin
             return min(
                 free,
                 key=lambda s: (
-                    endpoint is None or (endpoint, s) not in self._conversations,
+                    endpoint is None or (held[s] is None) == want_occupied,
+                    -shared[s],
                     self._homes[s] > 0,
                     self._age(s),
                     s,
@@ -249,6 +268,22 @@ class Sessions:
                 best = (len(last), slot)
         return None if best is None else best[1]
 
+    def _conversation(self, endpoint: str | None, slot: int) -> Conversation | None:
+        """The last conversation of C{endpoint}'s C{slot}; C{None}: the slot is empty."""
+        return None if endpoint is None else self._conversations.get((endpoint, slot))
+
     def _age(self, slot: int) -> int:
         """When C{slot} last completed a request; smaller is longer ago."""
         return self._slot_used.get(slot, _NEVER)
+
+
+def _shared(one: Conversation | None, other: Conversation | None) -> int:
+    """How many leading messages two conversations share (0 when either is unknown)."""
+    if not one or not other:
+        return 0
+    count = 0
+    for mine, theirs in zip(one, other, strict=False):
+        if mine != theirs:
+            break
+        count += 1
+    return count

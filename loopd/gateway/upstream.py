@@ -220,6 +220,7 @@ class Upstreams:
             lambda s: s in reserved or gate.in_flight(s),
             prefix_of,
             endpoint=endpoint,
+            conversation=conversation,
         )
 
     def account(
