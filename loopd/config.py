@@ -257,6 +257,7 @@ _ENDPOINT_RULES: Final[Mapping[str, Rule]] = {
     "affinity_header": _affinity_header,
     "affinity_field": _affinity_field,
     "affinity_priority": boolean,
+    "slot_save": boolean,
 }
 #: The keys only an openai endpoint takes: a llama-server's affinity is loopd's own slot pin.
 _OPENAI_ONLY: Final = ("affinity_header", "affinity_field", "affinity_priority")
@@ -344,6 +345,11 @@ def _parse_endpoint(
                 key_path(path, key),
                 "only for an openai endpoint: loopd pins a llama-server's slot itself",
             )
+    if kind == "openai" and values.get("slot_save") is True:
+        problems.add(
+            key_path(path, "slot_save"),
+            "must be false for an openai endpoint: slot files need llama-server's /slots",
+        )
     expect = table.get("expect", ABSENT)
     values["expect"] = _parse_expect(expect, key_path(path, "expect"), problems)
     kind_invalid = "kind" in table and "kind" not in values

@@ -169,6 +169,10 @@ class Endpoint:
     pacing_wait_ms: int = 10_000
     """How long one of loopd's connections may wait for the pacing (a token, or a free place
     under the cap) before it fails with Busy (>= 0)."""
+    slot_save: bool = False
+    """The server was started with C{--slot-save-path}: loopd saves a session's slot to a file
+    there before another session takes the slot, and restores it when the session comes back
+    to a slot that does not hold it (only for C{llama-server} endpoints)."""
     expect: Expect = field(default_factory=Expect)
     """What the self-test checks in /props."""
     group: str | None = None

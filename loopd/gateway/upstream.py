@@ -9,7 +9,9 @@ mesh worker and reducer call go through L{Upstreams.call}.
     L{Queued} event. A lease not granted within C{limits.busy_wait_ms} is L{WaitTimeout}.
  2. B{Slot.} The session's slot on the endpoint: the one it used last when that is free,
     else (an anonymous request) the free one whose last conversation is a prefix of its
-    messages, else a free one nobody else calls home (L{Sessions.choose_slot}); a slot is taken
+    messages, else a free occupied one before an empty one, then one nobody else calls home
+    (L{Sessions.choose_slot}); on a C{slot_save} endpoint the session the slot holds is saved
+    to its file and the requesting session's file restored first (L{SlotSwap}); a slot is taken
     while a request runs on it and, under leases, while another session holding a lease on
     the endpoint calls it home, so that session's next turn finds its KV cache where it
     left it.
@@ -48,8 +50,10 @@ from loopd.gateway.leases import GatewayLeases, LeaseHold
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.router import AutoRouter
 from loopd.gateway.sessions import DEFAULT_MAX_SESSIONS, Conversation, Sessions, conversation_key
+from loopd.gateway.slot_swap import SlotSwap
 from loopd.llama import Client, Flow
 from loopd.llama.retry import is_retryable
+from loopd.llama.slot_files import SlotFile
 from loopd.llama.types import ChatEvent, ChatRequest, Completion, Queued
 from loopd.queue.scheduler_types import Tier
 from loopd.settings import Config
@@ -132,6 +136,10 @@ class Upstreams:
         self.router = router
         self.leases = leases
         self._slot_counts = dict(slot_counts or {})
+        #: The slot files of C{slot_save} endpoints, kept for sessions the table still knows.
+        self.slot_swap = SlotSwap(
+            self.clients, lambda s: sessions.last_slot(s) is not None, config.cache_loss_tokens
+        )
         # The endpoint of each session's last completion, most recent last, bounded like the
         # session table: where the session's cache is, for auto (decision 34).
         self._homes: OrderedDict[str, str] = OrderedDict()
@@ -258,6 +266,8 @@ class Upstreams:
             self.slot_count(endpoint),
             lambda s: s in reserved or gate.in_flight(s),
             prefix_of,
+            endpoint=endpoint,
+            conversation=conversation,
         )
 
     def account(
@@ -320,8 +330,10 @@ class _LeasedCall:
         self._on_event = on_event
         self._retryable = retryable
         self._hold: LeaseHold | None = None
-        self._step: Deferred[LeaseHold] | Deferred[Completion] | None = None
+        self._step: Deferred[LeaseHold] | Deferred[SlotFile | None] | Deferred[Completion] | None
+        self._step = None
         self._slot = -1
+        self._restored: SlotFile | None = None
         self._conversation = conversation_key(request.messages)
         self._result: Deferred[Completion] = Deferred(self._cancel)
 
@@ -350,8 +362,15 @@ class _LeasedCall:
         self._go()
 
     def _go(self) -> None:
-        """Choose the slot and send the request upstream."""
+        """Choose the slot, save and restore slot files there (L{SlotSwap}), then L{_send}."""
         self._slot = self._up.choose_slot(self._endpoint, self._keys, self._conversation)
+        preparing = self._up.slot_swap.prepare(self._endpoint, self._slot, self._keys.history)
+        self._step = preparing
+        preparing.addCallbacks(self._send, self._failed)
+
+    def _send(self, restored: SlotFile | None) -> None:
+        """Send the request upstream, pinned to the chosen slot."""
+        self._restored = restored
         client = self._up.clients[self._endpoint]
         keys = self._keys
         # An anonymous session's id names a connection, not a conversation: an engine's own
@@ -366,6 +385,9 @@ class _LeasedCall:
         """The client answered: give the lease back, account for the answer, hand it on."""
         self._step = None
         self._give_back(self._keys.ends)
+        self._up.slot_swap.settle(
+            self._endpoint, self._slot, self._keys.history, self._restored, completion.timings
+        )
         self._up.account(self._endpoint, self._keys, self._slot, completion, self._conversation)
         self._result.callback(completion)
 

@@ -258,6 +258,12 @@ class ValidDocumentTests(SynchronousTestCase):
         self.assertFalse(parse_config(OPENAI).endpoints[0].selftest)
         self.assertFalse(parse_config(OPENAI + "selftest = false").endpoints[0].selftest)
 
+    def test_slot_save(self) -> None:
+        """slot_save is off unless a llama-server endpoint says true; openai may say false."""
+        self.assertFalse(parse_config(EP).endpoints[0].slot_save)
+        self.assertTrue(parse_config(EP + "slot_save = true").endpoints[0].slot_save)
+        self.assertFalse(parse_config(OPENAI + "slot_save = false").endpoints[0].slot_save)
+
     def test_expect_partial_and_case(self) -> None:
         """Expect keys are optional one by one; the SHA-256 is stored in lowercase."""
         sha = "AB" * 32
@@ -412,6 +418,7 @@ BAD_VALUES = [
         for bad in ('"model"', '"messages"', '"max_tokens"')
     ],
     ("endpoint.affinity_priority", '"yes"', "a boolean (true or false)"),
+    ("endpoint.slot_save", '"yes"', "a boolean (true or false)"),
     ("endpoint.expect.n_ctx", '"8192"', "a positive integer"),
     ("endpoint.expect.total_slots", "0", "a positive integer"),
     (
@@ -453,6 +460,11 @@ OTHER_PROBLEMS = [
         EP + 'group = "b"\n' + EP.replace("local", "b"),
         'endpoint[0].group: group "b" is the name of an endpoint (endpoint[1]): '
         "a model name must say which it means",
+    ),
+    (
+        OPENAI + "slot_save = true",
+        "endpoint[0].slot_save: must be false for an openai endpoint: slot files need "
+        "llama-server's /slots",
     ),
     ("max_tokens = 5", "endpoint: at least one [[endpoint]] table is required"),
     ("endpoint = []", "endpoint: at least one [[endpoint]] table is required"),

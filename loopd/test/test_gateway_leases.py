@@ -831,18 +831,26 @@ class AnonymousSlotTests(LeaseTestCase):
 
     def test_prefix_slot(self) -> None:
         """
-        On two slots, a's first turn runs on slot 0 and b's on slot 1, each on a connection
-        closed after it; b's second turn, on a new connection, goes back to slot 1, whose
-        last conversation is the beginning of its own (the older slot 0 would lose it).
+        On two slots, a's first turn runs on slot 0 and b's, meanwhile, on slot 1, each on a
+        connection closed after it; b's second turn, on a new connection, goes back to slot
+        1, whose last conversation is the beginning of its own (the older slot 0 would lose
+        it).
         """
         b1 = [{"role": "user", "content": "b1"}]
         b2 = [*b1, {"role": "assistant", "content": "x"}, {"role": "user", "content": "b2"}]
-        self.script(*[answer({"content": "x"}) for _ in range(3)])
-        for messages in ([{"role": "user", "content": "a1"}], b1, b2):
-            connection = self.harness.chat({"messages": messages})
-            self.harness.advance(0.2)
-            self.assertEqual(connection.response().status, 200)
-            connection.drop()
+        self.script(long_answer(1.0), answer({"content": "x"}), answer({"content": "x"}))
+        first = self.harness.chat({"messages": [{"role": "user", "content": "a1"}]})
+        self.harness.advance(0.1)
+        second = self.harness.chat({"messages": b1})
+        self.harness.advance(0.2)
+        self.assertEqual(second.response().status, 200)
+        second.drop()
+        self.harness.advance(1.0)
+        self.assertEqual(first.response().status, 200)
+        first.drop()
+        third = self.harness.chat({"messages": b2})
+        self.harness.advance(0.2)
+        self.assertEqual(third.response().status, 200)
         slots = [r.json["id_slot"] for r in self.fake.requests_to("POST", CHAT)]
         self.assertEqual(slots, [0, 1, 1])
 
@@ -903,10 +911,11 @@ class SlotTests(LeaseTestCase):
         self.script(answer({"content": "b1"}))
         self.harness.chat(STREAM, "b")
         self.harness.advance(1.2)
-        # b called slot 0 home, and its grace is over. c runs on slot 1, so a gets slot 0.
-        self.script(long_answer(0.55), long_answer(2.05))
-        self.harness.chat(STREAM, "c")
+        # b called slot 0 home, and its grace is over. a takes slot 0, the occupied one
+        # (decision 39), so c gets slot 1.
+        self.script(long_answer(2.05), long_answer(0.55))
         self.harness.chat(STREAM, "a")
+        self.harness.chat(STREAM, "c")
         self.harness.advance(2.3)
         self.assertEqual(self.harness.holders(), ["a"])
         # a is in its grace, c's is over: b's own last slot, 0, is a's home now.
@@ -915,7 +924,7 @@ class SlotTests(LeaseTestCase):
         self.harness.advance(0.2)
         self.harness.chat(STREAM, "a")
         self.harness.advance(0.5)
-        self.assertEqual(self.slots_sent(), [0, 1, 0, 1, 0])
+        self.assertEqual(self.slots_sent(), [0, 0, 1, 1, 0])
         self.assertEqual(self.harness.queue()["switches"], 0)
 
 

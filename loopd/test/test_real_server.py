@@ -176,6 +176,14 @@ class RealServerUnitTests(SynchronousTestCase):
             argv = real_server.ServerOptions("/m", cache_ram_mib=size).command()
             self.assertEqual(argv[argv.index("--cache-ram") + 1], str(size))
 
+    def test_command_slot_save_path(self) -> None:
+        """A slot save directory is passed on, from RealServer too; none by default."""
+        self.assertNotIn("--slot-save-path", real_server.ServerOptions("/m").command())
+        server = RealServer(FakeProcessReactor(), "/m", slot_save_path="/s", cache_ram_mib=0)
+        argv = server.options.command()
+        self.assertEqual(argv[argv.index("--slot-save-path") + 1], "/s")
+        self.assertEqual(argv[argv.index("--cache-ram") + 1], "0")
+
     @given(st.lists(st.integers(min_value=0, max_value=120), max_size=8))
     def test_ready_line_in_any_chunks(self, cuts: list[int]) -> None:
         """The ready line is found however stdout is split into chunks."""

@@ -176,6 +176,7 @@ def endpoints_of(kind: str, selftest: st.SearchStrategy[bool]) -> st.SearchStrat
         affinity_header=st.sampled_from([None, *headers]),
         affinity_field=st.sampled_from([None, "user"] if openai else [None]),
         affinity_priority=st.booleans() if openai else st.just(False),
+        slot_save=st.booleans() if kind == "llama-server" else st.just(False),
     )
 
 
