@@ -93,14 +93,18 @@ def start_server(
     threads: int,
     parallel: int = 2,
     cache_ram_mib: int | None = None,
+    **more: Any,
 ) -> int:
     """Start a real llama.cpp server on the model with parallel slots; return its port.
 
-    cache_ram_mib sizes the server's RAM prompt cache (None: llama.cpp's default).
+    cache_ram_mib sizes the server's RAM prompt cache (None: llama.cpp's default); more
+    are further fields of `loopd.demo.real_server.ServerOptions`.
     """
     from loopd.demo.real_server import READY_PREFIX, ServerOptions
 
-    options = ServerOptions(model, threads=threads, parallel=parallel, cache_ram_mib=cache_ram_mib)
+    options = ServerOptions(
+        model, threads=threads, parallel=parallel, cache_ram_mib=cache_ram_mib, **more
+    )
     argv = options.command(READY_TIMEOUT, exit_on_eof=True)
     proc = children.spawn("llama-server", argv, log=True)
     logpath = os.path.join(children.dir, "llama-server.log")

@@ -44,7 +44,7 @@ class Samples:
     wall_ns: int = 0
 
 
-def _upstream(request: ChatRequest) -> bytes:
+def upstream_body(request: ChatRequest) -> bytes:
     """Return the body loopd's client would send the server for request."""
     endpoint = Endpoint(name=MODEL, socket="")
     return encode(chat_body(request, Config(endpoints=(endpoint,)), endpoint))
@@ -68,7 +68,7 @@ def long_bodies(tokens: int) -> tuple[bytes, bytes]:
     """Return part 1's (loopd, direct) bodies for a tokens-long reasoning answer."""
     request = ChatRequest(slot=0, messages=(User(LONG_QUESTION),), thinking=True, max_tokens=tokens)
     loopd = _openai([{"role": "user", "content": LONG_QUESTION}], tokens, True)
-    return loopd, _upstream(request)
+    return loopd, upstream_body(request)
 
 
 def measure_long(
@@ -115,7 +115,7 @@ def _session(
             request = ChatRequest(
                 slot=-1, messages=tuple(history), thinking=False, max_tokens=SHORT_MAX_TOKENS
             )
-            result = stream_chat(stack.port, _upstream(request), timeout)
+            result = stream_chat(stack.port, upstream_body(request), timeout)
         if result.text != SHORT_ANSWER:
             raise BenchError(f"{path} session {index}: answer {result.text!r}")
         out.append(result)

@@ -21,6 +21,7 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,6 +126,45 @@ def stream_chat(
     """
     clock = time.perf_counter_ns
     start = clock()
+    headers = {}
+    if session is not None:
+        headers["X-Session-Id"] = session
+    if end:
+        headers["X-Session-End"] = "true"
+    first = 0
+    counts = (0, 0)
+    text: list[str] = []
+    for event in sse_events(target, body, timeout, headers):
+        if not event.startswith(b"data: "):
+            continue  # loopd's ": loopd {...}" comments
+        if event == b"data: [DONE]":
+            return Result(first - start, clock() - start, *counts, "".join(text))
+        chunk = json.loads(event[6:])
+        if "error" in chunk:
+            raise BenchError(f"error event: {chunk['error']}")
+        found = _counts(chunk)
+        if found is not None:
+            counts = found
+        choices = chunk.get("choices") or [{}]
+        delta = choices[0].get("delta") or {}
+        piece = delta.get("reasoning_content") or delta.get("content")
+        if piece:
+            if not first:
+                first = clock()
+            if delta.get("content"):
+                text.append(delta["content"])
+    raise BenchError("the body ended before [DONE]")
+
+
+def sse_events(
+    target: int | str, body: bytes, timeout: float, headers: dict[str, str]
+) -> Iterator[bytes]:
+    """POST a chat body on a fresh connection and yield each SSE event of a 200 answer.
+
+    target is a server's TCP port or loopd's socket path; headers go out besides the
+    content type and ``Connection: close``. The connection opens at the first ``next()``
+    and closes when the generator ends or is closed.
+    """
     if isinstance(target, str):
         conn: http.client.HTTPConnection = UnixHTTPConnection(target)
     else:
@@ -137,42 +177,14 @@ def stream_chat(
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # A kernel timeout: settimeout() would add a poll() before every read.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(timeout), 0))
-        headers = {"Content-Type": "application/json", "Connection": "close"}
-        if session is not None:
-            headers["X-Session-Id"] = session
-        if end:
-            headers["X-Session-End"] = "true"
-        conn.request("POST", CHAT_PATH, body, headers)
+        sent = {"Content-Type": "application/json", "Connection": "close", **headers}
+        conn.request("POST", CHAT_PATH, body, sent)
         response = conn.getresponse()
         if response.status != 200:
             raise BenchError(f"HTTP {response.status}: {response.read()[:300]!r}")
-        first = 0
-        counts = (0, 0)
-        text: list[str] = []
         pending = b""
-        while True:
-            data = response.read1(65536)
-            if not data:
-                raise BenchError("the body ended before [DONE]")
+        while data := response.read1(65536):
             *events, pending = (pending + data).split(b"\n\n")
-            for event in events:
-                if not event.startswith(b"data: "):
-                    continue  # loopd's ": loopd {...}" comments
-                if event == b"data: [DONE]":
-                    return Result(first - start, clock() - start, *counts, "".join(text))
-                chunk = json.loads(event[6:])
-                if "error" in chunk:
-                    raise BenchError(f"error event: {chunk['error']}")
-                found = _counts(chunk)
-                if found is not None:
-                    counts = found
-                choices = chunk.get("choices") or [{}]
-                delta = choices[0].get("delta") or {}
-                piece = delta.get("reasoning_content") or delta.get("content")
-                if piece:
-                    if not first:
-                        first = clock()
-                    if delta.get("content"):
-                        text.append(delta["content"])
+            yield from events
     finally:
         conn.close()

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from _client_e2e import PROXY_CMD, UnixHTTPConnection, start_server
-from _gateway_runs import SHORT_MAX_TOKENS, _upstream, run_concurrently
+from _gateway_runs import SHORT_MAX_TOKENS, run_concurrently, upstream_body
 from _gateway_stack import MODEL, loopd_config
 from _servers import BenchError, Children, start_forwarder, wait_socket
 
@@ -82,7 +82,7 @@ def _body(path: str, history: list[ChatMessage]) -> bytes:
         request = ChatRequest(
             slot=-1, messages=tuple(history), thinking=False, max_tokens=SHORT_MAX_TOKENS
         )
-        body = json.loads(_upstream(request))
+        body = json.loads(upstream_body(request))
         body["stream"] = False
         body.pop("stream_options", None)
         return json.dumps(body).encode()

@@ -54,7 +54,6 @@ from _moa_fakes import refusing_socket, start_fake
 from _report import W, non_negative, percentile, positive, verdict
 from _servers import BenchError, Children, ignore_exit_signals, run_guarded, wait_socket
 
-from loopd.gateway.mesh import RECHECK_S
 from loopd.llama.chat import CHAT_PATH
 from loopd.moa.fanout import WORKER_TIMEOUT
 
@@ -307,8 +306,9 @@ def print_report(results: dict[str, Samples], args: argparse.Namespace) -> None:
             print(f"{case + ' turns:':<17}{_labels(results[case])}")
     if "gone" in results:
         note = (
-            f"Note (gone): loopd leaves an endpoint out of the mesh pool for {RECHECK_S:g} s"
-            " after a call to it fails to connect, so once that has happened gone's later"
+            "Note (gone): loopd leaves an endpoint out of the mesh pool while it is down"
+            " (from a call that fails to connect until its /health probe answers), so once"
+            " that has happened gone's later"
             " turns are served by the single model (no x-moa-* headers): here"
             f" {_single(results['gone'])} of {args.turns} timed turns were. The reference"
             f" design waits the full {WORKER_TIMEOUT:g} s worker timeout."

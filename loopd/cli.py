@@ -35,6 +35,7 @@ __all__ = [
     "build_parser",
     "chat_socket_path",
     "main",
+    "own_gateway",
     "queue_socket",
     "run_on_reactor",
     "selftest_command",
@@ -134,7 +135,8 @@ def main(argv: Sequence[str] | None = None, *, run: Runner | None = None) -> int
         from loopd.queue.show import queue_status_command
 
         path = queue_socket(args.socket, args.agent_dir)
-        return runner(lambda reactor: queue_status_command(reactor, path, out, err))
+        gateway = own_gateway(path)
+        return runner(lambda reactor: queue_status_command(reactor, path, out, err, gateway))
     from loopd.demo.run import run_demo
 
     tty = sys.stdout.isatty()
@@ -159,6 +161,23 @@ def queue_socket(explicit: str | None, agent: str | None) -> str:
         if os.path.exists(own):
             return own
     return socket_path(agent_dir(agent))
+
+
+def own_gateway(lease_socket: str, config_path: str | None = None) -> str | None:
+    """
+    loopd's gateway socket when C{lease_socket} is the lease socket of loopd's default
+    config (C{config_path}) and that gateway socket exists, so C{loopd queue status} can
+    show each endpoint's health state too; else C{None} (an C{llmqueue} daemon's socket).
+    """
+    path = config_path or default_config_path()
+    try:
+        config = load_config(path) if os.path.exists(path) else None
+    except (ConfigError, OSError):
+        return None
+    if queue_socket_path(config) != lease_socket:
+        return None
+    gateway = listen_path(config) if config is not None else default_socket_path()
+    return gateway if gateway is not None and os.path.exists(gateway) else None
 
 
 def chat_socket_path(explicit: str | None, config_path: str | None = None) -> str:

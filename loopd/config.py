@@ -49,6 +49,7 @@ from loopd.settings import (
     Endpoint,
     EndpointKind,
     Expect,
+    HealthProbe,
     Limits,
     Mesh,
     Queue,
@@ -70,10 +71,12 @@ __all__ = [
     "Endpoint",
     "EndpointKind",
     "Expect",
+    "HealthProbe",
     "Limits",
     "Mesh",
     "Queue",
     "Retry",
+    "SENT_FIELDS",
     "Sampling",
     "Server",
     "Thinking",
@@ -124,6 +127,64 @@ def _endpoint_name(value: object) -> str:
         raise RuleError("a non-empty string without spaces or control characters")
     if value in RESERVED_NAMES:
         raise RuleError('a name other than "auto" and "mesh", which the gateway routes')
+    return value
+
+
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+#: The headers loopd's HTTP client sets itself, and Dynamo's priority (affinity_priority).
+_OWN_HEADERS: Final = frozenset(
+    {
+        "host",
+        "connection",
+        "content-length",
+        "transfer-encoding",
+        "content-type",
+        "x-dynamo-request-priority",
+    }
+)
+_FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
+SENT_FIELDS: Final = frozenset(
+    {
+        "model",
+        "messages",
+        "tools",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "typical_p",
+        "repeat_penalty",
+        "repeat_last_n",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "stop",
+        "tool_choice",
+        "chat_template_kwargs",
+        "reasoning_effort",
+    }
+)
+"""The body fields loopd sends an C{openai} endpoint itself, so no C{affinity_field}."""
+
+
+def _affinity_header(value: object) -> str:
+    """A header name (RFC 9110 token characters), not one that loopd sets itself."""
+    if not isinstance(value, str) or not _TOKEN.fullmatch(value):
+        raise RuleError("a header name (letters, digits and !#$%&'*+-.^_`|~)")
+    if value.lower() in _OWN_HEADERS:
+        raise RuleError("a header other than " + ", ".join(sorted(_OWN_HEADERS)))
+    return value
+
+
+def _affinity_field(value: object) -> str:
+    """A top-level body field name, not one that loopd sends itself."""
+    if not isinstance(value, str) or not _FIELD.fullmatch(value):
+        raise RuleError("a field name (a letter or _, then letters, digits, _ . or -)")
+    if value in SENT_FIELDS:
+        raise RuleError("a field loopd does not send itself (such as user)")
     return value
 
 
@@ -191,7 +252,15 @@ _ENDPOINT_RULES: Final[Mapping[str, Rule]] = {
     "proxy_burst": integer(1, INT32_MAX),
     "proxy_refill_per_second": number(0, 1e9, min_open=True),
     "pacing_wait_ms": integer(0, INT32_MAX),
+    # A group's name follows an endpoint name's rules; L{_parse_endpoints} keeps them apart.
+    "group": _endpoint_name,
+    "affinity_header": _affinity_header,
+    "affinity_field": _affinity_field,
+    "affinity_priority": boolean,
+    "slot_save": boolean,
 }
+#: The keys only an openai endpoint takes: a llama-server's affinity is loopd's own slot pin.
+_OPENAI_ONLY: Final = ("affinity_header", "affinity_field", "affinity_priority")
 
 
 _SERVER_RULES: Final[Mapping[str, Rule]] = {
@@ -219,6 +288,11 @@ _QUEUE_RULES: Final[Mapping[str, Rule]] = {
     "models_json": _file_path,
     "sweep_ms": integer(1, INT32_MAX),
     "grace_ms": integer(0, INT32_MAX),
+}
+_HEALTH_RULES: Final[Mapping[str, Rule]] = {
+    "up_interval_ms": integer(1, INT32_MAX),
+    "down_interval_ms": integer(1, INT32_MAX),
+    "timeout_ms": integer(1, INT32_MAX),
 }
 
 
@@ -265,6 +339,17 @@ def _parse_endpoint(
             "must be false for an openai endpoint: the self-test needs /props",
         )
     values.setdefault("selftest", kind == "llama-server")
+    for key in _OPENAI_ONLY:
+        if kind != "openai" and values.get(key) not in (None, False):
+            problems.add(
+                key_path(path, key),
+                "only for an openai endpoint: loopd pins a llama-server's slot itself",
+            )
+    if kind == "openai" and values.get("slot_save") is True:
+        problems.add(
+            key_path(path, "slot_save"),
+            "must be false for an openai endpoint: slot files need llama-server's /slots",
+        )
     expect = table.get("expect", ABSENT)
     values["expect"] = _parse_expect(expect, key_path(path, "expect"), problems)
     kind_invalid = "kind" in table and "kind" not in values
@@ -287,6 +372,14 @@ def _parse_endpoints(value: object, path: str, problems: Problems) -> Any:
         endpoint = _parse_endpoint(item, index_path(path, index), problems, first_use)
         if endpoint is not None:
             endpoints.append(endpoint)
+    for index, item in enumerate(value):
+        group = item.get("group") if isinstance(item, Mapping) else None
+        if isinstance(group, str) and group in first_use:
+            problems.add(
+                key_path(index_path(path, index), "group"),
+                f"group {render(group)} is the name of an endpoint ({first_use[group]}): "
+                "a model name must say which it means",
+            )
     return tuple(endpoints)
 
 
@@ -310,6 +403,7 @@ _SECTIONS: Final[Mapping[str, _Section]] = {
     "server": _Section("server", table_parser(Server, _SERVER_RULES)),
     "queue": _Section("queue", table_parser(Queue, _QUEUE_RULES)),
     "mesh": _Section("mesh", table_parser(Mesh, {"strong_patience_ms": integer(0, INT32_MAX)})),
+    "health": _Section("health", table_parser(HealthProbe, _HEALTH_RULES)),
 }
 
 

@@ -164,7 +164,19 @@ class Stalled(InferError):
 class StreamClosedEarly(InferError):
     """
     The stream ended before a chunk carried a C{finish_reason}.
+
+    @ivar before_headers: the connection closed before the response's headers were in:
+        nothing answered, as when the inferproxy of a server that is down accepts a
+        connection and closes it (an endpoint health signal, DESIGN decision 38).
     """
+
+    def __init__(self, message: str = "", *, before_headers: bool = False) -> None:
+        """
+        @param message: what ended early.
+        @param before_headers: see the class docstring.
+        """
+        super().__init__(message)
+        self.before_headers = before_headers
 
 
 class ThinkingOverrun(InferError):

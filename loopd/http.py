@@ -50,7 +50,7 @@ import functools
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 from typing import Protocol as _TypingProtocol
 
 from twisted.internet.defer import CancelledError, Deferred, succeed
@@ -555,7 +555,7 @@ class _Exchange:
         as loopd's (L{_translate}).
         """
         if not self._result.called:
-            self._result.errback(_translate(failure, "before the response headers"))
+            self._result.errback(_translate(failure, _BEFORE))
 
     def _cancel(self, result: Deferred[HttpResponse]) -> None:
         """
@@ -672,6 +672,10 @@ def _leaves(failure: Failure) -> list[Failure]:
     return [failure]
 
 
+_BEFORE: Final = "before the response headers"
+"""When a failure came, for one that came before the response's headers were in."""
+
+
 def _translate(failure: Failure, when: str) -> Failure:
     """A Twisted client failure as loopd's: an C{InferError} kind or C{CancelledError}."""
     leaves = _leaves(failure)
@@ -681,5 +685,6 @@ def _translate(failure: Failure, when: str) -> Failure:
     if any(leaf.check(CancelledError) for leaf in leaves):
         return Failure(CancelledError())
     if any(leaf.check(ConnectionClosed) for leaf in leaves):
-        return Failure(StreamClosedEarly(f"connection closed {when}"))
+        closed = StreamClosedEarly(f"connection closed {when}", before_headers=when == _BEFORE)
+        return Failure(closed)
     return Failure(Protocol(f"malformed response {when}: {leaves[0].getErrorMessage()}"))

@@ -176,6 +176,7 @@ class LoopdService(Service):
             leases=leases,
             props=props_by_name,
         )
+        self.gateway.start()
         self._port = yield self._listen(self.gateway)
         _log.info(
             "loopd serving {listener} for {endpoints}",

@@ -169,8 +169,26 @@ class Endpoint:
     pacing_wait_ms: int = 10_000
     """How long one of loopd's connections may wait for the pacing (a token, or a free place
     under the cap) before it fails with Busy (>= 0)."""
+    slot_save: bool = False
+    """The server was started with C{--slot-save-path}: loopd saves a session's slot to a file
+    there before another session takes the slot, and restores it when the session comes back
+    to a slot that does not hold it (only for C{llama-server} endpoints)."""
     expect: Expect = field(default_factory=Expect)
     """What the self-test checks in /props."""
+    group: str | None = None
+    """The group the endpoint belongs to: endpoints serving the same model share one, and a
+    request naming the group is routed among them as C{auto} is (DESIGN §3 decision 42).
+    Not an endpoint's name, nor C{auto} or C{mesh}. None: in no group."""
+    affinity_header: str | None = None
+    """An C{openai} endpoint only: the request header that carries the session's id to the
+    engine's own session affinity (C{x-smg-routing-key} for SGLang's gateway,
+    C{X-Dynamo-Session-ID} for Dynamo, C{x-session-token} for llm-d). None: no header."""
+    affinity_field: str | None = None
+    """An C{openai} endpoint only: the top-level body field that carries the session's id
+    (C{user} for mesh-llm and vLLM's router). None: no field."""
+    affinity_priority: bool = False
+    """An C{openai} endpoint only: send the session's tier as Dynamo's request priority,
+    C{x-dynamo-request-priority} (1 for a parent, 0 for a child: higher goes first)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,6 +247,18 @@ class Queue:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HealthProbe:
+    """The background probe of each endpoint's C{/health} ([health], DESIGN decision 38)."""
+
+    up_interval_ms: int = 5000
+    """Between probes of an endpoint that is up."""
+    down_interval_ms: int = 1000
+    """Between probes of an endpoint that is down or probing (also the least C{Retry-After})."""
+    timeout_ms: int = 2000
+    """A probe with no answer within this is a failed probe."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """The whole of loopd.toml."""
 
@@ -254,6 +284,8 @@ class Config:
     """The lease scheduler."""
     mesh: Mesh = field(default_factory=Mesh)
     """The mixture of agents."""
+    health: HealthProbe = field(default_factory=HealthProbe)
+    """The endpoints' health probe."""
 
     def endpoint(self, name: str) -> Endpoint:
         """Return the endpoint called C{name}; raise KeyError if there is none."""
@@ -261,3 +293,12 @@ class Config:
             if endpoint.name == name:
                 return endpoint
         raise KeyError(name)
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The endpoint groups' names, each once, in the order of their first member."""
+        return tuple(dict.fromkeys(e.group for e in self.endpoints if e.group is not None))
+
+    def members(self, group: str) -> tuple[Endpoint, ...]:
+        """The endpoints of group C{group}, in file order; empty for a name no group has."""
+        return tuple(e for e in self.endpoints if e.group == group)

@@ -37,6 +37,8 @@ except ImportError as e:  # pragma: no cover - the test extra is not installed
 #: C{size_b} is given, so both are the big tier: the mesh pool's order makes C{tiny-a} Fast
 #: (no native tools) and C{tiny-b} Strong, and the auto router weighs them by speed alone.
 NAMES = ("tiny-a", "tiny-b")
+#: The endpoint group of L{MeshEndToEndTests.test_group}: both endpoints.
+GROUP = "tiny"
 #: Sequential C{auto} requests. The tiny model generates far above the weight's clamp of
 #: 100 tokens/s, so both weigh the same: one endpoint or the other misses all of them
 #: with probability 2 * 2**-24.
@@ -53,15 +55,17 @@ MOA_HEADERS = (
 WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def mesh_toml(listen: str, sockets: dict[str, str]) -> str:
+def mesh_toml(listen: str, sockets: dict[str, str], group: str | None = None) -> str:
     """
     A loopd.toml: the gateway on C{listen}, one endpoint per item of C{sockets} (name to
-    inferproxy socket), self-test off.
+    inferproxy socket), self-test off, each in C{group} when one is given.
     """
     lines = ["[server]", f"listen = {json.dumps('unix:' + listen)}"]
     for name, socket in sockets.items():
         lines += ["[[endpoint]]", f"name = {json.dumps(name)}"]
         lines += [f"socket = {json.dumps(socket)}", "selftest = false"]
+        if group is not None:
+            lines.append(f"group = {json.dumps(group)}")
     return "\n".join(lines) + "\n"
 
 
@@ -96,10 +100,10 @@ class MeshEndToEndTests(TestCase):
     timeout = 180
 
     @inlineCallbacks
-    def start(self) -> Any:
+    def start(self, group: str | None = None) -> Any:
         """
         Start a server and an inferproxy per name of L{NAMES}, then C{twist loopd} over
-        both; fire once loopd serves.
+        both (in endpoint group C{group} when given); fire once loopd serves.
         """
         reactor = real_reactor()
         self.servers: dict[str, Any] = {}
@@ -112,7 +116,7 @@ class MeshEndToEndTests(TestCase):
         self.socket = os.path.join(directory, "loopd.sock")
         config = os.path.join(directory, "loopd.toml")
         with open(config, "w") as f:
-            f.write(mesh_toml(self.socket, sockets))
+            f.write(mesh_toml(self.socket, sockets, group))
         self.loopd: TwistProcess = spawn_twist(
             reactor, b"loopd serving", "loopd", "--config", config
         )
@@ -308,3 +312,51 @@ class MeshEndToEndTests(TestCase):
             self.assertEqual(
                 server_counter(own.body.decode(), "llamacpp:tokens_predicted_total"), generated
             )
+
+    @inlineCallbacks
+    def test_group(self) -> Any:
+        """
+        Both endpoints in group "tiny" (decision 42): new sessions asking for "tiny" reach
+        both members, one session's turns stay on one, /v1/models lists the group, and
+        mesh counts the group as one worker (so the one model answers alone).
+        """
+        yield self.start(group=GROUP)
+
+        def ask() -> tuple[list[Any], list[str], Any]:
+            with self.sdk() as client:
+                answers = [
+                    client.chat.completions.create(
+                        model=GROUP,
+                        messages=HI,
+                        reasoning_effort="none",
+                        extra_headers={"X-Session-Id": f"session-{n}"},
+                    )
+                    for n in range(AUTO_REQUESTS - 4)
+                ]
+                answers += [
+                    client.chat.completions.create(
+                        model=GROUP,
+                        messages=HI,
+                        reasoning_effort="none",
+                        extra_headers={"X-Session-Id": "one-session"},
+                    )
+                    for _ in range(4)
+                ]
+                ids = [m.id for m in client.models.list()]
+                alone = client.chat.completions.with_raw_response.create(
+                    model="mesh",
+                    messages=HI,
+                    reasoning_effort="none",
+                    extra_headers={"X-Session-Id": "one-session"},
+                )
+            return answers, ids, alone
+
+        answers, ids, alone = yield deferToThread(ask)
+        self.assertEqual({a.model for a in answers}, set(NAMES))
+        self.assertEqual(len({a.model for a in answers[-4:]}), 1)
+        for answer in answers:
+            self.assertEqual(answer.choices[0].message.content, ANSWER)
+        self.assertEqual(ids, [*NAMES, GROUP, "auto", "mesh"])
+        self.assertEqual(alone.status_code, 200)
+        self.assertNotIn("x-moa-workers", alone.headers)
+        self.assertIn(alone.parse().model, NAMES)

@@ -95,6 +95,7 @@ class ServerOptions:
     batch: int = 0  # n_batch and n_ubatch; 0: llama.cpp's default
     kv_unified: bool = False  # one KV pool of n_ctx cells shared by all slots
     cache_ram_mib: int | None = None  # the RAM prompt cache; None: llama.cpp's default
+    slot_save_path: str | None = None  # --slot-save-path: slot save/restore to files there
 
     def command(self, ready_timeout: float = 60.0, exit_on_eof: bool = False) -> list[str]:
         """Return the argv (Python first) of a child that serves with these options."""
@@ -105,6 +106,7 @@ class ServerOptions:
         argv += ["--batch", str(self.batch)] if self.batch else []
         argv += ["--kv-unified"] if self.kv_unified else []
         argv += [] if self.cache_ram_mib is None else ["--cache-ram", str(self.cache_ram_mib)]
+        argv += [] if self.slot_save_path is None else ["--slot-save-path", self.slot_save_path]
         return argv + (["--exit-on-eof"] if exit_on_eof else [])
 
 
@@ -175,6 +177,8 @@ class RealServer:
         threads: int = 2,
         batch: int = 0,
         kv_unified: bool = False,
+        cache_ram_mib: int | None = None,
+        slot_save_path: str | None = None,
         start_timeout: float = 60.0,
         stop_timeout: float = 10.0,
         query_timeout: float = 30.0,
@@ -183,7 +187,16 @@ class RealServer:
         self._reactor = reactor
         self._clock = IReactorTime(reactor)
         self.options = ServerOptions(
-            model_path, alias, port, n_ctx, parallel, threads, batch, kv_unified
+            model_path,
+            alias,
+            port,
+            n_ctx,
+            parallel,
+            threads,
+            batch,
+            kv_unified,
+            cache_ram_mib,
+            slot_save_path,
         )
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
@@ -455,6 +468,8 @@ def serve(args: argparse.Namespace) -> int:
     params.kv_unified = args.kv_unified
     if args.cache_ram is not None:  # 0 also stops saving idle slots, which needs the cache
         params.cache_ram_mib, params.cache_idle_slots = args.cache_ram, args.cache_ram != 0
+    if args.slot_save_path is not None:  # llama.cpp joins file names to it as they are
+        params.slot_save_path = os.path.join(args.slot_save_path, "")
     try:
         server = xllamacpp.Server(params)
     except RuntimeError as e:
@@ -507,6 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--batch", type=int, default=0, help="n_batch and n_ubatch (0: default)")
     add("--kv-unified", action="store_true", help="one KV pool shared by the slots")
     add("--cache-ram", type=int, help="RAM prompt cache in MiB (0: none; default: llama.cpp's)")
+    add("--slot-save-path", help="directory of slot save/restore files (default: none)")
     add("--ready-timeout", type=float, default=60.0)
     add("--exit-on-eof", action="store_true", help="stop when stdin closes")
     add("--data", help="JSON body to POST ('-': read stdin)")

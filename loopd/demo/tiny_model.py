@@ -24,9 +24,16 @@ The model is a script, not a trained network:
 - ``think_forever=True`` replaces ``...`` -> ``</think>`` with ``...`` -> `` `` ->
   ``Let``: the reasoning never ends by itself, only when the server forces
   ``</think>`` (reasoning budget or the ``reasoning_end`` control); then it answers.
+- ``ballast=Ballast(ff, layers)`` adds zero-weight compute: every feed-forward is
+  ``ff`` wide and the model has ``layers`` layers.  The feed-forward weights (in every
+  layer) and every weight of the extra layers are zero, so each adds nothing to the
+  residual stream and the answers stay exactly the same, while the server still does
+  the arithmetic: prompt processing and generation cost real CPU time.  With
+  ``Ballast(4096, 6)`` (19 MB) llama.cpp on 2 threads processes ~800-1,300 prompt tokens/s
+  of a 3,000-token prompt: a session switch costs seconds, as with a real model.
 
-Run ``python -m loopd.demo.tiny_model OUT.gguf [--think-forever]`` to write
-one from a script; it prints the sha256.
+Run ``python -m loopd.demo.tiny_model OUT.gguf [--think-forever] [--ballast FF:LAYERS]``
+to write one from a script; it prints the sha256.
 """
 
 from __future__ import annotations
@@ -53,6 +60,40 @@ HEAD_DIM = N_EMBD // N_HEAD
 N_FF = 128
 CONTEXT_LENGTH = 32768
 ROPE_BASE = 1e6
+
+
+class BallastError(ValueError):
+    """A ballast size the model cannot have (narrower or shallower than the plain model)."""
+
+
+@dataclass(frozen=True)
+class Ballast:
+    """
+    Zero-weight compute ballast: the feed-forward width and layer count of a model
+    that answers like the plain one but costs real time to run.
+
+    @ivar ff: the feed-forward width of every layer, at least `N_FF`.
+    @ivar layers: the number of layers, at least `N_LAYER`.
+    """
+
+    ff: int
+    layers: int
+
+    def __post_init__(self) -> None:
+        """Refuse sizes below the plain model's, which would drop its wiring."""
+        if self.ff < N_FF:
+            raise BallastError(f"ballast feed-forward width {self.ff} is below {N_FF}")
+        if self.layers < N_LAYER:
+            raise BallastError(f"ballast layer count {self.layers} is below {N_LAYER}")
+
+    @classmethod
+    def parse(cls, text: str) -> Ballast:
+        """Parse ``FF:LAYERS`` (e.g. ``4096:6``); `BallastError` names what is wrong."""
+        ff, sep, layers = text.partition(":")
+        if not sep or not ff.isdecimal() or not layers.isdecimal():
+            raise BallastError(f"ballast {text!r} is not FF:LAYERS (two whole numbers)")
+        return cls(int(ff), int(layers))
+
 
 # What the scripted model writes: reasoning, then content.
 THOUGHT = "Let me think about this..."
@@ -301,8 +342,19 @@ def _chain(think_forever: bool) -> list[tuple[str, str]]:
     return pairs
 
 
-def build_weights(vocab: Vocab, *, think_forever: bool = False) -> dict[str, F32]:
-    """Return every tensor of the model by its GGUF name (numpy shape: out, in)."""
+def _sizes(ballast: Ballast | None) -> tuple[int, int]:
+    """The feed-forward width and layer count of the model with `ballast` (or none)."""
+    return (N_FF, N_LAYER) if ballast is None else (ballast.ff, ballast.layers)
+
+
+def build_weights(
+    vocab: Vocab, *, think_forever: bool = False, ballast: Ballast | None = None
+) -> dict[str, F32]:
+    """Return every tensor of the model by its GGUF name (numpy shape: out, in).
+
+    With `ballast` the feed-forwards are wider and there are more layers, all zero.
+    """
+    n_ff, n_layer = _sizes(ballast)
     n_vocab = len(vocab.tokens)
     dims = {vocab.id_of(text): 2 + i for i, text in enumerate(STATEFUL)}
     assert max(dims.values()) < N_EMBD
@@ -328,15 +380,15 @@ def build_weights(vocab: Vocab, *, think_forever: bool = False) -> dict[str, F32
         "output_norm.weight": np.ones(N_EMBD, np.float32),
         "output.weight": head,
     }
-    for layer in range(N_LAYER):
+    for layer in range(n_layer):
         shapes = {
             "attn_q": (N_EMBD, N_EMBD),
             "attn_k": (N_EMBD, N_EMBD),
             "attn_v": (N_EMBD, N_EMBD),
             "attn_output": (N_EMBD, N_EMBD),
-            "ffn_gate": (N_FF, N_EMBD),
-            "ffn_up": (N_FF, N_EMBD),
-            "ffn_down": (N_EMBD, N_FF),
+            "ffn_gate": (n_ff, N_EMBD),
+            "ffn_up": (n_ff, N_EMBD),
+            "ffn_down": (N_EMBD, n_ff),
         }
         for name, shape in shapes.items():
             tensors[f"blk.{layer}.{name}.weight"] = np.zeros(shape, np.float32)
@@ -371,22 +423,28 @@ def _wire_tool_head(
     o[D_TOOLS, 0] = 1.0
 
 
-def write_tiny_model(path: str, *, think_forever: bool = False) -> str:
+def write_tiny_model(
+    path: str, *, think_forever: bool = False, ballast: Ballast | None = None
+) -> str:
     """
     Write the model to `path` (atomically) and return the file's sha256 in hex.
 
-    The bytes depend only on `think_forever`; a server that has the old file mapped
-    keeps its copy, because the new file replaces the name, not the contents.
+    The bytes depend only on `think_forever` and `ballast`; a server that has the old
+    file mapped keeps its copy, because the new file replaces the name, not the contents.
     """
     vocab = build_vocab()
-    tensors = build_weights(vocab, think_forever=think_forever)
+    tensors = build_weights(vocab, think_forever=think_forever, ballast=ballast)
     partial = f"{path}.partial-{os.getpid()}"
     writer = gguf.GGUFWriter(partial, "llama")
-    writer.add_name("loopd-tiny-think" if think_forever else "loopd-tiny")
+    name = "loopd-tiny-think" if think_forever else "loopd-tiny"
+    if ballast is not None:
+        name += f"-ballast-{ballast.ff}x{ballast.layers}"
+    writer.add_name(name)
     writer.add_context_length(CONTEXT_LENGTH)
     writer.add_embedding_length(N_EMBD)
-    writer.add_block_count(N_LAYER)
-    writer.add_feed_forward_length(N_FF)
+    n_ff, n_layer = _sizes(ballast)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
     writer.add_head_count(N_HEAD)
     writer.add_head_count_kv(N_HEAD)
     writer.add_rope_dimension_count(HEAD_DIM)
@@ -439,9 +497,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="reasoning that only ends when the server forces </think>",
     )
+    parser.add_argument(
+        "--ballast",
+        type=_ballast_option,
+        metavar="FF:LAYERS",
+        help="zero-weight compute ballast, same answers (e.g. 4096:6)",
+    )
     args = parser.parse_args(argv)
-    print(write_tiny_model(args.output, think_forever=args.think_forever))
+    digest = write_tiny_model(args.output, think_forever=args.think_forever, ballast=args.ballast)
+    print(digest)
     return 0
+
+
+def _ballast_option(text: str) -> Ballast:
+    """Parse the --ballast option; its error becomes argparse's usage error."""
+    try:
+        return Ballast.parse(text)
+    except BallastError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 if __name__ == "__main__":

@@ -15,6 +15,15 @@ C{data: {"error": ...}} event and no C{[DONE]}. loopd's own events travel as SSE
 lines (C{: loopd {...}}), which OpenAI clients ignore. A client that goes away cancels
 the upstream request, and llama-server frees the slot.
 
+Endpoint health (DESIGN decision 38, L{loopd.gateway.health}): a request naming an endpoint
+that is down is answered 503 C{endpoint_unavailable} with C{Retry-After} at once. When a call
+finds its endpoint down (no connection, its inferproxy closing at once, an upstream 502/503
+that is not the model loading) while the client has seen nothing and the router has another
+candidate that is not down, the call is not retried: the request fails over at once (so a
+stream never opens on a C{retrying} comment first). Otherwise the client's retries run as
+they always did (a server that restarts under a stream resumes it); a call that still ends
+with its endpoint down is answered with the same 503.
+
 Backpressure: a streaming exchange registers a L{Flow} as its request's producer, and the
 upstream call reads through it, so a client that stops reading pauses the upstream read
 and loopd's buffers stay bounded; reading resumes when the client drains them.
@@ -32,9 +41,10 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
-from loopd.errors import Connect, ProxyRefused
+from loopd.errors import ProxyRefused
 from loopd.gateway.channel import GatewayChannel
 from loopd.gateway.errors import GatewayError, error_for
+from loopd.gateway.health import EndpointUnavailableError, means_down
 from loopd.gateway.mesh import MeshExchange, MeshHost, mesh_pool
 from loopd.gateway.render import ChunkStream, completion_json, loopd_comment, new_completion_id
 from loopd.gateway.request import GatewayRequest, read_session
@@ -43,11 +53,12 @@ from loopd.gateway.translate import parse_request
 from loopd.gateway.upstream import CallKeys
 from loopd.gateway.web import comment_line, data_line, done_line, open_event_stream, write_json
 from loopd.llama import Flow
+from loopd.llama.retry import is_retryable
 from loopd.llama.types import ChatEvent, Completion, Content, Reasoning, ToolCallDelta
 from loopd.moa.roles import VIRTUAL_MODEL_NAME as MESH_MODEL
 from loopd.settings import Endpoint
 
-__all__ = ["ChatCompletions", "ChatHost"]
+__all__ = ["ChatCompletions", "ChatHost", "write_error"]
 
 _log = Logger(namespace="loopd.gateway")
 
@@ -118,11 +129,23 @@ class ChatCompletions(Resource):
                 # Fewer than two workers: the one model serves the request alone (v2).
                 routed = (host.config.endpoint(pool[0].name),)
             first, *rest = routed or (host.endpoint_for(parsed.model),)
+            if not host.health.eligible(first.name):
+                raise host.health.unavailable([first.name], host.reactor.seconds())
         except GatewayError as e:
             host.metrics.observe_request("-", e.code)
-            return write_json(request, e.status, e.body())
+            return write_error(request, e)
         _ChatExchange(host, request, parsed, first, rest).start()
         return NOT_DONE_YET
+
+
+def write_error(request: Request, error: GatewayError) -> bytes:
+    """
+    Answer C{error} with its status and JSON body (L{write_json}), and the C{Retry-After}
+    of an L{EndpointUnavailableError}.
+    """
+    if isinstance(error, EndpointUnavailableError):
+        request.setHeader(b"retry-after", b"%d" % error.retry_after)
+    return write_json(request, error.status, error.body())
 
 
 def _anonymous(host: ChatHost, request: Request) -> str:
@@ -152,8 +175,9 @@ class _ChatExchange:
     One request's way through the gateway: the leased upstream call, the answer.
 
     An C{auto} request comes with C{alternatives}, the router's next candidates: when its
-    endpoint cannot be connected to before anything went to the client, the exchange tries
-    the next one, each once (the failed call gave its lease back at once).
+    endpoint cannot be reached (down, or its inferproxy refused) before anything went to the
+    client, the exchange tries the next one that is not down, each once (the failed call gave
+    its lease back at once).
     """
 
     def __init__(
@@ -175,6 +199,7 @@ class _ChatExchange:
         self._request = request
         self._parsed = parsed
         self._alternatives = alternatives
+        self._tried: list[str] = []
         session = parsed.session
         self._keys = CallKeys(session.id, session.tier, session.ends, anonymous=session.anonymous)
         self._phase = _Phase.QUIET
@@ -189,6 +214,7 @@ class _ChatExchange:
     def _use(self, endpoint: Endpoint) -> None:
         """Serve the request from C{endpoint} from now on."""
         self._endpoint = endpoint
+        self._tried.append(endpoint.name)
         self._chunks = ChunkStream(
             self._completion_id, endpoint.name, self._created, self._parsed.include_usage
         )
@@ -209,10 +235,23 @@ class _ChatExchange:
             self._parsed.chat_request(),
             self._keys,
             on_event=self._event,
+            retryable=self._retryable,
             flow=self._flow,
         )
         self._call = call
         call.addCallbacks(self._completed, self._failed)
+
+    def _retryable(self, error: BaseException) -> bool:
+        """
+        The client's retries, but not of a failure that says the endpoint is down while
+        the request can still fail over (nothing sent yet, a candidate left that is not
+        down): it goes there at once instead.
+        """
+        if means_down(error) and self._phase is _Phase.QUIET:
+            health = self._host.health
+            if any(health.eligible(e.name) for e in self._alternatives):
+                return False
+        return is_retryable(error)
 
     def shutdown(self) -> None:
         """
@@ -280,24 +319,34 @@ class _ChatExchange:
     def _failed(self, reason: Failure) -> None:
         """
 
-        The call failed: fail over on a connection that failed or that the endpoint's
-        inferproxy refused at a limit (nothing reached its server) while the client has seen
-        nothing and the router has a next candidate; else answer the error. A cancellation is this
-        exchange's own doing (the client left, or the daemon stopped) and answers nothing.
+        The call failed: fail over when the endpoint is down or its inferproxy refused at a
+        limit (nothing reached a server) while the client has seen nothing and the router
+        has a next candidate that is not down; else answer the error, which for a down
+        endpoint is 503 C{endpoint_unavailable} naming every candidate tried. A cancellation
+        is this exchange's own doing (the client left, or the daemon stopped) and answers
+        nothing.
         """
         self._call = None
         if self._phase is _Phase.DONE or reason.check(CancelledError):
             return
-        unreached = reason.check(Connect, ProxyRefused) is not None
+        error = reason.value or Exception(reason.getErrorMessage())
+        down = means_down(error)
+        unreached = down or isinstance(error, ProxyRefused)
+        health = self._host.health
+        self._alternatives = [e for e in self._alternatives if health.eligible(e.name)]
         if unreached and self._alternatives and self._phase is _Phase.QUIET:
             self._fail_over(reason)
             return
-        self._end_with_error(error_for(reason.value or Exception(reason.getErrorMessage())))
+        tried = [name for name in self._tried if not health.eligible(name)]
+        if down and tried:
+            self._end_with_error(health.unavailable(tried, self._host.reactor.seconds()))
+            return
+        self._end_with_error(error_for(error))
 
     def _fail_over(self, reason: Failure) -> None:
         """
-        The endpoint could not be reached (no connection, or its inferproxy refused one) and
-        the client has seen nothing yet: try the router's next candidate.
+        The endpoint is down or its inferproxy refused the connection, and the client has
+        seen nothing yet: try the router's next candidate, at once.
         """
         _log.warn(
             "auto: {endpoint} unreachable ({error}); trying {next}",
@@ -318,7 +367,7 @@ class _ChatExchange:
             self._request.write(data_line(error.body()))
             self._finish()
         else:
-            self._finish(write_json(self._request, error.status, error.body()))
+            self._finish(write_error(self._request, error))
         if call is not None:
             call.cancel()
 

@@ -6,16 +6,20 @@ it with every worker and reducer call a leased upstream call, its answer in the 
 of reference C{mesh-moa.md} §1.12, and the C{x-moa-*} headers.
 
 B{The pool.} Every configured endpoint that takes the request's images or audio (C{vision},
-C{audio}, as for C{auto}) and counts as reachable (L{Reachability}: an endpoint whose socket
-could not be connected to is left out for L{RECHECK_S} seconds, then tried again; any answer
-from it puts it back at once), deduplicated by canonical name.
+C{audio}, as for C{auto}) and is not down (L{loopd.gateway.health}: down from a failed call
+or probe until its C{/health} probe answers again), deduplicated by canonical name. When
+every such endpoint is down the request is 503 C{endpoint_unavailable} with C{Retry-After}.
+An endpoint group (replicas of one model) is one worker, as one model is one worker in the
+reference (§1.2): the member that L{group_member} picks for the session among the group's
+members in the pool, so a session's mesh calls to the group stay on one member while it is up.
 
 B{The calls.} Each worker or reducer call is one L{Upstreams.call} with a C{child}-tier lease
 for the session (when the gateway leases), a slot history of its own per endpoint, and the
-endpoint's robust llama client, but for a refused connection: a worker whose endpoint is
-down fails at once (decision 29) rather than hold the turn through the client's backoff. An
-HTTP 429 fails the call with L{RateLimited} (and its C{Retry-After}), which the fan-out
-retries once. Cancelling a call withdraws its lease wait or aborts its request.
+endpoint's robust llama client, but for a failure that says the endpoint is down: a worker
+whose endpoint is down fails at once (decision 29) rather than hold the turn through the
+client's backoff, and the endpoint leaves the pool of the next turns. An HTTP 429 fails
+the call with L{RateLimited} (and its C{Retry-After}), which the fan-out retries once.
+Cancelling a call withdraws its lease wait or aborts its request.
 
 B{The answer.} Not streaming: C{200} with the C{chat.completion} body, or C{502} with the
 error body, each with the C{x-moa-*} headers and a C{Content-Length}. Streaming: the turn's
@@ -37,16 +41,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Final, Protocol
 
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 from twisted.web.server import Request
 
-from loopd.errors import Connect, Http
+from loopd.errors import Http
 from loopd.gateway.errors import GatewayError
+from loopd.gateway.health import HealthBoard, means_down
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.request import GatewayRequest, SessionRef
-from loopd.gateway.router import AutoRouter
+from loopd.gateway.router import AutoRouter, group_member
 from loopd.gateway.upstream import CallKeys, Upstreams
 from loopd.gateway.web import (
     Exchange,
@@ -75,10 +80,7 @@ from loopd.moa.roles import Worker, build_pool
 from loopd.moa.turn import read_turn
 from loopd.settings import Config
 
-__all__ = ["RECHECK_S", "MeshExchange", "MeshHost", "Reachability", "mesh_pool"]
-
-RECHECK_S: Final = 30.0
-"""Seconds an endpoint that refused a connection stays out of the mesh pool."""
+__all__ = ["MeshExchange", "MeshHost", "mesh_pool", "one_per_group"]
 
 CHILD: Final = "child"
 """The lease tier of every mesh call: the session's own requests go first."""
@@ -112,53 +114,42 @@ class MeshHost(Protocol):
         """The leased upstream calls."""
 
     @property
-    def reachability(self) -> Reachability:
-        """Which endpoints the mesh counts on."""
+    def health(self) -> HealthBoard:
+        """Which endpoints are down."""
 
     @property
     def in_flight(self) -> set[Exchange]:
         """The exchanges under way, so stopping can end them."""
 
 
-class Reachability:
-    """
-    Which endpoints the mesh may count on: those that have not failed to connect within
-    the last C{recheck} seconds.
-    """
-
-    def __init__(self, recheck: float = RECHECK_S) -> None:
-        """
-        @param recheck: seconds an endpoint stays out after a connection failure.
-        """
-        self._recheck = recheck
-        self._down_since: dict[str, float] = {}
-
-    def failed(self, name: str, now: float) -> None:
-        """Endpoint C{name} could not be connected to at C{now}."""
-        self._down_since[name] = now
-
-    def answered(self, name: str) -> None:
-        """Endpoint C{name} answered: it is reachable."""
-        self._down_since.pop(name, None)
-
-    def up(self, name: str, now: float) -> bool:
-        """Whether C{name} counts as reachable at C{now}."""
-        since = self._down_since.get(name)
-        return since is None or now - since >= self._recheck
-
-
 def mesh_pool(host: MeshHost, request: GatewayRequest) -> tuple[Worker, ...]:
     """
-    The mesh's workers for C{request} now: see the module docstring. When none counts as
-    reachable, every endpoint that takes the media is tried again rather than none.
+    The mesh's workers for C{request} now, at least one: see the module docstring.
 
     @raise loopd.gateway.router.MediaUnsupportedError: no endpoint takes the media (400).
+    @raise loopd.gateway.health.EndpointUnavailableError: every endpoint that takes it is
+        down (503).
     """
     takes = {c.name for c in host.router.takes_media(request)}
     workers = [Worker(e.name, e.size_b) for e in host.config.endpoints if e.name in takes]
-    now = host.reactor.seconds()
-    pool = build_pool(workers, reachable=lambda name: host.reachability.up(name, now))
-    return pool if pool else build_pool(workers)
+    pool = build_pool(workers, reachable=host.health.eligible)
+    if not pool:
+        raise host.health.unavailable((w.name for w in workers), host.reactor.seconds())
+    return one_per_group(pool, host.config, request.session.id)
+
+
+def one_per_group(pool: tuple[Worker, ...], config: Config, session: str) -> tuple[Worker, ...]:
+    """
+    C{pool} with each endpoint group's members in it down to one, L{group_member}'s pick
+    for C{session}; workers in no group stay. The order is C{pool}'s.
+    """
+    groups = {w.name: config.endpoint(w.name).group for w in pool}
+    present: dict[str, list[str]] = {}
+    for name, group in groups.items():
+        if group is not None:
+            present.setdefault(group, []).append(name)
+    chosen = {group: group_member(names, session) for group, names in present.items()}
+    return tuple(w for w in pool if (g := groups[w.name]) is None or chosen[g] == w.name)
 
 
 class _MeshCalls:
@@ -181,33 +172,24 @@ class _MeshCalls:
             # The slot history is kept per endpoint: a mesh session calls several at once.
             slot_key=f"{self._session.id} mesh:{name}",
         )
-        calling = self._host.upstreams.call(name, request, keys, retryable=_retry_but_connect)
-        return calling.addCallbacks(
-            self._answered, self._failed, callbackArgs=(name,), errbackArgs=(name,)
-        )
-
-    def _answered(self, completion: Completion, name: str) -> Completion:
-        """An answer: the endpoint is reachable."""
-        self._host.reachability.answered(name)
-        return completion
-
-    def _failed(self, reason: Failure, name: str) -> Failure:
-        """A failure: note a refused connection, make a 429 the fan-out's L{RateLimited}."""
-        if reason.check(Connect):
-            self._host.reachability.failed(name, self._host.reactor.seconds())
-        elif isinstance(reason.value, Http) and reason.value.status == 429:
-            return Failure(RateLimited(reason.value.retry_after))
-        elif not reason.check(CancelledError) and isinstance(reason.value, Http):
-            self._host.reachability.answered(name)
-        return reason
+        calling = self._host.upstreams.call(name, request, keys, retryable=_retry_unless_down)
+        return calling.addErrback(_rate_limited)
 
 
-def _retry_but_connect(error: BaseException) -> bool:
+def _retry_unless_down(error: BaseException) -> bool:
     """
-    The robust client's retries, but for a refused connection: a worker whose endpoint is
-    down has failed at once (DESIGN decision 29), so the turn does not wait on its backoff.
+    The robust client's retries, but not of a failure that says the endpoint is down: such
+    a worker has failed at once (DESIGN decision 29), so the turn does not wait on its
+    backoff.
     """
-    return not isinstance(error, Connect) and is_retryable(error)
+    return not means_down(error) and is_retryable(error)
+
+
+def _rate_limited(reason: Failure) -> Failure:
+    """A call's failure, an HTTP 429 made the fan-out's L{RateLimited}."""
+    if isinstance(reason.value, Http) and reason.value.status == 429:
+        return Failure(RateLimited(reason.value.retry_after))
+    return reason
 
 
 class MeshExchange:

@@ -30,6 +30,7 @@ from twisted.logger import Logger
 
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.grace import SwitchCosts
+from loopd.gateway.health import HealthBoard, State
 from loopd.gateway.router import AutoRouter, SpeedStats
 from loopd.llama.pacing import Pacer
 from loopd.llama.types import Timings
@@ -39,6 +40,7 @@ __all__ = [
     "TTFT_BUCKETS",
     "GatewayMetrics",
     "GraceCollector",
+    "HealthCollector",
     "PacingCollector",
     "RouterCollector",
     "SchedulerCollector",
@@ -211,6 +213,9 @@ class GatewayMetrics:
         @param endpoints: the endpoints to show, learned or not (a fresh one shows the priors).
         """
         self.registry.register(GraceCollector(costs, cut_short, endpoints))
+    def watch_health(self, board: HealthBoard) -> None:
+        """Add each endpoint's health (C{loopd_endpoint_up}, C{loopd_endpoint_state})."""
+        self.registry.register(HealthCollector(board))
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of every metric here, and its content type."""
@@ -480,3 +485,37 @@ class GraceCollector(Collector):
         yield share
         yield returning
         yield cut
+
+
+class HealthCollector(Collector):
+    """
+    A collector over one L{HealthBoard}; it keeps no numbers of its own.
+    """
+
+    def __init__(self, board: HealthBoard) -> None:
+        """
+        @param board: the endpoints' health, read at each scrape.
+        """
+        self._board = board
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """
+        Yield C{loopd_endpoint_up} (1 while the endpoint takes requests: up or probing, 0
+        while down) and C{loopd_endpoint_state} (1 for the state it is in, 0 for the others).
+        """
+        up = GaugeMetricFamily(
+            "loopd_endpoint_up",
+            "1 while the endpoint takes requests (up or probing), 0 while it is down.",
+            labels=["endpoint"],
+        )
+        state = GaugeMetricFamily(
+            "loopd_endpoint_state",
+            "The endpoint's health state: 1 for the one it is in (up, down, probing).",
+            labels=["endpoint", "state"],
+        )
+        for name, now in self._board.states().items():
+            up.add_metric([name], 0 if now is State.DOWN else 1)
+            for each in State:
+                state.add_metric([name, each.value], 1 if each is now else 0)
+        yield up
+        yield state

@@ -1,8 +1,15 @@
 # -*- test-case-name: loopd.test.test_gateway_router -*-
 """
 The C{auto} router: which endpoint serves a request whose C{model} is C{auto} or missing
-(reference/mesh-moa.md §5), and L{AutoRouter}, the router's state in one gateway (the
-candidates, the speeds measured, the random source).
+(reference/mesh-moa.md §5), or the name of an endpoint group (DESIGN §3 decision 42), and
+L{AutoRouter}, the router's state in one gateway (the candidates, the groups, the speeds
+measured, the random source).
+
+A group is the endpoints of loopd.toml that share a C{group} name: replicas of one model, one
+per machine. A request naming it is routed as C{auto} is, among the group's members only:
+same filters, same order, same placement (L{place}), so that what the gateway applies to an
+C{auto} route (the members that are down left out, the fail-over to the next) applies to a
+group's too. L{group_member} is the mesh's pick of the one member that stands for a group.
 
   1. L{classify} (L{loopd.gateway.classify}) reads the request: a category, a complexity,
      whether it needs tools, and which media it carries.
@@ -25,15 +32,16 @@ stays on the endpoint that holds its cache (its home) while that endpoint is eli
 request queues on a full endpoint while an eligible one has a free slot; a new session goes to
 free capacity first, the §5 order deciding among equals.
 The random source is injected; the reference seeds a SplitMix64 generator from the clock,
-which loopd does not copy. Each request is routed on its own: no session affinity across
-endpoints (DESIGN §3 decision 34). Where the reference is silent: the signal words are loopd's
-own, a C{developer} message counts as system prompt, a speed sample ages out after an hour.
+which loopd does not copy. L{route} orders each request on its own; the session's affinity
+is L{place}'s. Where the reference is silent: the signal words are loopd's own, a
+C{developer} message counts as system prompt, a speed sample ages out after an hour.
 
 Pure: no reactor, no I/O; time comes in as a number of seconds from the caller's clock.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -64,6 +72,7 @@ __all__ = [
     "SpeedStats",
     "candidate_weight",
     "capability_filter",
+    "group_member",
     "make_candidate",
     "media_filter",
     "pick_weighted",
@@ -346,6 +355,27 @@ def route(
     return Route(tuple(ordered), classification, explored)
 
 
+def group_member(members: Sequence[str], key: str) -> str:
+    """
+    The one of C{members} that stands for their group for C{key} (a session's id): the
+    member with the highest hash of C{key} and its name (rendezvous hashing). The same key
+    picks the same member while it is among C{members}, so a session's cache stays on one
+    member; different keys spread over the members; when a member drops out, only the keys
+    that picked it move.
+
+    @raise ValueError: C{members} is empty.
+    """
+    if not members:
+        raise ValueError("group_member needs at least one member")
+
+    def score(name: str) -> bytes:
+        """The rendezvous hash of C{key} and C{name}."""
+        pair = key.encode("utf-8", "surrogatepass") + b"\0" + name.encode("utf-8", "surrogatepass")
+        return hashlib.blake2b(pair, digest_size=8).digest()
+
+    return max(members, key=score)
+
+
 def place(routed: Route, home: str | None = None, free: Mapping[str, int] | None = None) -> Route:
     """
     Reorder C{routed} by where the session's cache is and where slots are free (decision 34).
@@ -378,7 +408,8 @@ def place(routed: Route, home: str | None = None, free: Mapping[str, int] | None
 
 class AutoRouter:
     """
-    The router's state for one gateway: the candidates, their speeds, the random source.
+    The router's state for one gateway: the candidates, the groups, their speeds, the random
+    source.
 
     L{route} orders each request on its own; L{place} holds decision 34's placement rule
     (the session's home first, free capacity before full endpoints), which the gateway
@@ -386,6 +417,7 @@ class AutoRouter:
     C{Upstreams.free_slots}). The session's slot affinity inside the chosen endpoint stays.
 
     @ivar candidates: one L{Candidate} per configured endpoint, in config order.
+    @ivar groups: each group's member names, in config order, by group name.
     @ivar speeds: each endpoint's L{SpeedStats}, by name (an endpoint with no completion yet
         is missing and weighs neutral).
     @ivar rng: where the router's random numbers come from.
@@ -398,7 +430,8 @@ class AutoRouter:
         rng: RandomSource | None = None,
     ) -> None:
         """
-        @param endpoints: the configured endpoints (their C{size_b}, C{vision}, C{audio}).
+        @param endpoints: the configured endpoints (their C{size_b}, C{vision}, C{audio},
+            C{group}).
         @param props: each endpoint's C{GET /props} body, by name; an endpoint not named
             gets L{make_candidate}'s defaults.
         @param rng: the random source; a fresh C{random.Random()} when not given.
@@ -410,20 +443,30 @@ class AutoRouter:
             )
             for e in endpoints
         )
+        self.groups: dict[str, tuple[str, ...]] = {}
+        for e in endpoints:
+            if e.group is not None:
+                self.groups[e.group] = (*self.groups.get(e.group, ()), e.name)
         self.speeds: dict[str, SpeedStats] = {}
         self.rng: RandomSource = rng if rng is not None else random.Random()
 
     def route(self, request: GatewayRequest, now: float) -> Route | None:
         """
-        Route one request at time C{now}: C{None} when it is not the router's (its model
-        names an endpoint or C{mesh}).
+        Route one request at time C{now}: C{auto} among every endpoint, a group's name among
+        its members; C{None} when it is not the router's (its model names an endpoint or
+        C{mesh}).
 
         @raise NoEndpointError: no endpoint is configured.
-        @raise MediaUnsupportedError: no endpoint takes its media.
+        @raise MediaUnsupportedError: no endpoint (of the group) takes its media.
         """
-        if not wants_auto(request):
+        if wants_auto(request):
+            candidates = self.candidates
+        elif request.model in self.groups:
+            members = self.groups[request.model]
+            candidates = tuple(c for c in self.candidates if c.name in members)
+        else:
             return None
-        return route(classify(request), self.candidates, self.speeds, now, self.rng)
+        return route(classify(request), candidates, self.speeds, now, self.rng)
 
     def takes_media(self, request: GatewayRequest) -> tuple[Candidate, ...]:
         """

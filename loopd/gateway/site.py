@@ -2,8 +2,9 @@
 """
 The gateway's wiring and its small routes: L{Gateway} holds what one gateway serves with (a
 llama client per endpoint behind the leased upstream calls, the sessions, the router, the
-metrics) and builds its twisted.web site: C{/v1/chat/completions}, C{/v1/models},
-C{/health}, C{/metrics} and, with leases, C{/v1/queue}.
+endpoints' health and its probes, the metrics) and builds its twisted.web site:
+C{/v1/chat/completions}, C{/v1/models}, C{/health}, C{/metrics} and, with leases,
+C{/v1/queue}.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from twisted.web.server import Request, Site
 from loopd.gateway.channel import GatewaySite
 from loopd.gateway.chat import ChatCompletions
 from loopd.gateway.errors import GatewayError
+from loopd.gateway.health import HealthBoard, ProbePace
 from loopd.gateway.leases import GatewayLeases, queue_status
-from loopd.gateway.mesh import Reachability
 from loopd.gateway.metrics import GatewayMetrics
+from loopd.gateway.probe import HealthProbes
 from loopd.gateway.request import GatewayRequest
 from loopd.gateway.router import AUTO_MODEL, AutoRouter, RandomSource, place
 from loopd.gateway.sessions import Sessions
@@ -60,6 +62,9 @@ class Gateway:
     mesh read (L{loopd.gateway.chat.ChatHost}).
 
     @ivar in_flight: the exchanges under way, so stopping can end them.
+    @ivar health: each endpoint's health state (L{HealthBoard}), fed by every upstream
+        call and by the probes.
+    @ivar probes: the background C{/health} probes (L{HealthProbes}); L{start} starts them.
     """
 
     def __init__(
@@ -101,7 +106,11 @@ class Gateway:
         if leases is not None:
             self.metrics.watch_grace(leases.costs, leases.cut_short, self.clients)
         self.router = AutoRouter(config.endpoints, props, rng)
-        self.reachability = Reachability()
+        names = [e.name for e in config.endpoints]
+        self.health = HealthBoard(names, ProbePace.from_settings(config.health), reactor.seconds())
+        self.probes = HealthProbes(
+            reactor, self.health, self.clients, config.health.timeout_ms / 1000.0
+        )
         self.upstreams = Upstreams(
             reactor,
             config,
@@ -111,8 +120,10 @@ class Gateway:
             router=self.router,
             leases=leases,
             slot_counts=slot_counts,
+            health=self.health,
         )
         self.metrics.watch_router(self.router, reactor.seconds)
+        self.metrics.watch_health(self.health)
         self.metrics.watch_pacing({name: client.pacer for name, client in self.clients.items()})
         for name, client in self.clients.items():
             self.metrics.set_queue_depth(name, self._queue_depth(name, client.gate.waiting))
@@ -137,10 +148,13 @@ class Gateway:
 
     def route_auto(self, request: GatewayRequest) -> tuple[Endpoint, ...] | None:
         """
-        The endpoints to try, in order, for a request whose C{model} is C{auto} or missing
-        (the C{auto} router's order); C{None} for any other request.
+        The endpoints to try, in order, for a request whose C{model} is C{auto} or missing,
+        or a group's name (the C{auto} router's order among every endpoint, or among the
+        group's members, placed by L{place}, without the endpoints that
+        are down); C{None} for any other request.
 
-        @raise GatewayError: the router's errors (C{media_unsupported}, C{no_endpoint}).
+        @raise GatewayError: the router's errors (C{media_unsupported}, C{no_endpoint}), or
+            503 C{endpoint_unavailable} when every candidate is down.
         """
         chosen = self.router.route(request, self.reactor.seconds())
         if chosen is None:
@@ -148,7 +162,11 @@ class Gateway:
         up = self.upstreams
         free = {c.name: up.free_slots(c.name, request.session.id) for c in chosen.candidates}
         chosen = place(chosen, up.home_of(request.session.id), free)
-        return tuple(self.config.endpoint(c.name) for c in chosen.candidates)
+        names = [c.name for c in chosen.candidates]
+        eligible = [name for name in names if self.health.eligible(name)]
+        if not eligible:
+            raise self.health.unavailable(names, self.reactor.seconds())
+        return tuple(self.config.endpoint(name) for name in eligible)
 
     def _queue_depth(self, name: str, waiting: Callable[[int], int]) -> Callable[[], int]:
         """How many requests wait at endpoint C{name}'s gate, over all its slots."""
@@ -166,7 +184,9 @@ class Gateway:
         }
         if self.leases is not None and self.leases.scheduler is not None:
             scheduler = self.leases.scheduler
-            routes[b"/v1/queue"] = JsonRoute(lambda: (200, queue_status(scheduler)))
+            routes[b"/v1/queue"] = JsonRoute(
+                lambda: (200, {**queue_status(scheduler), "endpoints": self._states()})
+            )
         items = {b"/v1/models/": lambda model_id: JsonRoute(lambda: self._model(model_id))}
         site = GatewaySite(
             Root(routes, items),
@@ -177,18 +197,27 @@ class Gateway:
         self.metrics.watch_connections(lambda: len(site.open_channels))
         return site
 
+    def start(self) -> None:
+        """Start probing every endpoint's health (L{loopd.gateway.probe})."""
+        self.probes.start()
+
     def stop(self) -> None:
         """
-        End every exchange under way with an error event (or status).
+        Stop the health probes; end every exchange under way with an error event (or status).
         """
+        self.probes.stop()
         for exchange in list(self.in_flight):
             exchange.shutdown()
         if self.leases is not None:
             self.leases.stop()
 
     def _model_ids(self) -> list[str]:
-        """The ids loopd serves: the endpoints in config order, then C{auto} and C{mesh}."""
-        return [e.name for e in self.config.endpoints] + [AUTO_MODEL, MESH_MODEL]
+        """
+        The ids loopd serves: the endpoints in config order, the groups (in the order of
+        their first member), then C{auto} and C{mesh}.
+        """
+        endpoints = [e.name for e in self.config.endpoints]
+        return endpoints + list(self.config.groups) + [AUTO_MODEL, MESH_MODEL]
 
     def _model_object(self, model_id: str) -> dict[str, object]:
         """One model in OpenAI's shape."""
@@ -196,7 +225,7 @@ class Gateway:
         return {"id": model_id, "object": "model", "created": created, "owned_by": "loopd"}
 
     def _models(self) -> tuple[int, object]:
-        """C{GET /v1/models}: the endpoints, then C{auto} and C{mesh}."""
+        """C{GET /v1/models}: the endpoints, the groups, then C{auto} and C{mesh}."""
         data = [self._model_object(model_id) for model_id in self._model_ids()]
         return 200, {"object": "list", "data": data}
 
@@ -218,9 +247,10 @@ class Gateway:
     def _health(self) -> Deferred[tuple[int, object]]:
         """
         C{GET /health}: every endpoint's own C{/health}, asked through its client (paced,
-        and shared with any check already under way). An endpoint whose inferproxy refuses
-        loopd at its connection cap is named as refused by its inferproxy, not unreachable;
-        no detail names a socket path.
+        and shared with any check already under way), and under C{states} each endpoint's
+        health state (L{_states}). An endpoint whose inferproxy refuses loopd at its
+        connection cap is named as refused by its inferproxy, not unreachable; no detail
+        names a socket path.
         """
         checks = [self.clients[e.name].health() for e in self.config.endpoints]
 
@@ -232,7 +262,18 @@ class Gateway:
             }
             healthy = all(health.ok for health in healths)
             status = "ok" if healthy else "degraded"
-            return (200 if healthy else 503), {"status": status, "endpoints": endpoints}
+            body = {"status": status, "endpoints": endpoints, "states": self._states()}
+            return (200 if healthy else 503), body
 
         gathered: Deferred[list[tuple[bool, Health]]] = DeferredList(checks, consumeErrors=True)
         return gathered.addCallback(summarise)
+
+    def _states(self) -> dict[str, dict[str, str]]:
+        """
+        Each endpoint's health state and what put it there (L{HealthBoard}), by name: what
+        C{/health} and C{/v1/queue} show.
+        """
+        return {
+            name: {"state": state.value, "detail": self.health.why(name)}
+            for name, state in self.health.states().items()
+        }

@@ -9,13 +9,17 @@ mesh worker and reducer call go through L{Upstreams.call}.
     L{Queued} event. A lease not granted within C{limits.busy_wait_ms} is L{WaitTimeout}.
  2. B{Slot.} The session's slot on the endpoint: the one it used last when that is free,
     else (an anonymous request) the free one whose last conversation is a prefix of its
-    messages, else a free one nobody else calls home (L{Sessions.choose_slot}); a slot is taken
+    messages, else a free occupied one before an empty one, then one nobody else calls home
+    (L{Sessions.choose_slot}); on a C{slot_save} endpoint the session the slot holds is saved
+    to its file and the requesting session's file restored first (L{SlotSwap}); a slot is taken
     while a request runs on it and, under leases, while another session holding a lease on
     the endpoint calls it home, so that session's next turn finds its KV cache where it
     left it.
  3. B{Call.} The endpoint's robust llama client (L{Client.chat_with_retry}: its slot gate,
-    bounded waits and retries), the request pinned to the slot; a streaming client's
-    backpressure (a L{Flow}) pauses the upstream read while the client does not read.
+    bounded waits and retries), the request pinned to the slot and carrying the session's
+    id and tier (for an C{openai} endpoint's own affinity, decision 42; an anonymous
+    session's id stays home); a streaming client's backpressure (a L{Flow}) pauses the
+    upstream read while the client does not read.
  4. B{Accounting.} A completion's token counts go to the metrics, its speed to the C{auto}
     router, and its cache outcome against the session's previous completion on the endpoint
     to the session table, the metrics (a loss) and the log; under leases, all of it to the
@@ -42,12 +46,15 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from loopd.errors import Connect, ProxyRefused, WaitTimeout
+from loopd.gateway.health import HealthBoard
 from loopd.gateway.leases import GatewayLeases, LeaseHold
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.router import AutoRouter
 from loopd.gateway.sessions import DEFAULT_MAX_SESSIONS, Conversation, Sessions, conversation_key
+from loopd.gateway.slot_swap import SlotSwap
 from loopd.llama import Client, Flow
 from loopd.llama.retry import is_retryable
+from loopd.llama.slot_files import SlotFile
 from loopd.llama.types import ChatEvent, ChatRequest, Completion, Queued
 from loopd.queue.scheduler_types import Tier
 from loopd.settings import Config
@@ -107,6 +114,7 @@ class Upstreams:
         router: AutoRouter,
         leases: GatewayLeases | None = None,
         slot_counts: Mapping[str, int] | None = None,
+        health: HealthBoard | None = None,
     ) -> None:
         """
         @param reactor: the clock of the lease wait and of the speed samples.
@@ -118,8 +126,10 @@ class Upstreams:
         @param leases: the lease scheduler's gateway side; C{None}: no leases.
         @param slot_counts: each endpoint's number of slots (from its C{/props}); an
             endpoint not named uses its C{expect.total_slots}, else 1.
+        @param health: the endpoints' health, fed by every call's outcome (L{call}).
         """
         self.reactor = reactor
+        self.health = health
         self.config = config
         self.clients: Mapping[str, Client] = dict(clients)
         self.sessions = sessions
@@ -127,6 +137,10 @@ class Upstreams:
         self.router = router
         self.leases = leases
         self._slot_counts = dict(slot_counts or {})
+        #: The slot files of C{slot_save} endpoints, kept for sessions the table still knows.
+        self.slot_swap = SlotSwap(
+            self.clients, lambda s: sessions.last_slot(s) is not None, config.cache_loss_tokens
+        )
         # The endpoint of each session's last completion, most recent last, bounded like the
         # session table: where the session's cache is, for auto (decision 34).
         self._homes: OrderedDict[str, str] = OrderedDict()
@@ -177,8 +191,49 @@ class Upstreams:
             while it is paused the upstream answer is not read (L{Flow}).
         @return: fires with the completion; fails with the client's L{loopd.errors} kinds or
             L{WaitTimeout} for a lease wait that ran out; cancel it to abandon the call.
+
+        With a health board, every failed attempt is told to the board as it happens (before
+        C{retryable} judges it), so a failure that says the endpoint is down puts it down at
+        once, while this call may still retry; a caller that can go elsewhere narrows
+        C{retryable} not to retry such a failure (DESIGN decision 38). A completion tells the
+        board that the endpoint answers.
         """
-        return _LeasedCall(self, endpoint, request, keys, on_event, retryable, flow).start()
+        if self.health is None:
+            return _LeasedCall(self, endpoint, request, keys, on_event, retryable, flow).start()
+        telling = self._telling(endpoint, retryable)
+        calling = _LeasedCall(self, endpoint, request, keys, on_event, telling, flow).start()
+        return calling.addCallbacks(
+            self._answered, self._failed, callbackArgs=(endpoint,), errbackArgs=(endpoint,)
+        )
+
+    def _telling(
+        self, endpoint: str, retryable: Callable[[BaseException], bool]
+    ) -> Callable[[BaseException], bool]:
+        """C{retryable}, telling the board about each failed attempt first."""
+
+        def judged(error: BaseException) -> bool:
+            self._note(endpoint, error)
+            return retryable(error)
+
+        return judged
+
+    def _answered(self, completion: Completion, endpoint: str) -> Completion:
+        """A call's completion: C{endpoint} answers."""
+        assert self.health is not None
+        self.health.request_answered(endpoint, self.reactor.seconds())
+        return completion
+
+    def _failed(self, reason: Failure, endpoint: str) -> Failure:
+        """A call's failure (a lease wait's too): C{endpoint} is down when it says so."""
+        if reason.value is not None:
+            self._note(endpoint, reason.value)
+        return reason
+
+    def _note(self, endpoint: str, error: BaseException) -> None:
+        """Tell the board that a call to C{endpoint} failed with C{error}; log a change."""
+        assert self.health is not None
+        if self.health.request_failed(endpoint, error, self.reactor.seconds()):
+            _log.warn("endpoint {endpoint} is down: {error}", endpoint=endpoint, error=error)
 
     def end_session(self, session: str) -> None:
         """
@@ -212,6 +267,8 @@ class Upstreams:
             self.slot_count(endpoint),
             lambda s: s in reserved or gate.in_flight(s),
             prefix_of,
+            endpoint=endpoint,
+            conversation=conversation,
         )
 
     def account(
@@ -276,8 +333,10 @@ class _LeasedCall:
         self._on_event = on_event
         self._retryable = retryable
         self._hold: LeaseHold | None = None
-        self._step: Deferred[LeaseHold] | Deferred[Completion] | None = None
+        self._step: Deferred[LeaseHold] | Deferred[SlotFile | None] | Deferred[Completion] | None
+        self._step = None
         self._slot = -1
+        self._restored: SlotFile | None = None
         self._conversation = conversation_key(request.messages)
         self._result: Deferred[Completion] = Deferred(self._cancel)
 
@@ -306,10 +365,21 @@ class _LeasedCall:
         self._go()
 
     def _go(self) -> None:
-        """Choose the slot and send the request upstream."""
+        """Choose the slot, save and restore slot files there (L{SlotSwap}), then L{_send}."""
         self._slot = self._up.choose_slot(self._endpoint, self._keys, self._conversation)
+        preparing = self._up.slot_swap.prepare(self._endpoint, self._slot, self._keys.history)
+        self._step = preparing
+        preparing.addCallbacks(self._send, self._failed)
+
+    def _send(self, restored: SlotFile | None) -> None:
+        """Send the request upstream, pinned to the chosen slot."""
+        self._restored = restored
         client = self._up.clients[self._endpoint]
-        request = replace(self._request, slot=self._slot)
+        keys = self._keys
+        # An anonymous session's id names a connection, not a conversation: an engine's own
+        # affinity (decision 42) is left to its prefix-aware routing for it.
+        session = None if keys.anonymous or not keys.session else keys.session
+        request = replace(self._request, slot=self._slot, session=session, tier=keys.tier)
         calling = client.chat_with_retry(request, self._on_event, self._retryable, flow=self._flow)
         self._step = calling
         calling.addCallbacks(self._completed, self._failed)
@@ -317,7 +387,11 @@ class _LeasedCall:
     def _completed(self, completion: Completion) -> None:
         """The client answered: account for the answer, give the lease back, hand it on."""
         self._step = None
-        # Accounted first: the grace the give-back starts is priced by this completion.
+        # The slot's file state first, then the accounts: the give-back may hand the slot on,
+        # and the grace it starts is priced by this completion.
+        self._up.slot_swap.settle(
+            self._endpoint, self._slot, self._keys.history, self._restored, completion.timings
+        )
         self._up.account(self._endpoint, self._keys, self._slot, completion, self._conversation)
         self._give_back(self._keys.ends)
         self._result.callback(completion)

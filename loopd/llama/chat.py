@@ -68,7 +68,7 @@ from loopd.errors import (
 from loopd.llama.assemble import Assembler, parse_chunk
 from loopd.llama.flow import Flow, IFlowReader
 from loopd.llama.info import get_json, parse_slots, slot_busy
-from loopd.llama.request import chat_body, encode
+from loopd.llama.request import affinity_headers, chat_body, encode
 from loopd.llama.types import ChatEvent, ChatRequest, Completion, ThinkingCapped, Waiting
 from loopd.sse import SSEDecoder, SSEError, SSEEvent
 
@@ -158,6 +158,7 @@ class ChatCall:
                 "POST",
                 CHAT_PATH,
                 body,
+                affinity_headers(self._request, self._endpoint),
                 caps=self._caps,
                 connect_timeout=self._seconds(self._config.limits.poll_ms),
                 on_connected=self._sent,

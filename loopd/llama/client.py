@@ -2,7 +2,9 @@
 """
 L{Client}: the llama client's front, one per endpoint. A chat goes through the slot gate,
 then L{ChatCall}; C{chat_with_retry} repeats what is worth repeating. C{health}, C{props},
-C{slots} and C{tokenize} ask the server about itself.
+C{slots} and C{tokenize} ask the server about itself; C{save_slot} and C{restore_slot} write a
+slot's KV cache to a file of the server's C{--slot-save-path} and load it back
+(L{loopd.llama.slot_files}).
 
 Every connection the client makes to its endpoint, chats, C{/slots} polls, the
 reasoning_end control, C{/props}, C{/health}, C{/tokenize}, goes through the endpoint's
@@ -22,12 +24,13 @@ import random as _random
 from collections.abc import Callable
 from typing import Any
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from loopd import http
 from loopd.config import Config, Endpoint
-from loopd.errors import Protocol
+from loopd.errors import Protocol, Stalled
 from loopd.llama.chat import ChatCall, EventSink
 from loopd.llama.flow import Flow
 from loopd.llama.gate import ISlotGate, SlotGate
@@ -43,6 +46,13 @@ from loopd.llama.pacing import PacedOpener, Pacer
 from loopd.llama.request import chat_max_tokens
 from loopd.llama.resume import Delivered, continuation, merge, resume_refusal
 from loopd.llama.retry import is_retryable, with_retry
+from loopd.llama.slot_files import (
+    SlotAction,
+    SlotFile,
+    check_filename,
+    parse_slot_file,
+    slot_action_path,
+)
 from loopd.llama.types import ChatEvent, ChatRequest, Completion
 
 __all__ = ["Client"]
@@ -282,6 +292,70 @@ class Client:
 
         answer.addCallback(tokens)
         return answer
+
+    def save_slot(self, slot: int, filename: str) -> Deferred[SlotFile]:
+        """
+        Write C{slot}'s KV cache to C{filename} under the server's C{--slot-save-path}
+        (C{POST /slots/<slot>?action=save}). See L{restore_slot} for the waits and failures.
+        """
+        return self._slot_file("save", slot, filename)
+
+    def restore_slot(self, slot: int, filename: str) -> Deferred[SlotFile]:
+        """
+        Load C{filename} (written by L{save_slot}) into C{slot}'s KV cache
+        (C{POST /slots/<slot>?action=restore}).
+
+        Like a chat, the request waits at the slot gate for C{slot} and goes through the
+        endpoint's pacing; it connects within C{limits.poll_ms} and must be answered within
+        C{limits.liveness_ms} (the server answers when the file is written or read).
+
+        @return: fires with what the server did (L{SlotFile}); fails with L{Http} for an error
+            status (501: the server has no C{--slot-save-path}; 400: no such file, or no room
+            in the KV cache), L{Stalled} for no answer in time, L{Protocol} for an answer of
+            another shape, and as a chat does for the gate, the pacing and the connection.
+            Cancelling it leaves the gate's queue or aborts the request.
+        @raise ValueError: at once, for a negative slot or an unsafe file name
+            (L{check_filename}).
+        """
+        return self._slot_file("restore", slot, filename)
+
+    def _slot_file(self, action: SlotAction, slot: int, filename: str) -> Deferred[SlotFile]:
+        """L{save_slot} or L{restore_slot}: the gate, then the request, then the release."""
+        path = slot_action_path(slot, action)
+        body = {"filename": check_filename(filename)}
+        waiting = self.gate.acquire(slot, _no_events)
+        limit_ms = self.config.limits.liveness_ms
+
+        def go(grant: Any) -> Deferred[SlotFile]:
+            """The slot is ours: ask the server, give the slot back however it ends."""
+            asking = self._get("POST", path, body)
+            asking.addTimeout(limit_ms / 1000.0, self._reactor, _stalled(action, limit_ms))
+            asking.addCallback(parse_slot_file, action)
+
+            def release(result: object) -> object:
+                grant.release()
+                return result
+
+            asking.addBoth(release)
+            return asking
+
+        answer: Deferred[SlotFile] = waiting.addCallback(go)
+        return answer
+
+
+def _no_events(event: ChatEvent) -> None:
+    """The gate's events for a slot-file request: nobody listens."""
+
+
+def _stalled(action: str, limit_ms: int) -> Callable[[object, float], object]:
+    """The C{onTimeoutCancel} of a slot-file request: no answer in time is L{Stalled}."""
+
+    def timed_out(result: object, timeout: float) -> object:
+        if isinstance(result, Failure) and result.check(CancelledError):
+            return Failure(Stalled(f"slot {action} gave no answer within {limit_ms} ms"))
+        return result
+
+    return timed_out
 
 
 def _expect_object(value: object, path: str) -> dict[str, Any]:

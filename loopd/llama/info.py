@@ -166,6 +166,14 @@ class Health:
     ok: bool
     detail: str
 
+    @property
+    def refused(self) -> bool:
+        """
+        Whether the endpoint's inferproxy refused the check at a limit: the server's health
+        is unknown then (busy, not down).
+        """
+        return self.detail.startswith(_REFUSED)
+
 
 def check_health(
     reactor: Any,
@@ -235,6 +243,10 @@ def check_health(
     return result
 
 
+#: How the detail of a check that the inferproxy refused begins.
+_REFUSED = "refused by its inferproxy: "
+
+
 def _unhealthy(reason: Failure) -> str:
     """
     The detail of a health check that got no answer: a refusal by the inferproxy names its
@@ -246,7 +258,7 @@ def _unhealthy(reason: Failure) -> str:
             ProxyRefused.CONNECTIONS: "its connection limit is reached",
             ProxyRefused.ACCEPT_RATE: "its accept rate limit is reached",
         }.get(error.limit, f"limit {error.limit}")
-        return f"refused by its inferproxy: {limit}"
+        return f"{_REFUSED}{limit}"
     if isinstance(error, Connect):
         return f"unreachable: {error.reason}"
     if isinstance(error, (DeferredTimeout, CancelledError)):

@@ -26,6 +26,8 @@ from loopd.llama.types import (
 
 __all__ = [
     "LLAMA_ONLY_FIELDS",
+    "PRIORITY_HEADER",
+    "affinity_headers",
     "chat_body",
     "chat_max_tokens",
     "encode",
@@ -44,6 +46,9 @@ LLAMA_ONLY_FIELDS = frozenset(
     }
 )
 """The request fields only llama.cpp's server knows; an C{openai} endpoint gets none."""
+PRIORITY_HEADER = "x-dynamo-request-priority"
+"""Dynamo's request priority (an i32, higher goes first), sent with C{affinity_priority}."""
+_PRIORITIES = {"parent": "1", "child": "0"}
 
 
 def render_messages(messages: Iterable[ChatMessage]) -> list[dict[str, Any]]:
@@ -142,6 +147,8 @@ def chat_body(
         it, which llama.cpp's server understands too).
       - C{reasoning_control}: C{true}, only when thinking is on: arms the server's
         C{reasoning_end} control so the thinking cap can end a thinking block.
+      - the endpoint's C{affinity_field} (an C{openai} endpoint's), set to
+        C{request.session}, only when the request has a session.
 
     For an endpoint of kind C{openai}, the fields only llama.cpp's server knows
     (L{LLAMA_ONLY_FIELDS}) are left out, but for C{chat_template_kwargs} when the request's
@@ -181,7 +188,31 @@ def chat_body(
         body["reasoning_effort"] = "none"
     elif llama:
         body["reasoning_control"] = True
+    if not llama and endpoint.affinity_field is not None and request.session is not None:
+        body[endpoint.affinity_field] = request.session
     return body
+
+
+def affinity_headers(request: ChatRequest, endpoint: Endpoint) -> dict[str, str]:
+    """
+    The headers that carry C{request}'s session to an C{openai} endpoint's own affinity
+    (DESIGN §3 decision 42): its C{affinity_header} with C{request.session} when the request
+    has one, and with C{affinity_priority} L{PRIORITY_HEADER}, 1 for a parent and 0 for a
+    child. None at all for a llama-server, whose slot loopd pins itself.
+
+    A session id is UTF-8 without control characters (L{loopd.gateway.request.session_id});
+    it goes out as those bytes (a header value may carry bytes above 0x7F), each one
+    spelled as the latin-1 character the HTTP client encodes back to it.
+    """
+    headers: dict[str, str] = {}
+    if endpoint.kind != "openai":
+        return headers
+    if endpoint.affinity_header is not None and request.session is not None:
+        raw = request.session.encode("utf-8", "surrogatepass")
+        headers[endpoint.affinity_header] = raw.decode("latin-1")
+    if endpoint.affinity_priority:
+        headers[PRIORITY_HEADER] = _PRIORITIES[request.tier]
+    return headers
 
 
 def chat_max_tokens(request: ChatRequest, config: Config) -> int:

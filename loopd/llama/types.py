@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
     "Assistant",
@@ -142,6 +142,11 @@ class ChatRequest:
     @ivar template_thinking: send C{chat_template_kwargs.enable_thinking} to an C{openai}
         endpoint too (a llama-server always gets it): the mesh's calls carry the thinking
         choice to every worker (DESIGN decision 28).
+    @ivar session: the id of the session the request belongs to, which an C{openai}
+        endpoint's C{affinity_header} or C{affinity_field} carries to the engine's own
+        session affinity (DESIGN decision 42); C{None} sends none (an anonymous session).
+    @ivar tier: the session's tier, which an endpoint with C{affinity_priority} sends as
+        the request's priority.
     """
 
     slot: int
@@ -154,6 +159,8 @@ class ChatRequest:
     stop: tuple[str, ...] = ()
     tool_choice: str | None = None
     template_thinking: bool = False
+    session: str | None = None
+    tier: Literal["parent", "child"] = "parent"
 
 
 # ---------------------------------------------------------------------------------------

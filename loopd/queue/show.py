@@ -5,7 +5,13 @@ C{/queue} does: per queue the slots in use out of the slot count (or C{passthrou
 transient over-capacity such as C{2/1} marked, the switch count, every holder and every
 waiter as C{sessionKey tier [group]}, and the waiting depth per tier.
 
-L{render_status} is pure; L{fetch_status} does the one round trip.
+When the lease socket is loopd's own, its gateway is asked too (C{GET /v1/queue} on the
+gateway's socket) for each endpoint's health state (up, down, probing, and why), printed
+after the queues (L{render_endpoints}); the lease protocol's own C{status} reply has no such
+field, so C{twist llmqueue} is printed as before.
+
+L{render_status} and L{render_endpoints} are pure; L{fetch_status} and L{fetch_endpoints}
+each do one round trip.
 """
 
 from __future__ import annotations
@@ -19,11 +25,18 @@ from twisted.internet.protocol import Factory
 from twisted.protocols.basic import LineOnlyReceiver
 from twisted.python.failure import Failure
 
-from loopd import strict_json
+from loopd import http, strict_json
 from loopd.queue.protocol import MAX_LINE_BYTES, encode_message
 from loopd.unixsocket import UnixSocketError, check_peer_socket
 
-__all__ = ["QueueStatusError", "fetch_status", "queue_status_command", "render_status"]
+__all__ = [
+    "QueueStatusError",
+    "fetch_endpoints",
+    "fetch_status",
+    "queue_status_command",
+    "render_endpoints",
+    "render_status",
+]
 
 
 class QueueStatusError(Exception):
@@ -65,6 +78,26 @@ def render_status(queues: Sequence[Mapping[str, Any]]) -> str:
             lines.append(f"  waiting  {len(waiting)} ({depth}), in enqueue order:")
             for number, waiter in enumerate(waiting, 1):
                 lines.append(f"    {number}. {_entry(waiter)}")
+    return "\n".join(lines) + "\n"
+
+
+def render_endpoints(endpoints: Mapping[str, Any]) -> str:
+    """
+    Return the text of the gateway's C{endpoints} (C{GET /v1/queue}): one line per endpoint
+    with its health state and, when it is not up, why.
+    """
+    if not endpoints:
+        return ""
+    width = max(len(name) for name in endpoints)
+    lines = ["endpoints:"]
+    for name, health in endpoints.items():
+        known = health if isinstance(health, Mapping) else {}
+        state = str(known.get("state", "unknown"))
+        detail = known.get("detail")
+        line = f"  {name:<{width}}  {state}"
+        if state != "up" and detail:
+            line += f": {detail}"
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 
@@ -165,18 +198,85 @@ def _silent(result: object, socket_path: str, timeout: float) -> object:
     return result
 
 
+def fetch_endpoints(reactor: Any, gateway_path: str, timeout: float = 5.0) -> Deferred[Any]:
+    """
+    Ask loopd's gateway at C{gateway_path} for C{GET /v1/queue}; fire with its C{endpoints}
+    (each endpoint's health state).
+
+    @raise QueueStatusError: (as the Deferred's failure) when the socket is not safe to
+        connect to, cannot be reached, does not answer within C{timeout} seconds, or answers
+        something else.
+    """
+    try:
+        check_peer_socket(gateway_path)
+    except UnixSocketError as e:
+        failed: Deferred[Any] = Deferred()
+        failed.errback(QueueStatusError(f"not connecting: {e}"))
+        return failed
+
+    def read(response: http.HttpResponse) -> Deferred[bytes]:
+        """The body of the answer (under the client's default cap)."""
+        return response.read_body()
+
+    connecting = http.request(reactor, gateway_path, "GET", "/v1/queue", connect_timeout=timeout)
+    asking: Deferred[bytes] = connecting.addCallback(read)
+    asking.addTimeout(timeout, reactor)
+
+    def endpoints(body: bytes) -> Any:
+        """The C{endpoints} of the answer; L{QueueStatusError} when it has none."""
+        try:
+            answer = strict_json.decode(body.decode("utf-8", "replace"))
+        except ValueError:
+            raise QueueStatusError("the gateway answered something that is not JSON") from None
+        if not isinstance(answer, dict) or not isinstance(answer.get("endpoints"), dict):
+            raise QueueStatusError("the gateway's /v1/queue has no endpoints")
+        return answer["endpoints"]
+
+    def unreachable(reason: Failure) -> Failure:
+        """Any failure but L{QueueStatusError} as one, naming the socket."""
+        if reason.check(QueueStatusError):
+            return reason
+        return Failure(QueueStatusError(f"cannot ask {gateway_path}: {reason.getErrorMessage()}"))
+
+    answered: Deferred[Any] = asking.addCallback(endpoints)
+    return answered.addErrback(unreachable)
+
+
 def queue_status_command(
-    reactor: Any, socket_path: str, write: Callable[[str], None], err: Callable[[str], None]
+    reactor: Any,
+    socket_path: str,
+    write: Callable[[str], None],
+    err: Callable[[str], None],
+    gateway_path: str | None = None,
 ) -> Deferred[int]:
     """
     C{loopd queue status}: print the status of the lease socket at C{socket_path}; fire
     with 0, or with 1 after saying on C{err} why it could not be asked.
+
+    @param gateway_path: loopd's gateway socket, when the lease socket is loopd's own: each
+        endpoint's health state is printed after the queues (a gateway that cannot be asked
+        is said on C{err}, and the exit status stays 0).
     """
 
-    def show(queues: list[dict[str, Any]]) -> int:
-        """Print the rendered status; exit status 0."""
+    def show(queues: list[dict[str, Any]]) -> int | Deferred[int]:
+        """Print the rendered status, then the endpoints' states; exit status 0."""
         write(render_status(queues))
-        return 0
+        if gateway_path is None:
+            return 0
+
+        def states(endpoints: Any) -> int:
+            """Print the endpoints' states; exit status 0."""
+            write(render_endpoints(endpoints))
+            return 0
+
+        def no_states(reason: Failure) -> int:
+            """Say on C{err} why there are no states; exit status 0 all the same."""
+            reason.trap(QueueStatusError)
+            err(f"loopd queue status: no endpoint states: {reason.getErrorMessage()}\n")
+            return 0
+
+        asking: Deferred[int] = fetch_endpoints(reactor, gateway_path).addCallback(states)
+        return asking.addErrback(no_states)
 
     def failed(reason: Failure) -> int:
         """

@@ -24,6 +24,7 @@ from loopd.config import (
     ConfigError,
     Endpoint,
     Expect,
+    HealthProbe,
     Limits,
     Retry,
     Sampling,
@@ -90,6 +91,15 @@ class DefaultsTests(SynchronousTestCase):
         self.assertEqual(Server().backlog, socket.SOMAXCONN)
         self.assertEqual(parse_config("[server]\nbacklog = 200\n" + EP).server.backlog, 200)
 
+    def test_health_probe(self) -> None:
+        """The health probe runs every 5 s while up, every 1 s while down, 2 s for an answer."""
+        self.assertEqual(
+            Config(endpoints=()).health,
+            HealthProbe(up_interval_ms=5000, down_interval_ms=1000, timeout_ms=2000),
+        )
+        parsed = parse_config("[health]\ndown_interval_ms = 250\n" + EP).health
+        self.assertEqual(parsed.down_interval_ms, 250)
+
     def test_sampling_unset(self) -> None:
         """Every sampling setting is unset by default, so nothing is sent upstream."""
         self.assertEqual(Sampling().request_fields(), {})
@@ -111,6 +121,7 @@ class DefaultsTests(SynchronousTestCase):
             Caps: config_module._CAPS_RULES,
             Sampling: config_module._SAMPLING_RULES,
             Expect: config_module._EXPECT_RULES,
+            HealthProbe: config_module._HEALTH_RULES,
         }
         for cls, table in rules.items():
             self.assertEqual(set(table), {f.name for f in fields(cls)}, cls)
@@ -203,6 +214,37 @@ class ValidDocumentTests(SynchronousTestCase):
         self.assertIs(config.endpoint("qwen3:0.6b"), config.endpoints[1])
         self.assertRaises(KeyError, config.endpoint, "nope")
 
+    def test_groups(self) -> None:
+        """Endpoints sharing a group are its members, in file order; groups listed once."""
+        text = "".join(
+            EP.replace("local", name) + group
+            for name, group in [
+                ("a", 'group = "qwen"\n'),
+                ("b", ""),
+                ("c", 'group = "qwen"\n'),
+                ("d", 'group = "llama"\n'),
+            ]
+        )
+        config = parse_config(text)
+        self.assertEqual(config.groups, ("qwen", "llama"))
+        self.assertEqual([e.name for e in config.members("qwen")], ["a", "c"])
+        self.assertEqual(config.members("b"), ())
+        self.assertEqual(config.endpoint("b").group, None)
+
+    def test_affinity(self) -> None:
+        """An openai endpoint takes an affinity header, field and priority as written."""
+        text = OPENAI + 'affinity_header = "X-Dynamo-Session-ID"\naffinity_field = "user"\n'
+        (endpoint,) = parse_config(text + "affinity_priority = true\n").endpoints
+        self.assertEqual(
+            (endpoint.affinity_header, endpoint.affinity_field, endpoint.affinity_priority),
+            ("X-Dynamo-Session-ID", "user", True),
+        )
+        (plain,) = parse_config(EP + "affinity_priority = false\n").endpoints
+        self.assertEqual(
+            (plain.affinity_header, plain.affinity_field, plain.affinity_priority),
+            (None, None, False),
+        )
+
     def test_socket_home_expanded(self) -> None:
         """A socket path starting with ~ is expanded to the home directory."""
         config = parse_config(EP.replace("/tmp/ld/", "~/"))
@@ -215,6 +257,12 @@ class ValidDocumentTests(SynchronousTestCase):
         self.assertFalse(parse_config(EP + "selftest = false").endpoints[0].selftest)
         self.assertFalse(parse_config(OPENAI).endpoints[0].selftest)
         self.assertFalse(parse_config(OPENAI + "selftest = false").endpoints[0].selftest)
+
+    def test_slot_save(self) -> None:
+        """slot_save is off unless a llama-server endpoint says true; openai may say false."""
+        self.assertFalse(parse_config(EP).endpoints[0].slot_save)
+        self.assertTrue(parse_config(EP + "slot_save = true").endpoints[0].slot_save)
+        self.assertFalse(parse_config(OPENAI + "slot_save = false").endpoints[0].slot_save)
 
     def test_expect_partial_and_case(self) -> None:
         """Expect keys are optional one by one; the SHA-256 is stored in lowercase."""
@@ -279,6 +327,13 @@ class PropertyTests(SynchronousTestCase):
 
 
 NAME = "a non-empty string without spaces or control characters"
+HEADER = "a header name (letters, digits and !#$%&'*+-.^_`|~)"
+OWN_HEADER = (
+    "a header other than connection, content-length, content-type, host, transfer-encoding, "
+    "x-dynamo-request-priority"
+)
+FIELD = "a field name (a letter or _, then letters, digits, _ . or -)"
+LLAMA_AFFINITY = "only for an openai endpoint: loopd pins a llama-server's slot itself"
 JITTER = "a number x with 0 <= x < 1"
 BACKOFF = "a non-empty array of non-negative integers"
 # (dotted key, a bad TOML value for it, what the error says was expected)
@@ -314,6 +369,9 @@ BAD_VALUES = [
     ("server.backlog", "4096.0", "an integer from 1 to 2147483647"),
     ("server.backlog", "true", "an integer from 1 to 2147483647"),
     ("server.backlog", "2147483648", "an integer from 1 to 2147483647"),
+    ("health.up_interval_ms", "0", "an integer from 1 to 2147483647"),
+    ("health.down_interval_ms", "1000.5", "an integer from 1 to 2147483647"),
+    ("health.timeout_ms", "true", "an integer from 1 to 2147483647"),
     ("sampling.temperature", "-0.1", "a number from 0 to 5"),
     ("sampling.top_p", "1.5", "a number from 0 to 1"),
     ("sampling.min_p", "nan", "a number from 0 to 1"),
@@ -342,6 +400,25 @@ BAD_VALUES = [
     ("endpoint.proxy_refill_per_second", "0", "a number x with 0 < x <= 1e+09"),
     ("endpoint.pacing_wait_ms", "-1", "an integer from 0 to 2147483647"),
     ("endpoint.selftest_wait_ms", "0", "an integer from 1 to 2147483647"),
+    ("endpoint.group", '""', NAME),
+    ("endpoint.group", '"my group"', NAME),
+    *[
+        ("endpoint.group", bad, 'a name other than "auto" and "mesh", which the gateway routes')
+        for bad in ('"auto"', '"mesh"')
+    ],
+    *[("endpoint.affinity_header", bad, HEADER) for bad in ('""', '"x session"', '"a:b"', "1")],
+    ("endpoint.affinity_header", '"x-é"', HEADER),
+    *[
+        ("endpoint.affinity_header", bad, OWN_HEADER)
+        for bad in ('"Host"', '"content-type"', '"X-Dynamo-Request-Priority"')
+    ],
+    *[("endpoint.affinity_field", bad, FIELD) for bad in ('""', '"a b"', '"1st"', "true")],
+    *[
+        ("endpoint.affinity_field", bad, "a field loopd does not send itself (such as user)")
+        for bad in ('"model"', '"messages"', '"max_tokens"')
+    ],
+    ("endpoint.affinity_priority", '"yes"', "a boolean (true or false)"),
+    ("endpoint.slot_save", '"yes"', "a boolean (true or false)"),
     ("endpoint.expect.n_ctx", '"8192"', "a positive integer"),
     ("endpoint.expect.total_slots", "0", "a positive integer"),
     (
@@ -368,6 +445,26 @@ OTHER_PROBLEMS = [
     (
         OPENAI + "selftest = true",
         "endpoint[0].selftest: must be false for an openai endpoint: the self-test needs /props",
+    ),
+    *[
+        (EP + line, f"endpoint[0].{line.split(' = ')[0]}: {LLAMA_AFFINITY}")
+        for line in ('affinity_header = "x-smg-routing-key"', 'affinity_field = "user"')
+    ],
+    (EP + "affinity_priority = true", f"endpoint[0].affinity_priority: {LLAMA_AFFINITY}"),
+    (
+        EP + EP.replace("local", "b") + 'group = "local"',
+        'endpoint[1].group: group "local" is the name of an endpoint (endpoint[0]): '
+        "a model name must say which it means",
+    ),
+    (
+        EP + 'group = "b"\n' + EP.replace("local", "b"),
+        'endpoint[0].group: group "b" is the name of an endpoint (endpoint[1]): '
+        "a model name must say which it means",
+    ),
+    (
+        OPENAI + "slot_save = true",
+        "endpoint[0].slot_save: must be false for an openai endpoint: slot files need "
+        "llama-server's /slots",
     ),
     ("max_tokens = 5", "endpoint: at least one [[endpoint]] table is required"),
     ("endpoint = []", "endpoint: at least one [[endpoint]] table is required"),

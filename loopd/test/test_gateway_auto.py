@@ -2,8 +2,10 @@
 Tests for the C{auto} model in the gateway (L{loopd.gateway.auto} and its wiring in
 L{loopd.gateway.site} and L{loopd.gateway.chat_resource}): routed requests, speeds recorded
 from completions, the capability and media filters, fail-over on a connection failure and
-C{/v1/models}. Two scripted fake llama-servers (C{tiny} and C{big}) in memory on a
-C{MemoryReactorClock}; the router's random numbers come from a script, so picks are exact.
+C{/v1/models}; and endpoint groups (decision 42), routed the same way among their members and
+one worker each in the mesh's pool. Two scripted fake llama-servers (C{tiny} and C{big}) in
+memory on a C{MemoryReactorClock}; the router's random numbers come from a script, so picks
+are exact.
 """
 
 from __future__ import annotations
@@ -17,8 +19,12 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.config import Config
 from loopd.errors import ProxyRefused
-from loopd.settings import Expect
-from loopd.testing.fake_llama import CHAT, Reply
+from loopd.gateway.mesh import mesh_pool
+from loopd.gateway.request import SessionRef
+from loopd.gateway.router import group_member
+from loopd.gateway.translate import parse_request
+from loopd.settings import Endpoint, Expect, Retry
+from loopd.testing.fake_llama import CHAT, LOADING, Reply, error_reply
 from loopd.testing.gateway import HI, GatewayHarness, make_config
 from loopd.testing.llama_replies import TIMINGS, answer
 
@@ -258,6 +264,50 @@ class FailOverTests(AutoTestCase):
         self.assertEqual(data[-1], "[DONE]")
         self.assertEqual({d["model"] for d in data[:-1]}, {"big"})
 
+    def test_fail_over_without_retries(self) -> None:
+        """
+        With the client's retries on (2 s before the first), a candidate that cannot be
+        reached fails over at once, stream or not: no retry waited, no retrying comment (a
+        stream opens on big's answer), and the next auto request skips the down endpoint.
+        Each way of being down: refused, the inferproxy closing at once, an upstream 502.
+        """
+        retrying = dataclasses.replace(auto_config(), retry=Retry(attempts=4))
+        downs = {
+            "refused": None,
+            "closed": Reply(head=b""),
+            "502": error_reply(502, "server_error", "bad gateway"),
+        }
+        for why, reply in downs.items():
+            for stream in (False, True):
+                harness = AutoHarness(retrying, Scripted(0.5, 0.1, 0.5, 0.9))
+                if reply is None:
+                    harness.net.stop_listening(harness.config.endpoints[0].socket, stale=True)
+                else:
+                    harness.fake.script("POST", CHAT, reply)
+                harness.big.script("POST", CHAT, *[answer({"content": "big"})] * 2)
+                connection = harness.post({**HI, "stream": stream})
+                harness.advance(0.5)
+                response = connection.response()
+                self.assertEqual((response.status, response.complete), (200, True), why)
+                if stream:
+                    self.assertEqual(response.comments(), [], why)
+                    self.assertEqual({d["model"] for d in response.data()[:-1]}, {"big"}, why)
+                else:
+                    self.assertEqual(response.json()["model"], "big", why)
+                self.assertFalse(harness.gateway.health.eligible("tiny"), why)
+                self.assertEqual(self.ask(harness, HI)["model"], "big", why)
+                self.assertEqual(len(harness.fake.requests_to("POST", CHAT)), int(bool(reply)))
+
+    def test_loading_is_not_down(self) -> None:
+        """A 503 while the model loads is not down: the endpoint stays eligible."""
+        harness = AutoHarness(auto_config(), Scripted(0.5, 0.1))
+        harness.fake.script("POST", CHAT, LOADING)
+        harness.big.script("POST", CHAT, answer({"content": "big"}))
+        connection = harness.post(HI)
+        harness.advance(1)
+        self.assertEqual(connection.response().status, 502)
+        self.assertTrue(harness.gateway.health.eligible("tiny"))
+
     def test_connect_fails_over_with_leases(self) -> None:
         """Under leases the failed endpoint's lease goes back at once (no grace)."""
         harness = AutoHarness(auto_config(), Scripted(0.5, 0.1), leases=True)
@@ -289,22 +339,36 @@ class FailOverTests(AutoTestCase):
             self.assertEqual(len(harness.leases.held_sessions("tiny")), 0)
 
     def test_all_unreachable(self) -> None:
-        """Every candidate unreachable: the last failure answers, 502 connect."""
+        """
+        Every candidate unreachable: 503 endpoint_unavailable naming each and why, with a
+        Retry-After.
+        """
         harness = AutoHarness(auto_config(), Scripted(0.5, 0.1), big_listens=False)
         harness.net.stop_listening(harness.config.endpoints[0].socket)
         connection = harness.post(HI)
         harness.advance(1)
         response = connection.response()
-        self.assertEqual((response.status, response.json()["error"]["code"]), (502, "connect"))
+        error = response.json()["error"]
+        self.assertEqual((response.status, error["code"]), (503, "endpoint_unavailable"))
+        self.assertEqual(
+            error["message"],
+            "every candidate endpoint is down (tiny: no socket (nothing is serving it);"
+            " big: no socket (nothing is serving it)); retry after 1 s",
+        )
+        self.assertEqual(response.headers["retry-after"], "1")
 
     def test_named_model_no_fail_over(self) -> None:
-        """A named endpoint that cannot be connected to is a 502, not another endpoint."""
+        """
+        A named endpoint that cannot be connected to is a 503 endpoint_unavailable, not
+        another endpoint.
+        """
         harness = AutoHarness(auto_config(), Scripted())
         harness.net.stop_listening(harness.config.endpoints[0].socket)
         self.script_both(harness)
         connection = harness.post({**HI, "model": "tiny"})
         harness.advance(1)
-        self.assertEqual(connection.response().status, 502)
+        response = connection.response()
+        self.assertEqual((response.status, response.headers["retry-after"]), (503, "1"))
         self.assertEqual(harness.served(), (0, 0))
 
 
@@ -363,3 +427,145 @@ class ModelsTests(SynchronousTestCase):
         harness = AutoHarness(auto_config(), Scripted())
         ids = [m["id"] for m in harness.get("/v1/models").response().json()["data"]]
         self.assertEqual(ids, ["tiny", "big", "auto", "mesh"])
+
+
+#: A third endpoint, in no group, beside tiny and big (which form group qwen).
+OTHER = Endpoint(name="other", socket="/tmp/ld-gw/other.sock", selftest=False)
+
+
+def group_config(**endpoint_changes: Mapping[str, Any]) -> Config:
+    """L{auto_config} with tiny and big in group C{qwen}, then L{OTHER} in none."""
+    grouped = {
+        name: {"group": "qwen", **endpoint_changes.get(name, {})} for name in ("tiny", "big")
+    }
+    config = auto_config(**grouped)
+    return dataclasses.replace(config, endpoints=(*config.endpoints, OTHER))
+
+
+class GroupTests(AutoTestCase):
+    """
+    A request naming a group (decision 42) is routed among its members as auto is: the
+    session's home member first, free capacity first for a new session, fail-over.
+    """
+
+    def turn(self, harness: AutoHarness, session: str, model: str = "qwen") -> str:
+        """One non-streamed turn of C{session} for C{model}; the model that answered it."""
+        connection = harness.post({**HI, "model": model}, session=session)
+        harness.advance(1)
+        response = connection.response()
+        self.assertEqual(response.status, 200, response.body)
+        answered: str = response.json()["model"]
+        return answered
+
+    def other_served(self, harness: AutoHarness) -> int:
+        """How many chat requests the endpoint in no group received."""
+        return len(harness.fakes["other"].requests_to("POST", CHAT))
+
+    def test_among_members(self) -> None:
+        """The draw picks among tiny and big; other, in no group, never serves."""
+        for draw, model in ((0.4, "tiny"), (0.6, "big")):
+            harness = AutoHarness(group_config(), Scripted(0.5, draw))
+            self.script_both(harness)
+            self.assertEqual(self.turn(harness, "s1"), model)
+            self.assertEqual(self.other_served(harness), 0)
+
+    def test_session_stays_home(self) -> None:
+        """Turn 1 drawn to big; turn 2's draw says tiny, but the session stays on big."""
+        harness = AutoHarness(group_config(), Scripted(0.5, 0.6, 0.5, 0.4, 0.5, 0.4))
+        self.script_both(harness, 2)
+        self.assertEqual(self.turn(harness, "s1"), "big")
+        self.assertEqual(self.turn(harness, "s1"), "big")
+        self.assertEqual(self.turn(harness, "s2"), "tiny")
+        self.assertEqual(harness.served(), (1, 2))
+
+    def test_own_grace_is_room(self) -> None:
+        """s1 holds big's one slot in its own grace: its next turn stays on big."""
+        one_slot = {"expect": Expect(total_slots=1)}
+        harness = AutoHarness(
+            group_config(big=one_slot, tiny=one_slot), Scripted(0.5, 0.6, 0.5, 0.4), leases=True
+        )
+        self.script_both(harness, 2)
+        self.assertEqual(self.turn(harness, "s1"), "big")
+        self.assertEqual(self.turn(harness, "s1"), "big")
+        self.assertEqual(harness.served(), (0, 2))
+
+    def test_new_session_goes_to_the_free_endpoint(self) -> None:
+        """big's one slot is held in s1's grace: s2, drawn to big, is served by tiny at once."""
+        one_slot = {"expect": Expect(total_slots=1)}
+        harness = AutoHarness(
+            group_config(big=one_slot, tiny=one_slot), Scripted(0.5, 0.6, 0.5, 0.6), leases=True
+        )
+        self.script_both(harness, 2)
+        self.assertEqual(self.turn(harness, "s1"), "big")
+        # Well inside s1's 60 s grace: s2 does not wait for big's slot.
+        self.assertEqual(self.turn(harness, "s2"), "tiny")
+        self.assertEqual(harness.served(), (1, 1))
+
+    def test_home_outside_the_group_ignored(self) -> None:
+        """A session last served by other (by name) is routed by the draw within qwen."""
+        harness = AutoHarness(group_config(), Scripted(0.5, 0.6))
+        self.script_both(harness)
+        harness.fakes["other"].script("POST", CHAT, answer({"content": "other"}))
+        self.assertEqual(self.turn(harness, "s1", "other"), "other")
+        self.assertEqual(self.turn(harness, "s1"), "big")
+
+    def test_fails_over_to_a_member(self) -> None:
+        """tiny unreachable: the group's request is answered by big, stream or not."""
+        for stream in (False, True):
+            harness = AutoHarness(group_config(), Scripted(0.5, 0.1))
+            harness.net.stop_listening(harness.config.endpoints[0].socket)
+            self.script_both(harness)
+            connection = harness.post({**HI, "model": "qwen", "stream": stream})
+            harness.advance(1)
+            response = connection.response()
+            self.assertEqual(response.status, 200)
+            served = response.data()[0] if stream else response.json()
+            self.assertEqual((served["model"], harness.served()), ("big", (0, 1)))
+            self.assertEqual(self.other_served(harness), 0)
+
+    def test_all_members_unreachable(self) -> None:
+        """
+        Every member unreachable: 503 endpoint_unavailable (each is down once it failed;
+        decision 38), and the endpoint outside the group is not tried.
+        """
+        harness = AutoHarness(group_config(), Scripted(0.5, 0.1), big_listens=False)
+        harness.net.stop_listening(harness.config.endpoints[0].socket)
+        connection = harness.post({**HI, "model": "qwen"})
+        harness.advance(1)
+        response = connection.response()
+        code = response.json()["error"]["code"]
+        self.assertEqual((response.status, code), (503, "endpoint_unavailable"))
+        self.assertEqual(self.other_served(harness), 0)
+
+    def test_listed(self) -> None:
+        """/v1/models lists the group after the endpoints; /v1/models/qwen is its object."""
+        harness = AutoHarness(group_config(), Scripted())
+        ids = [m["id"] for m in harness.get("/v1/models").response().json()["data"]]
+        self.assertEqual(ids, ["tiny", "big", "other", "qwen", "auto", "mesh"])
+        retrieved = harness.get("/v1/models/qwen").response()
+        self.assertEqual((retrieved.status, retrieved.json()["id"]), (200, "qwen"))
+
+
+class GroupMeshTests(SynchronousTestCase):
+    """In the mesh's pool a group is one worker (mesh-moa.md §1.2: one per model)."""
+
+    def pool(self, session: str) -> list[str]:
+        """The mesh pool's worker names for a request of C{session}."""
+        harness = AutoHarness(group_config(), Scripted())
+        parsed = dataclasses.replace(
+            parse_request(json.dumps({**HI, "model": "mesh"}).encode()),
+            session=SessionRef(session),
+        )
+        return sorted(w.name for w in mesh_pool(harness.gateway, parsed))
+
+    def test_group_counts_once(self) -> None:
+        """tiny and big (group qwen) give one worker beside other: the session's member."""
+        for session in ("s1", "s2", "s3", "s4"):
+            member = group_member(["tiny", "big"], session)
+            self.assertEqual(self.pool(session), sorted([member, "other"]))
+
+    def test_sessions_spread(self) -> None:
+        """Each session's pool has two workers; different sessions' pools use both members."""
+        pools = [self.pool(f"s{i}") for i in range(20)]
+        self.assertEqual({len(pool) for pool in pools}, {2})
+        self.assertEqual({name for pool in pools for name in pool}, {"tiny", "big", "other"})

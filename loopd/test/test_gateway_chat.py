@@ -342,16 +342,17 @@ class ErrorTests(ChatTestCase):
 
     def test_unreachable_names_endpoint_not_socket(self) -> None:
         """
-        A chat to an endpoint whose socket is gone is 502 connect naming the endpoint; the
-        socket's path is in the log, never in the answer.
+        A chat to an endpoint whose socket is gone is 503 endpoint_unavailable naming the
+        endpoint and why; the socket's path is in the log, never in the answer.
         """
         self.harness.net.stop_listening(PATH)
         with capturedLogs() as events:
             connection = self.harness.post(HI)
             self.harness.advance(5)
-        error = self.error_status(connection, 502, "connect")
+        error = self.error_status(connection, 503, "endpoint_unavailable")
         self.assertEqual(
-            error["message"], "endpoint tiny is unreachable: no socket (nothing is serving it)"
+            error["message"],
+            "endpoint tiny is down: no socket (nothing is serving it); retry after 1 s",
         )
         self.assertNotIn(PATH, connection.response().body.decode())
         self.assertIn(PATH, " ".join(formatEvent(e) for e in events))
@@ -359,8 +360,8 @@ class ErrorTests(ChatTestCase):
     def test_unreachable_mid_stream_names_endpoint_not_socket(self) -> None:
         """
         A stream already started (it waited its turn for the slot) whose server has gone
-        when its turn comes ends with a connect error event naming the endpoint; the path
-        stays in the log.
+        when its turn comes ends with an endpoint_unavailable error event naming the
+        endpoint; the path stays in the log.
         """
         self.script(answer({"content": "a"}, delay_s=0.1))
         with capturedLogs() as events:
@@ -369,9 +370,10 @@ class ErrorTests(ChatTestCase):
             self.harness.advance(0.01)
             self.harness.net.stop_listening(PATH)
             self.harness.advance(5)
-        error = self.error_event(connection, "connect")
+        error = self.error_event(connection, "endpoint_unavailable")
         self.assertEqual(
-            error["message"], "endpoint tiny is unreachable: no socket (nothing is serving it)"
+            error["message"],
+            "endpoint tiny is down: no socket (nothing is serving it); retry after 1 s",
         )
         self.assertNotIn(PATH, connection.response().body.decode())
         self.assertIn(PATH, " ".join(formatEvent(e) for e in events))

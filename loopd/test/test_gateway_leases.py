@@ -739,10 +739,15 @@ class LeaseHarness(GatewayHarness):
         return connection
 
     def status(self) -> Any:
-        """C{GET /v1/queue}'s JSON body (asserting a 200)."""
+        """
+        C{GET /v1/queue}'s JSON body (asserting a 200) without the gateway's C{endpoints}
+        (asserting it is there): the lease protocol's own status reply.
+        """
         response = self.get("/v1/queue").response()
         assert response.status == 200, response
-        return response.json()
+        body = response.json()
+        del body["endpoints"]
+        return body
 
     def queue(self, key: str = "tiny") -> dict[str, Any]:
         """The status entry of queue C{key}."""
@@ -1002,18 +1007,26 @@ class AnonymousSlotTests(LeaseTestCase):
 
     def test_prefix_slot(self) -> None:
         """
-        On two slots, a's first turn runs on slot 0 and b's on slot 1, each on a connection
-        closed after it; b's second turn, on a new connection, goes back to slot 1, whose
-        last conversation is the beginning of its own (the older slot 0 would lose it).
+        On two slots, a's first turn runs on slot 0 and b's, meanwhile, on slot 1, each on a
+        connection closed after it; b's second turn, on a new connection, goes back to slot
+        1, whose last conversation is the beginning of its own (the older slot 0 would lose
+        it).
         """
         b1 = [{"role": "user", "content": "b1"}]
         b2 = [*b1, {"role": "assistant", "content": "x"}, {"role": "user", "content": "b2"}]
-        self.script(*[answer({"content": "x"}) for _ in range(3)])
-        for messages in ([{"role": "user", "content": "a1"}], b1, b2):
-            connection = self.harness.chat({"messages": messages})
-            self.harness.advance(0.2)
-            self.assertEqual(connection.response().status, 200)
-            connection.drop()
+        self.script(long_answer(1.0), answer({"content": "x"}), answer({"content": "x"}))
+        first = self.harness.chat({"messages": [{"role": "user", "content": "a1"}]})
+        self.harness.advance(0.1)
+        second = self.harness.chat({"messages": b1})
+        self.harness.advance(0.2)
+        self.assertEqual(second.response().status, 200)
+        second.drop()
+        self.harness.advance(1.0)
+        self.assertEqual(first.response().status, 200)
+        first.drop()
+        third = self.harness.chat({"messages": b2})
+        self.harness.advance(0.2)
+        self.assertEqual(third.response().status, 200)
         slots = [r.json["id_slot"] for r in self.fake.requests_to("POST", CHAT)]
         self.assertEqual(slots, [0, 1, 1])
 
@@ -1074,10 +1087,11 @@ class SlotTests(LeaseTestCase):
         self.script(answer({"content": "b1"}))
         self.harness.chat(STREAM, "b")
         self.harness.advance(1.2)
-        # b called slot 0 home, and its grace is over. c runs on slot 1, so a gets slot 0.
-        self.script(long_answer(0.55), long_answer(2.05))
-        self.harness.chat(STREAM, "c")
+        # b called slot 0 home, and its grace is over. a takes slot 0, the occupied one
+        # (decision 39), so c gets slot 1.
+        self.script(long_answer(2.05), long_answer(0.55))
         self.harness.chat(STREAM, "a")
+        self.harness.chat(STREAM, "c")
         self.harness.advance(2.3)
         self.assertEqual(self.harness.holders(), ["a"])
         # a is in its grace, c's is over: b's own last slot, 0, is a's home now.
@@ -1086,7 +1100,7 @@ class SlotTests(LeaseTestCase):
         self.harness.advance(0.2)
         self.harness.chat(STREAM, "a")
         self.harness.advance(0.5)
-        self.assertEqual(self.slots_sent(), [0, 1, 0, 1, 0])
+        self.assertEqual(self.slots_sent(), [0, 0, 1, 1, 0])
         self.assertEqual(self.harness.queue()["switches"], 0)
 
 
@@ -1167,6 +1181,15 @@ class QueueRouteTests(LeaseTestCase):
             "waiting": [],
         }
         self.assertEqual(self.harness.status(), {"op": "status", "queues": [entry]})
+
+    def test_endpoint_states(self) -> None:
+        """Beside the lease status, C{endpoints} has each endpoint's health state and why."""
+        self.harness.net.stop_listening(self.config.endpoints[0].socket)
+        self.harness.post(HI)
+        self.harness.advance(0.1)
+        body = self.harness.get("/v1/queue").response().json()
+        detail = "no socket (nothing is serving it)"
+        self.assertEqual(body["endpoints"], {"tiny": {"state": "down", "detail": detail}})
 
     def test_get_only(self) -> None:
         """POST /v1/queue is 405 method_not_allowed."""

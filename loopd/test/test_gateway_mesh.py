@@ -251,7 +251,19 @@ class FailureTests(MeshTestCase):
         response = harness.ask(ASK, 1.0)
         self.assert_answer(response, VERBOSE, moa("fanout", 2, 1, False, 0))
         self.assertEqual(response.headers["x-moa-elapsed-ms"], "1000")
-        self.assertFalse(harness.gateway.reachability.up("mistral-7b", harness.reactor.seconds()))
+        self.assertFalse(harness.gateway.health.eligible("mistral-7b"))
+
+    def test_all_dead(self) -> None:
+        """
+        Every endpoint down: the turn that finds out is a 502 (its workers failed); the next
+        is 503 endpoint_unavailable with Retry-After at once, nothing sent upstream.
+        """
+        harness = MeshHarness(mesh_config(TWO), dead=("mistral-7b", "llama-70b"))
+        self.assertEqual(harness.ask(ASK, 0.1).status, 502)
+        response = harness.ask(ASK, 0.0)
+        error = response.json()["error"]
+        self.assertEqual((response.status, error["code"]), (503, "endpoint_unavailable"))
+        self.assertEqual(response.headers["retry-after"], "1")
 
     def test_dead_worker_next_turn_single(self) -> None:
         """The turn after: the pool is one model, which serves the request alone."""

@@ -12,6 +12,8 @@ from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.gateway.grace import SwitchCosts
+from loopd.errors import Connect
+from loopd.gateway.health import HealthBoard, ProbePace
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.llama.info import CacheOutcome
 from loopd.llama.types import Timings
@@ -311,3 +313,27 @@ class GraceCollectorTests(SynchronousTestCase):
                 ("loopd_grace_cut_short_total", big): 2.0,
             },
         )
+
+
+class HealthCollectorTests(SynchronousTestCase):
+    """C{loopd_endpoint_up} and C{loopd_endpoint_state} follow the health board."""
+
+    def test_states(self) -> None:
+        """Probing and up count as up (1); down is 0; the state's own series is 1."""
+        board = HealthBoard(("tiny", "big"), ProbePace(up=5.0, down=1.0), 0.0)
+        metrics = GatewayMetrics()
+        metrics.watch_health(board)
+        board.request_failed("big", Connect("refused"), 0.0)
+        families = scrape(metrics)
+        self.assertEqual(
+            families["loopd_endpoint_up"],
+            {
+                ("loopd_endpoint_up", labels(endpoint="tiny")): 1.0,
+                ("loopd_endpoint_up", labels(endpoint="big")): 0.0,
+            },
+        )
+        states = families["loopd_endpoint_state"]
+        for endpoint, now in (("tiny", "probing"), ("big", "down")):
+            for state in ("up", "down", "probing"):
+                key = ("loopd_endpoint_state", labels(endpoint=endpoint, state=state))
+                self.assertEqual(states[key], 1.0 if state == now else 0.0, key)

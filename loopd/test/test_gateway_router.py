@@ -28,6 +28,7 @@ from loopd.gateway.router import (
     SAMPLE_TTL,
     WEIGHT_MAX,
     WEIGHT_MIN,
+    AutoRouter,
     Candidate,
     MediaUnsupportedError,
     NoEndpointError,
@@ -35,6 +36,7 @@ from loopd.gateway.router import (
     SpeedStats,
     candidate_weight,
     capability_filter,
+    group_member,
     make_candidate,
     media_filter,
     pick_weighted,
@@ -45,6 +47,7 @@ from loopd.gateway.router import (
 )
 from loopd.gateway.translate import parse_request
 from loopd.moa.roles import Tier
+from loopd.settings import Endpoint
 
 BIG = Tier.BIG
 SMALL = Tier.SMALL
@@ -90,6 +93,7 @@ def stats(*speeds: float, at: float = 0.0) -> SpeedStats:
 
 
 TOOL = {"type": "function", "function": {"name": "read_file", "parameters": {}}}
+HI_BODY: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
 
 
 class CandidateTests(SynchronousTestCase):
@@ -604,3 +608,81 @@ class WantsAutoTests(SynchronousTestCase):
         for fields, expected in table:
             body = {"messages": [{"role": "user", "content": "hi"}], **fields}
             self.assertEqual((fields, wants_auto(request(body))), (fields, expected))
+
+
+class GroupRouteTests(SynchronousTestCase):
+    """L{AutoRouter.route} of a request naming an endpoint group (decision 42)."""
+
+    def router(self, *draws: float) -> AutoRouter:
+        """A router over a, b (group qwen), c (no group) and d (group llama)."""
+        endpoints = [
+            Endpoint(name="a", socket="/tmp/a", group="qwen"),
+            Endpoint(name="b", socket="/tmp/b", group="qwen"),
+            Endpoint(name="c", socket="/tmp/c"),
+            Endpoint(name="d", socket="/tmp/d", group="llama"),
+        ]
+        return AutoRouter(endpoints, rng=ScriptedRandom(*draws))
+
+    def names(self, routed: Route | None) -> list[str]:
+        """The candidates' names of C{routed}, in order."""
+        assert routed is not None
+        return [c.name for c in routed.candidates]
+
+    def test_groups(self) -> None:
+        """Each group's members, in config order, by group name."""
+        self.assertEqual(self.router().groups, {"qwen": ("a", "b"), "llama": ("d",)})
+
+    def test_among_members_only(self) -> None:
+        """A request for qwen is routed among a and b, with the weighted draws."""
+        for draw, order in ((0.4, ["a", "b"]), (0.6, ["b", "a"])):
+            routed = self.router(0.5, draw).route(request({**HI_BODY, "model": "qwen"}), 0.0)
+            self.assertEqual(self.names(routed), order)
+
+    def test_one_member(self) -> None:
+        """A group of one is that member, with no draw."""
+        routed = self.router().route(request({**HI_BODY, "model": "llama"}), 0.0)
+        self.assertEqual(self.names(routed), ["d"])
+
+    def test_auto_still_everything(self) -> None:
+        """auto is routed among every endpoint, grouped or not."""
+        routed = self.router(0.5, 0.0, 0.5, 0.0, 0.5, 0.0).route(request(HI_BODY), 0.0)
+        self.assertEqual(sorted(self.names(routed)), ["a", "b", "c", "d"])
+
+    def test_endpoint_and_unknown_not_the_routers(self) -> None:
+        """A request naming an endpoint, or a name nobody has, is not the router's."""
+        for model in ("a", "c", "nope", "mesh"):
+            self.assertIsNone(self.router().route(request({**HI_BODY, "model": model}), 0.0))
+
+
+class GroupMemberTests(SynchronousTestCase):
+    """L{group_member}: the member that stands for a group for one session."""
+
+    def test_stable(self) -> None:
+        """The same key picks the same member, whatever the members' order."""
+        members = ["a", "b", "c"]
+        picks = {group_member(order, "s1") for order in (members, members[::-1])}
+        self.assertEqual(len(picks), 1)
+
+    def test_spread(self) -> None:
+        """Many sessions spread over every member."""
+        picks = Counter(group_member(["a", "b", "c"], f"session-{i}") for i in range(300))
+        self.assertEqual(set(picks), {"a", "b", "c"})
+        self.assertGreater(min(picks.values()), 50)
+
+    def test_empty(self) -> None:
+        """No member is a ValueError."""
+        self.assertRaises(ValueError, group_member, [], "s")
+
+    @given(
+        st.lists(st.text(min_size=1, max_size=6), min_size=2, max_size=6, unique=True),
+        st.text(max_size=12),
+        st.data(),
+    )
+    def test_only_the_leavers_keys_move(self, members: list[str], key: str, data: Any) -> None:
+        """A member leaving moves only the keys that had picked it."""
+        chosen = group_member(members, key)
+        self.assertIn(chosen, members)
+        leaver = data.draw(st.sampled_from(members))
+        rest = [m for m in members if m != leaver]
+        if leaver != chosen:
+            self.assertEqual(group_member(rest, key), chosen)

@@ -147,6 +147,129 @@ class ChooseSlotTests(SynchronousTestCase):
         self.assertRaises(ValueError, Sessions().choose_slot, "a", 0, never_busy)
 
 
+class OccupiedTests(SynchronousTestCase):
+    """
+    choose_slot rule 3 with an endpoint: a free occupied slot (one that served a request on
+    that endpoint) before an empty one, for a moving session and a new one alike.
+    """
+
+    C = conversation_key([User("q")])
+
+    def test_moving_session_takes_occupied_slot(self) -> None:
+        """
+        A session whose slot is busy moves to the occupied slot, though it is another's home
+        and the empty one is nobody's (only there can the server restore it from its RAM cache).
+        """
+        sessions = Sessions()
+        for session, slot in (("a", 0), ("b", 1)):
+            sessions.record(session, slot, T, 64)
+            sessions.remember_conversation("e", slot, self.C)
+        self.assertEqual(sessions.choose_slot("a", 3, busy_of(0), endpoint="e"), 1)
+        self.assertEqual(sessions.choose_slot("a", 3, busy_of(0)), 2)
+
+    def test_new_session_takes_occupied_slot(self) -> None:
+        """A new session too: its shared prefix (a system prompt) is in the occupied slot."""
+        sessions = Sessions()
+        sessions.record("a", 1, T, 64)
+        sessions.remember_conversation("e", 1, self.C)
+        self.assertEqual(sessions.choose_slot("new", 3, never_busy, endpoint="e"), 1)
+
+    def test_occupied_only_on_its_endpoint(self) -> None:
+        """A slot that served another endpoint is empty on this one."""
+        sessions = Sessions()
+        sessions.remember_conversation("f", 1, self.C)
+        self.assertEqual(sessions.choose_slot("new", 3, never_busy, endpoint="e"), 0)
+        self.assertEqual(sessions.choose_slot("new", 3, never_busy, endpoint="f"), 1)
+
+    def test_among_occupied_nobodys_home_then_least_recently_used(self) -> None:
+        """Among occupied slots, the usual order: nobody's home first, then the oldest."""
+        sessions = Sessions()
+        for session, slot in (("x", 0), ("y", 1), ("z", 2)):
+            sessions.record(session, slot, T, 64)
+            sessions.remember_conversation("e", slot, self.C)
+        sessions.forget("z")
+        self.assertEqual(sessions.choose_slot("new", 4, never_busy, endpoint="e"), 2)
+        sessions.forget("y")
+        self.assertEqual(sessions.choose_slot("new", 4, never_busy, endpoint="e"), 1)
+
+    def test_busy_occupied_slot_is_not_taken(self) -> None:
+        """Busy occupied slots are not free: then the empty one."""
+        sessions = Sessions()
+        sessions.remember_conversation("e", 0, self.C)
+        self.assertEqual(sessions.choose_slot("new", 2, busy_of(0), endpoint="e"), 1)
+
+    def test_own_free_slot_still_first(self) -> None:
+        """The session's own free last slot comes before every other occupied slot."""
+        sessions = Sessions()
+        sessions.record("a", 2, T, 64)
+        sessions.remember_conversation("e", 0, self.C)
+        self.assertEqual(sessions.choose_slot("a", 3, never_busy, endpoint="e"), 2)
+
+
+class NewSessionTests(SynchronousTestCase):
+    """
+    choose_slot rule 3 for a new session with its conversation: occupied first when its
+    first message begins a slot's conversation (a shared system prompt), else empty first.
+    """
+
+    SYSTEM = conversation_key([User("you are an agent"), User("task one")])
+    KIN = conversation_key([User("you are an agent"), User("task two")])
+    STRANGER = conversation_key([User("something else")])
+
+    def table(self) -> Sessions:
+        """Slot 0 served the agent's conversation, slot 1 another; slot 2 is empty."""
+        sessions = Sessions()
+        sessions.record("a", 0, T, 64)
+        sessions.remember_conversation("e", 0, self.SYSTEM)
+        sessions.record("b", 1, T, 64)
+        sessions.remember_conversation("e", 1, self.STRANGER[:0] + (7,))
+        sessions.forget("a")
+        sessions.forget("b")
+        return sessions
+
+    def test_kin_takes_the_slot_sharing_its_beginning(self) -> None:
+        """A new session sharing the system prompt goes where that prompt is cached."""
+        chosen = self.table().choose_slot("new", 3, never_busy, endpoint="e", conversation=self.KIN)
+        self.assertEqual(chosen, 0)
+
+    def test_stranger_takes_an_empty_slot(self) -> None:
+        """A new session sharing nothing goes to the empty slot: it displaces nobody."""
+        sessions = self.table()
+        chosen = sessions.choose_slot(
+            "new", 3, never_busy, endpoint="e", conversation=self.STRANGER
+        )
+        self.assertEqual(chosen, 2)
+
+    def test_kin_of_a_busy_slot_still_prefers_occupied(self) -> None:
+        """The sharing slot is busy: another occupied slot (the RAM cache may hold it)."""
+        sessions = self.table()
+        chosen = sessions.choose_slot("new", 3, busy_of(0), endpoint="e", conversation=self.KIN)
+        self.assertEqual(chosen, 1)
+
+    def test_longest_shared_beginning_first(self) -> None:
+        """Of two occupied slots sharing the beginning, the one sharing more."""
+        sessions = self.table()
+        longer = conversation_key([User("you are an agent"), User("task one"), User("more")])
+        sessions.remember_conversation("e", 1, self.KIN[:1])
+        chosen = sessions.choose_slot("new", 3, never_busy, endpoint="e", conversation=longer)
+        self.assertEqual(chosen, 0)
+
+    def test_stranger_with_no_empty_slot(self) -> None:
+        """Every free slot occupied: the usual order among them."""
+        sessions = self.table()
+        chosen = sessions.choose_slot(
+            "new", 2, never_busy, endpoint="e", conversation=self.STRANGER
+        )
+        self.assertEqual(chosen, 0)
+
+    def test_moving_stranger_still_takes_occupied(self) -> None:
+        """A session that must move goes to an occupied slot, whatever its conversation."""
+        sessions = self.table()
+        sessions.record("m", 2, T, 64)
+        chosen = sessions.choose_slot("m", 4, busy_of(2), endpoint="e", conversation=self.STRANGER)
+        self.assertIn(chosen, (0, 1))
+
+
 class RecordTests(SynchronousTestCase):
     """record, forget and the table's bound."""
 
@@ -366,13 +489,29 @@ class PropertyTests(SynchronousTestCase):
         sessions = Sessions(max_sessions)
         for name, slot in history:
             sessions.record(name, slot, T, 64)
-        chosen = sessions.choose_slot(session, n_slots, busy.__contains__)
+            sessions.remember_conversation("e", slot, conversation_key([User(name)]))
+        own = conversation_key([User(session)])
+        chosen = sessions.choose_slot(
+            session, n_slots, busy.__contains__, endpoint="e", conversation=own
+        )
         self.assertTrue(0 <= chosen < n_slots)
         last = sessions.last_slot(session)
         if last is not None and last < n_slots and last not in busy:
             self.assertEqual(chosen, last)
-        if any(slot not in busy for slot in range(n_slots)):
+            return
+        free = [slot for slot in range(n_slots) if slot not in busy]
+        if free:
             self.assertNotIn(chosen, busy)
+        served = {slot for _, slot in history}
+        moving = last is not None and last < n_slots
+        holder = {slot: name for name, slot in history if slot < n_slots}
+        kin = session in holder.values()
+        if (moving or kin) and any(slot in served for slot in free):
+            # Never an empty slot while a free occupied one is there (decision 39).
+            self.assertIn(chosen, served)
+        elif free and not kin and any(slot not in served for slot in free):
+            # A new session sharing nothing: an empty slot.
+            self.assertNotIn(chosen, served)
 
     @given(history=records, max_sessions=st.integers(min_value=1, max_value=6))
     def test_bounded(self, history, max_sessions) -> None:

@@ -214,9 +214,34 @@ class HealthTests(SynchronousTestCase):
         """Both endpoints answer 200: 200 ok."""
         response = self.health()
         self.assertEqual(response.status, 200)
-        expected = {"status": "ok", "endpoints": {"tiny": "ok", "big": "ok"}}
+        probing = {"state": "probing", "detail": "not probed yet"}
+        expected = {
+            "status": "ok",
+            "endpoints": {"tiny": "ok", "big": "ok"},
+            "states": {"tiny": probing, "big": probing},
+        }
         self.assertEqual(response.json(), expected)
         self.assertEqual([r.path for r in self.big.requests], ["/health"])
+
+    def test_states(self) -> None:
+        """
+        C{states} has each endpoint's health state and why: after the probes, tiny up and
+        big, whose socket is gone, down.
+        """
+        self.harness.net.stop_listening(OTHER_PATH)
+        self.harness.gateway.start()
+        self.harness.advance(0.2)
+        states = self.health().json()["states"]
+        self.assertEqual(
+            states,
+            {
+                "tiny": {"state": "up", "detail": "/health: ok"},
+                "big": {
+                    "state": "down",
+                    "detail": "/health: unreachable: no socket (nothing is serving it)",
+                },
+            },
+        )
 
     def test_socket_missing(self) -> None:
         """An endpoint nobody listens for: 503 naming it as unreachable."""

@@ -7,6 +7,7 @@ fake llama-server in memory with the lease scheduler in process (L{GatewayHarnes
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from twisted.internet.defer import CancelledError, Deferred
@@ -16,7 +17,7 @@ from loopd.errors import Connect, ProxyRefused, WaitTimeout
 from loopd.gateway.upstream import CallKeys
 from loopd.llama.types import ChatEvent, ChatRequest, Completion, Queued, User
 from loopd.testing.fake_llama import CHAT, Reply
-from loopd.testing.gateway import LIMITS, GatewayHarness, make_config
+from loopd.testing.gateway import HI, LIMITS, GatewayHarness, make_config
 from loopd.testing.llama_replies import answer
 
 REQUEST = ChatRequest(slot=-1, messages=(User("Hi"),))
@@ -222,3 +223,65 @@ class CancelTests(UpstreamCase):
         self.successResultOf(d)
         texts: list[Any] = [getattr(e, "text", None) for e in self.events]
         self.assertEqual([t for t in texts if t], ["Hel", "lo"])
+
+
+class AffinityTests(SynchronousTestCase):
+    """
+    What reaches an openai endpoint's engine for its own session affinity (decision 42):
+    the fake records every request's headers and body.
+    """
+
+    def harness(self, **affinity: Any) -> GatewayHarness:
+        """A gateway over one openai endpoint C{tiny} with these affinity fields."""
+        config = make_config()
+        (tiny,) = config.endpoints
+        endpoint = replace(tiny, kind="openai", **affinity)
+        harness = GatewayHarness(replace(config, endpoints=(endpoint,)))
+        harness.fake.set_default("POST", CHAT, answer({"content": "Hello"}))
+        return harness
+
+    def arrived(self, harness: GatewayHarness, *headers: str, body: object = HI) -> Any:
+        """POST C{body} with these header lines; the one request the fake received."""
+        connection = harness.connect()
+        lines = ["Content-Type: application/json", *headers]
+        connection.request("POST", CHAT, json.dumps(body).encode(), lines)
+        harness.advance(1)
+        self.assertEqual(connection.response().status, 200)
+        (received,) = harness.fake.requests_to("POST", CHAT)
+        return received
+
+    def test_each_engine_header(self) -> None:
+        """SGLang's, Dynamo's and llm-d's headers each carry the session's id."""
+        for header in ("x-smg-routing-key", "X-Dynamo-Session-ID", "x-session-token"):
+            harness = self.harness(affinity_header=header)
+            received = self.arrived(harness, "X-Session-Id: agent-1")
+            self.assertEqual(received.header(header), "agent-1", header)
+
+    def test_user_field(self) -> None:
+        """affinity_field user (mesh-llm, vLLM's router) carries it in the body."""
+        harness = self.harness(affinity_field="user")
+        received = self.arrived(harness, "x-claude-code-session-id: cc-9")
+        self.assertEqual(received.json["user"], "cc-9")
+
+    def test_dynamo_priority(self) -> None:
+        """With affinity_priority, a parent goes as priority 1 and a child as 0."""
+        for role, priority in (("parent", "1"), ("child", "0")):
+            harness = self.harness(affinity_header="X-Dynamo-Session-ID", affinity_priority=True)
+            received = self.arrived(harness, "X-Session-Id: s", f"X-Session-Role: {role}")
+            self.assertEqual(received.header("x-dynamo-request-priority"), priority)
+            self.assertEqual(received.header("x-dynamo-session-id"), "s")
+
+    def test_anonymous_sends_no_id(self) -> None:
+        """A request naming no session sends no id: the engine's prefix routing decides."""
+        harness = self.harness(affinity_header="x-smg-routing-key", affinity_field="user")
+        received = self.arrived(harness)
+        self.assertIsNone(received.header("x-smg-routing-key"))
+        self.assertNotIn("user", received.json)
+
+    def test_nothing_unasked(self) -> None:
+        """Without affinity settings no id goes upstream, nor the client's user field."""
+        harness = self.harness()
+        received = self.arrived(harness, body={**HI, "user": "u-1"})
+        self.assertNotIn("user", received.json)
+        names = {name.lower() for name, _ in received.headers}
+        self.assertEqual(names, {"host", "content-type", "content-length", "connection"})

@@ -223,7 +223,8 @@ class ResponseTests(SynchronousTestCase):
             wire = Wire()
             wire.feed(received)
             wire.close()
-            self.failureResultOf(wire.result, StreamClosedEarly)
+            failure = self.failureResultOf(wire.result, StreamClosedEarly)
+            self.assertTrue(failure.value.before_headers)
 
     def test_body_cut(self):
         """A chunked or Content-Length body cut short is StreamClosedEarly after what came."""
@@ -236,7 +237,8 @@ class ResponseTests(SynchronousTestCase):
             pieces, done = collect(wire.answer(response_head))
             wire.feed(cut)
             wire.close()
-            self.failureResultOf(done, StreamClosedEarly)
+            failure = self.failureResultOf(done, StreamClosedEarly)
+            self.assertFalse(failure.value.before_headers)
             self.assertEqual(b"".join(pieces), arrived)
 
     def test_malformed(self):

@@ -86,6 +86,7 @@ class HealthTests(SynchronousTestCase):
         why = "unreachable: connection refused (nothing is listening on the socket)"
         self.assertEqual(self.check(self.client()), Health(False, why))
         self.assertEqual(self.check(self.client("openai")), Health(False, why))
+        self.assertFalse(Health(False, why).refused)
 
     def test_silent(self) -> None:
         """

@@ -478,6 +478,7 @@ class AgainstInferproxyTests(TestCase):
         self.assertEqual(
             health, Health(False, "refused by its inferproxy: its connection limit is reached")
         )
+        self.assertTrue(health.refused)
         self.assertEqual(client.pacer.stats.refusals, {ProxyRefused.CONNECTIONS: 2})
         self.assertEqual(len(upstream.peers), 8)
         for peer in idle:

@@ -5,16 +5,18 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.config import Config, Endpoint, Sampling
+from loopd.config import SENT_FIELDS, Config, Endpoint, Sampling
 from loopd.llama.request import (
     LLAMA_ONLY_FIELDS,
+    PRIORITY_HEADER,
+    affinity_headers,
     chat_body,
     encode,
     render_messages,
@@ -334,6 +336,81 @@ class OpenAIBodyTests(SynchronousTestCase):
         body = chat_body(request(), CONFIG, OPENAI, stream=False)
         self.assertIs(body["stream"], False)
         self.assertNotIn("stream_options", body)
+
+
+class AffinityTests(SynchronousTestCase):
+    """The session's id and tier for an openai endpoint's own affinity (decision 42)."""
+
+    def test_engine_headers(self) -> None:
+        """Each engine's header carries the session's id, as configured."""
+        for header in ("x-smg-routing-key", "X-Dynamo-Session-ID", "x-session-token"):
+            endpoint = replace(OPENAI, affinity_header=header)
+            sent = affinity_headers(request(session="s-1"), endpoint)
+            self.assertEqual(sent, {header: "s-1"})
+
+    def test_priority(self) -> None:
+        """With affinity_priority the tier goes as Dynamo's priority: parent 1, child 0."""
+        endpoint = replace(OPENAI, affinity_header="X-Dynamo-Session-ID", affinity_priority=True)
+        for tier, priority in (("parent", "1"), ("child", "0")):
+            sent = affinity_headers(request(session="s", tier=tier), endpoint)
+            self.assertEqual(sent, {"X-Dynamo-Session-ID": "s", PRIORITY_HEADER: priority})
+
+    def test_no_session_no_id(self) -> None:
+        """A request without a session sends no id, the priority still."""
+        endpoint = replace(OPENAI, affinity_header="x-session-token", affinity_priority=True)
+        self.assertEqual(affinity_headers(request(), endpoint), {PRIORITY_HEADER: "1"})
+        field = replace(OPENAI, affinity_field="user")
+        self.assertNotIn("user", chat_body(request(), CONFIG, field))
+
+    def test_utf8_id_as_bytes(self) -> None:
+        """A non-ASCII id goes out as its UTF-8 bytes (each a latin-1 character here)."""
+        endpoint = replace(OPENAI, affinity_header="x-smg-routing-key")
+        (value,) = affinity_headers(request(session="sé"), endpoint).values()
+        self.assertEqual(value.encode("latin-1"), "sé".encode())
+
+    def test_body_field(self) -> None:
+        """affinity_field puts the session's id in the body, after loopd's own fields."""
+        endpoint = replace(OPENAI, affinity_field="user")
+        body = chat_body(request(session="agent-7"), CONFIG, endpoint)
+        self.assertEqual(list(body)[-1], "user")
+        self.assertEqual(body["user"], "agent-7")
+
+    def test_not_for_llama_server(self) -> None:
+        """A llama-server endpoint gets neither, even when its fields are set."""
+        endpoint = replace(
+            LLAMA, affinity_header="x-a", affinity_field="user", affinity_priority=True
+        )
+        self.assertEqual(affinity_headers(request(session="s"), endpoint), {})
+        self.assertNotIn("user", chat_body(request(session="s"), CONFIG, endpoint))
+
+    @given(st.booleans(), st.booleans(), st.booleans())
+    def test_field_never_loopds_own(self, thinking: bool, stream: bool, tools: bool) -> None:
+        """Every field loopd sends an openai endpoint is one affinity_field may not name."""
+        full = Config(
+            endpoints=(OPENAI,),
+            sampling=Sampling(
+                temperature=0.5,
+                top_p=0.9,
+                top_k=4,
+                min_p=0.1,
+                typical_p=1.0,
+                repeat_penalty=1.1,
+                repeat_last_n=64,
+                presence_penalty=0.0,
+                frequency_penalty=0.0,
+                seed=1,
+            ),
+        )
+        asked = request(
+            thinking=thinking,
+            tools=(WEATHER,) if tools else (),
+            tool_choice="auto",
+            stop=("x",),
+            temperature=0.1,
+            template_thinking=True,
+        )
+        body = chat_body(asked, full, OPENAI, stream=stream)
+        self.assertLessEqual(set(body), SENT_FIELDS)
 
 
 class EncodeTests(SynchronousTestCase):

@@ -18,12 +18,21 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactor
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.web.resource import Resource
+from twisted.web.server import Request, Site
 
 from loopd import cli
 from loopd.queue.protocol import LeaseFactory, LeaseProtocol, deliver_grant
 from loopd.queue.scheduler import Scheduler
 from loopd.queue.scheduler_types import QueuePolicy, StaticRouter
-from loopd.queue.show import QueueStatusError, fetch_status, render_status
+from loopd.queue.show import (
+    QueueStatusError,
+    fetch_endpoints,
+    fetch_status,
+    queue_status_command,
+    render_endpoints,
+    render_status,
+)
 from loopd.test.support.peers import Peer, real_reactor
 from loopd.unixsocket import listen_unix
 
@@ -87,6 +96,43 @@ class RenderTests(SynchronousTestCase):
         self.assertIn("g: 2/1 slots (over capacity", render_status([queue]))
 
 
+STATES = {
+    "tiny": {"state": "up", "detail": "/health: ok"},
+    "big": {"state": "down", "detail": "no socket (nothing is serving it)"},
+}
+"""A gateway's C{endpoints}: one up, one down."""
+
+
+class EndpointRenderTests(SynchronousTestCase):
+    """The text of the gateway's endpoint states."""
+
+    def test_states(self) -> None:
+        """One line per endpoint, aligned; why only for one that is not up."""
+        self.assertEqual(
+            render_endpoints(STATES),
+            "endpoints:\n  tiny  up\n  big   down: no socket (nothing is serving it)\n",
+        )
+
+    def test_none(self) -> None:
+        """No endpoints: nothing."""
+        self.assertEqual(render_endpoints({}), "")
+
+
+class _QueueRoute(Resource):
+    """A stand-in for loopd's gateway: C{GET /v1/queue} answers C{body}."""
+
+    isLeaf = True
+
+    def __init__(self, body: bytes) -> None:
+        super().__init__()
+        self.body = body
+
+    def render_GET(self, request: Request) -> bytes:
+        """The body, as JSON."""
+        request.setHeader(b"content-type", b"application/json")
+        return self.body
+
+
 class FetchTests(TestCase):
     """
     The round trip against a real lease socket.
@@ -138,6 +184,44 @@ class FetchTests(TestCase):
         peer.transport.loseConnection()
         yield peer.closed
 
+    def serve_gateway(self, body: bytes) -> str:
+        """A stand-in gateway answering C{body} on a socket in the temp dir; its path."""
+        path = os.path.join(self.directory, "loopd.sock")
+        port = listen_unix(real_reactor(), path, Site(_QueueRoute(body)))
+        self.addCleanup(port.stopListening)
+        return path
+
+    @inlineCallbacks
+    def test_command_with_gateway(self) -> Any:
+        """
+        With loopd's gateway beside the lease socket, the queues are followed by each
+        endpoint's state; a gateway that answers nonsense is said on stderr, exit 0.
+        """
+        reactor = real_reactor()
+        scheduler = Scheduler(reactor, StaticRouter(defaults=QueuePolicy()), deliver_grant)
+        port = listen_unix(reactor, self.path, LeaseFactory(scheduler))
+        self.addCleanup(port.stopListening)
+        gateway = self.serve_gateway(json.dumps({"op": "status", "endpoints": STATES}).encode())
+        out: list[str] = []
+        err: list[str] = []
+        status = yield queue_status_command(reactor, self.path, out.append, err.append, gateway)
+        self.assertEqual((status, err), (0, []))
+        self.assertEqual("".join(out), render_status([]) + render_endpoints(STATES))
+
+    @inlineCallbacks
+    def test_gateway_without_states(self) -> Any:
+        """A gateway answer without C{endpoints} is a QueueStatusError saying so."""
+        gateway = self.serve_gateway(b'{"op": "status"}')
+        error = yield self.assertFailure(fetch_endpoints(real_reactor(), gateway), QueueStatusError)
+        self.assertEqual(str(error), "the gateway's /v1/queue has no endpoints")
+
+    @inlineCallbacks
+    def test_gateway_unreachable(self) -> Any:
+        """A gateway socket nobody serves is a QueueStatusError naming it."""
+        gateway = os.path.join(self.directory, "loopd.sock")
+        error = yield self.assertFailure(fetch_endpoints(real_reactor(), gateway), QueueStatusError)
+        self.assertIn(gateway, str(error))
+
     @inlineCallbacks
     def test_no_socket(self) -> Any:
         """A socket nobody listens on is a QueueStatusError naming the path."""
@@ -157,6 +241,24 @@ class CommandLineTests(SynchronousTestCase):
     def test_agent_dir(self) -> None:
         """C{--agent-dir} asks that dir's daemon."""
         self.assertEqual(cli.queue_socket(None, "/a"), "/a/llm-queue.sock")
+
+    def test_own_gateway(self) -> None:
+        """
+        loopd's own lease socket (from the config) comes with its gateway socket, when that
+        exists; another lease socket with none.
+        """
+        directory = tempfile.mkdtemp(prefix="ld", dir="/tmp")
+        self.addCleanup(shutil.rmtree, directory, True)
+        gateway = os.path.join(directory, "loopd.sock")
+        config = os.path.join(directory, "loopd.toml")
+        with open(config, "w") as f:
+            f.write(f'[server]\nlisten = "unix:{gateway}"\n')
+            f.write('[[endpoint]]\nname = "tiny"\nsocket = "/tmp/ld/infer.sock"\n')
+        lease = os.path.join(directory, "llm-queue.sock")
+        self.assertIsNone(cli.own_gateway(lease, config))
+        open(gateway, "w").close()
+        self.assertEqual(cli.own_gateway(lease, config), gateway)
+        self.assertIsNone(cli.own_gateway("/a/llm-queue.sock", config))
 
     def test_unreachable_exits_one(self) -> None:
         """An unreachable socket prints why on stderr and exits 1."""

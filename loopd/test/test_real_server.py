@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import io
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, AnyStr, cast
 
@@ -173,6 +175,14 @@ class RealServerUnitTests(SynchronousTestCase):
         for size in (0, 512):
             argv = real_server.ServerOptions("/m", cache_ram_mib=size).command()
             self.assertEqual(argv[argv.index("--cache-ram") + 1], str(size))
+
+    def test_command_slot_save_path(self) -> None:
+        """A slot save directory is passed on, from RealServer too; none by default."""
+        self.assertNotIn("--slot-save-path", real_server.ServerOptions("/m").command())
+        server = RealServer(FakeProcessReactor(), "/m", slot_save_path="/s", cache_ram_mib=0)
+        argv = server.options.command()
+        self.assertEqual(argv[argv.index("--slot-save-path") + 1], "/s")
+        self.assertEqual(argv[argv.index("--cache-ram") + 1], "0")
 
     @given(st.lists(st.integers(min_value=0, max_value=120), max_size=8))
     def test_ready_line_in_any_chunks(self, cuts: list[int]) -> None:
@@ -358,6 +368,74 @@ class TinyModelTests(SynchronousTestCase):
         self.assertTrue(text.startswith(f"<think>{THOUGHT} {THOUGHT} "))
         self.assertNotIn("</think>", text)
 
+    def test_ballast_adds_only_zeros(self) -> None:
+        """
+        With ballast every tensor of the plain model is there with the same values (a
+        feed-forward only wider, with zeros); the extra layers are zero apart from their
+        norms, which are ones as in the plain layers.
+        """
+        import numpy as np
+
+        from loopd.demo import tiny_model
+
+        vocab = tiny_model.build_vocab()
+        plain = tiny_model.build_weights(vocab)
+        heavy = tiny_model.build_weights(vocab, ballast=tiny_model.Ballast(256, 4))
+        widened = {"ffn_gate": (256, 64), "ffn_up": (256, 64), "ffn_down": (64, 256)}
+        for name, tensor in plain.items():
+            kind = name.split(".")[-2]
+            if kind in widened:
+                self.assertEqual(heavy[name].shape, widened[kind], name)
+                self.assertFalse(heavy[name].any(), name)
+            else:
+                np.testing.assert_array_equal(heavy[name], tensor, err_msg=name)
+        layer_one = [name for name in plain if name.startswith("blk.1.")]
+        extra = {name.replace("blk.1.", f"blk.{i}.") for name in layer_one for i in (2, 3)}
+        self.assertEqual(set(heavy) - set(plain), extra)
+        for name in extra:
+            expected = 1.0 if name.endswith("_norm.weight") else 0.0
+            self.assertTrue((heavy[name] == expected).all(), name)
+
+    def test_ballast_bytes(self) -> None:
+        """A ballast model has bytes of its own, the same on every build."""
+        from loopd.demo.tiny_model import Ballast, write_tiny_model
+
+        base = self.mktemp()
+        os.makedirs(base)
+        paths = [os.path.join(base, f"{i}.gguf") for i in range(3)]
+        plain = write_tiny_model(paths[0])
+        heavy = [write_tiny_model(p, ballast=Ballast(256, 3)) for p in paths[1:]]
+        self.assertEqual(heavy[0], heavy[1])
+        self.assertNotEqual(plain, heavy[0])
+        self.assertGreater(os.path.getsize(paths[1]), os.path.getsize(paths[0]))
+
+    def test_ballast_below_the_plain_model_is_refused(self) -> None:
+        """A ballast narrower or shallower than the plain model says which and why."""
+        from loopd.demo.tiny_model import N_FF, N_LAYER, Ballast, BallastError
+
+        with self.assertRaisesRegex(BallastError, "feed-forward width 64 is below 128"):
+            Ballast(64, 6)
+        with self.assertRaisesRegex(BallastError, "layer count 1 is below 2"):
+            Ballast(4096, 1)
+        self.assertEqual(Ballast(N_FF, N_LAYER), Ballast.parse(f"{N_FF}:{N_LAYER}"))
+
+    def test_ballast_option(self) -> None:
+        """--ballast FF:LAYERS parses; anything else is a usage error naming the text."""
+        from loopd.demo.tiny_model import Ballast, BallastError, main
+
+        self.assertEqual(Ballast.parse("8192:6"), Ballast(8192, 6))
+        for bad in ("8192", "8192:", ":6", "a:6", "8192:6:1", "-1:6", "8192:٣x", " 1:6"):
+            with self.assertRaisesRegex(BallastError, "is not FF:LAYERS"):
+                Ballast.parse(bad)
+        path = self.mktemp()
+        stderr = io.StringIO()
+        self.patch(sys, "stderr", stderr)
+        with self.assertRaises(SystemExit) as caught:
+            main([path, "--ballast", "64:6"])
+        self.assertEqual(caught.exception.code, 2)
+        self.assertIn("--ballast: ballast feed-forward width 64 is below 128", stderr.getvalue())
+        self.assertFalse(os.path.exists(path))
+
 
 class RealServerTests(TestCase):
     """A real llama.cpp server (xllamacpp) serving the tiny models in a child."""
@@ -427,6 +505,45 @@ class RealServerTests(TestCase):
         ]
         choice = await self._chat(server, messages=answered, tools=[WEATHER_TOOL])
         self.assertEqual(choice["message"]["content"], ANSWER)
+
+    async def test_ballast_answers_like_the_plain_model(self) -> None:
+        """
+        Served by a real server, the ballast model gives the plain model's answers:
+        thinking, not thinking, a tool call and the answer after it, for the same
+        prompt tokens.
+        """
+        from loopd.demo.tiny_model import Ballast, write_tiny_model
+
+        heavy = os.path.join(self.dir, "heavy.gguf")
+        write_tiny_model(heavy, ballast=Ballast(512, 4))
+        servers = [self._server(self.tiny), self._server(heavy)]
+        for server in servers:
+            await server.start()
+        asked = [{"role": "user", "content": "Weather?"}]
+        function = {"name": "get_weather", "arguments": '{"city": "test"}'}
+        call = {"id": "c1", "type": "function", "function": function}
+        answered = asked + [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ]
+        requests: list[dict[str, Any]] = [
+            {"messages": HI},
+            {"messages": HI, "chat_template_kwargs": {"enable_thinking": False}},
+            {"messages": asked, "tools": [WEATHER_TOOL]},
+            {"messages": answered, "tools": [WEATHER_TOOL]},
+        ]
+        for request in requests:
+            seen = []
+            for server in servers:
+                result = await server.query("/v1/chat/completions", request)
+                self.assertEqual(result.status, 200, result.body)
+                body = result.json()
+                (choice,) = body["choices"]
+                for tool_call in choice["message"].get("tool_calls", []):
+                    tool_call.pop("id")
+                seen.append((choice, body["timings"]["prompt_n"]))
+            self.assertEqual(seen[0], seen[1], request)
+        self.assertEqual(seen[0][0]["message"]["content"], ANSWER)
 
     async def test_think_forever_until_forced(self) -> None:
         """tiny-think thinks to max_tokens, and answers once a budget ends thinking."""

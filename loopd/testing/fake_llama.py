@@ -19,6 +19,9 @@ mid-body (no last chunk, or a C{Content-Length} one byte longer than the body un
 C{content_length} is set); C{"silence"} sends nothing more and stays open. On a Unix socket a
 cut is a close with the framing incomplete: there is no reset as on TCP. Like llama-server,
 the fake is not half-close aware: a client that shuts down its writing side has closed.
+
+L{SlotFiles} gives a fake llama-server's slot save and restore (C{POST /slots/<id>?action=...},
+C{--slot-save-path}): what each slot and each file holds, and every action that arrived.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ __all__ = [
     "Reply",
     "ReplySource",
     "RequestParser",
+    "SlotFiles",
     "error_reply",
     "event_bytes",
     "json_reply",
@@ -488,3 +492,63 @@ class FakeLlama(Factory):
             self.unscripted.append(request)
             return NOT_FOUND
         return source if isinstance(source, Reply) else source(request, self)
+
+
+#: llama-server's answer to a restore of a file it cannot load (missing, or no room).
+_RESTORE_FAILED = "Unable to restore slot: No available space in KV cache or invalid slot save file"
+
+
+class SlotFiles:
+    """
+    llama-server's slot save and restore on a L{FakeLlama}: the default reply of
+    C{POST /slots/<id>} for each of its slots, answering as llama-server does (reference
+    §4): a save writes what the slot holds to the file, a restore loads a file into the slot.
+
+    Without C{--slot-save-path} (C{enabled=False}) every action is 501 C{not_supported_error};
+    an action other than save and restore, a file name with a path in it, and a restore of a
+    file never saved are 400 C{invalid_request_error}.
+
+    @ivar tokens: how many tokens each slot holds now (tests set it, as a chat would).
+    @ivar files: how many tokens each saved file holds, by name.
+    @ivar actions: every action that arrived, in order: C{(action, slot, filename)}
+        (C{filename} is C{None} when the body named none).
+    """
+
+    def __init__(self, fake: FakeLlama, n_slots: int, *, enabled: bool = True) -> None:
+        """
+        Answer C{POST /slots/0} to C{/slots/<n_slots - 1>} on C{fake}.
+
+        @param enabled: whether the server was started with C{--slot-save-path}.
+        """
+        self.enabled = enabled
+        self.tokens: dict[int, int] = dict.fromkeys(range(n_slots), 0)
+        self.files: dict[str, int] = {}
+        self.actions: list[tuple[str, int, str | None]] = []
+        for slot in range(n_slots):
+            fake.set_default("POST", f"/slots/{slot}", self._answer)
+
+    def _answer(self, request: RecordedRequest, fake: FakeLlama) -> Reply:
+        """The reply to one slot action (see the class docstring)."""
+        slot = int(request.path.rsplit("/", 1)[1])
+        action = dict(p.partition("=")[::2] for p in request.query.split("&")).get("action", "")
+        body = request.json if isinstance(request.json, dict) else {}
+        filename = body.get("filename")
+        self.actions.append((action, slot, filename if isinstance(filename, str) else None))
+        if not self.enabled:
+            message = "This server does not support slots action. Start it with `--slot-save-path`"
+            return error_reply(501, "not_supported_error", message)
+        if action not in ("save", "restore"):
+            return error_reply(400, "invalid_request_error", "Invalid action")
+        if not isinstance(filename, str) or not filename or "/" in filename or ".." in filename:
+            return error_reply(400, "invalid_request_error", "Invalid filename")
+        if action == "save":
+            self.files[filename] = self.tokens[slot]
+            saved = {"id_slot": slot, "filename": filename, "n_saved": self.tokens[slot]}
+            saved.update(n_written=self.tokens[slot] * 512, timings={"save_ms": 1.5})
+            return json_reply(200, saved)
+        if filename not in self.files:
+            return error_reply(400, "invalid_request_error", _RESTORE_FAILED)
+        self.tokens[slot] = self.files[filename]
+        restored = {"id_slot": slot, "filename": filename, "n_restored": self.tokens[slot]}
+        restored.update(n_read=self.tokens[slot] * 512, timings={"restore_ms": 2.5})
+        return json_reply(200, restored)

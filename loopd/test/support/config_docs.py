@@ -17,6 +17,7 @@ from loopd.config import (
     Config,
     Endpoint,
     Expect,
+    HealthProbe,
     Limits,
     Mesh,
     Queue,
@@ -39,6 +40,7 @@ SECTION_TYPES: dict[str, type] = {
     "server": Server,
     "queue": Queue,
     "mesh": Mesh,
+    "health": HealthProbe,
 }
 """Each top-level table of a document other than [[endpoint]], with its dataclass."""
 
@@ -157,7 +159,9 @@ expects = st.builds(
 
 
 def endpoints_of(kind: str, selftest: st.SearchStrategy[bool]) -> st.SearchStrategy[Endpoint]:
-    """Valid endpoints of one kind."""
+    """Valid endpoints of one kind; an openai one may name its engine's affinity."""
+    openai = kind == "openai"
+    headers = ["x-smg-routing-key", "X-Dynamo-Session-ID", "x-session-token"] if openai else []
     return st.builds(
         Endpoint,
         kind=st.just(kind),
@@ -169,6 +173,10 @@ def endpoints_of(kind: str, selftest: st.SearchStrategy[bool]) -> st.SearchStrat
         size_b=optional(reals(0, 1_000_000, open_low=True)),
         vision=st.booleans(),
         audio=st.booleans(),
+        affinity_header=st.sampled_from([None, *headers]),
+        affinity_field=st.sampled_from([None, "user"] if openai else [None]),
+        affinity_priority=st.booleans() if openai else st.just(False),
+        slot_save=st.booleans() if kind == "llama-server" else st.just(False),
     )
 
 
@@ -219,6 +227,12 @@ configs = st.builds(
         max_connections=st.integers(1, 2**31 - 1),
     ),
     mesh=st.builds(Mesh, strong_patience_ms=st.integers(0, 2**31 - 1)),
+    health=st.builds(
+        HealthProbe,
+        up_interval_ms=st.integers(1, 2**31 - 1),
+        down_interval_ms=st.integers(1, 2**31 - 1),
+        timeout_ms=st.integers(1, 2**31 - 1),
+    ),
     queue=st.builds(
         Queue,
         serve=st.booleans(),

@@ -32,11 +32,31 @@ class TwistProcess(ProcessProtocol):
         self.errors = b""
         self.ready: Deferred[None] = Deferred()
         self.ended: Deferred[int] = Deferred()
+        self._watches: list[tuple[bytes, int, Deferred[None]]] = []
 
     def outReceived(self, data: bytes) -> None:
         self.output += data
         if self.ready_marker in self.output and not self.ready.called:
             self.ready.callback(None)
+        watches, self._watches = self._watches, []
+        for watch in watches:
+            self._check(*watch)
+
+    def seen(self, marker: bytes, after: int = 0) -> Deferred[None]:
+        """
+        Fire once C{marker} is in the output from byte C{after} on (at once if it is there
+        already): an event to wait on, such as a log line.
+        """
+        waiting: Deferred[None] = Deferred()
+        self._check(marker, after, waiting)
+        return waiting
+
+    def _check(self, marker: bytes, after: int, waiting: Deferred[None]) -> None:
+        """Fire C{waiting} if C{marker} is in the output past C{after}, else keep watching."""
+        if marker in self.output[after:]:
+            waiting.callback(None)
+        else:
+            self._watches.append((marker, after, waiting))
 
     def errReceived(self, data: bytes) -> None:
         self.errors += data

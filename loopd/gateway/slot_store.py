@@ -1,0 +1,154 @@
+# -*- test-case-name: loopd.test.test_gateway_slot_store -*-
+"""
+Where each session's KV cache is, for an endpoint whose server saves slots to files
+(C{[[endpoint]] slot_save = true}, the server started with C{--slot-save-path}; DESIGN §3
+decision 39): which session each slot holds, which sessions have a file, and so what to do
+before a request runs on a slot (L{SlotStore.plan}).
+
+ - B{Save on switch-away.} Before a session is pinned to a slot that holds another session's
+   conversation (one the caller still wants kept, and that ran since it was last saved or
+   restored), that slot is saved to the other session's file.
+ - B{Restore on return.} When a session with a file comes to a slot that does not hold it,
+   its file is restored into the slot before its request.
+ - B{Verify.} The restore worked when the request then reused more than the cache-loss
+   threshold (its C{cache_n}, L{restore_worked}); a restore that failed or did nothing leaves
+   a plain request, and the file is not tried again until the session is saved anew.
+
+A file's name is C{loopd-} and 32 hex digits of the SHA-256 of the endpoint's name and the
+session's key (L{filename}): nothing a client sent reaches the server's file system, and
+two sessions never share a file. One file per session and endpoint, overwritten at each
+save; the table is bounded, the least recently saved session going first (its file stays on
+the server's disk, unused).
+
+Pure: no reactor, no I/O (L{loopd.gateway.slot_swap} does the requests).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from loopd.gateway.sessions import DEFAULT_MAX_SESSIONS
+
+__all__ = ["SlotPlan", "SlotStore", "filename", "restore_worked"]
+
+
+def filename(endpoint: str, session: str) -> str:
+    """The file of C{session}'s slot on C{endpoint}: C{loopd-<32 hex digits>.bin}."""
+    digest = hashlib.sha256(f"{endpoint}\n{session}".encode()).hexdigest()
+    return f"loopd-{digest[:32]}.bin"
+
+
+def restore_worked(cache_n: int, threshold: int) -> bool:
+    """
+    Whether a restore did something: the request after it reused more than C{threshold}
+    tokens (the config's C{cache_loss_tokens}).
+    """
+    return cache_n > threshold
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """
+    What to do on a slot before a session's request runs there.
+
+    @ivar save: the session whose conversation the slot holds, to be saved to C{save_file}
+        first; C{None}: nothing to save.
+    @ivar save_file: that session's file.
+    @ivar restore_file: the requesting session's file, to be restored into the slot;
+        C{None}: nothing to restore.
+    """
+
+    save: str | None = None
+    save_file: str | None = None
+    restore_file: str | None = None
+
+
+@dataclass(frozen=True)
+class _Resident:
+    """Whose conversation a slot holds, and whether it ran since its file was written."""
+
+    session: str
+    dirty: bool
+
+
+class SlotStore:
+    """
+    The table of one gateway: per endpoint, which session each slot holds (as far as
+    loopd's own requests tell) and which sessions have a saved file.
+    """
+
+    def __init__(self, max_files: int = DEFAULT_MAX_SESSIONS) -> None:
+        """
+        @param max_files: how many saved sessions to remember, at least 1.
+        """
+        if max_files < 1:
+            raise ValueError(f"max_files must be >= 1, got {max_files}")
+        self._max = max_files
+        self._residents: dict[tuple[str, int], _Resident] = {}
+        self._files: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+    def resident(self, endpoint: str, slot: int) -> str | None:
+        """The session whose conversation C{endpoint}'s C{slot} holds, if loopd knows one."""
+        held = self._residents.get((endpoint, slot))
+        return None if held is None else held.session
+
+    def has_file(self, endpoint: str, session: str) -> bool:
+        """Whether C{session} has a saved file on C{endpoint}."""
+        return (endpoint, session) in self._files
+
+    def plan(self, endpoint: str, slot: int, session: str, keep: Callable[[str], bool]) -> SlotPlan:
+        """
+        What to do on C{slot} before C{session}'s request runs there (module docstring).
+        The table is not changed.
+
+        @param keep: whether a session's conversation is still worth saving (a session
+            the gateway still knows; not an anonymous one whose connection closed).
+        """
+        held = self._residents.get((endpoint, slot))
+        save = None
+        if held is not None and held.session != session and held.dirty and keep(held.session):
+            save = held.session
+        restore = None
+        if (held is None or held.session != session) and self.has_file(endpoint, session):
+            restore = filename(endpoint, session)
+        return SlotPlan(save, None if save is None else filename(endpoint, save), restore)
+
+    def saved(self, endpoint: str, slot: int, session: str, tokens: int) -> None:
+        """
+        C{session}'s conversation on C{slot} was saved to its file, C{tokens} of it; a save
+        of nothing leaves the session without a file.
+        """
+        key = (endpoint, session)
+        if tokens <= 0:
+            self._files.pop(key, None)
+            return
+        self._files[key] = None
+        self._files.move_to_end(key)
+        while len(self._files) > self._max:
+            self._files.popitem(last=False)
+        held = self._residents.get((endpoint, slot))
+        if held is not None and held.session == session:
+            self._residents[(endpoint, slot)] = _Resident(session, dirty=False)
+
+    def save_failed(self, endpoint: str, session: str) -> None:
+        """A save of C{session} failed: its file, if any, is not current; it is not restored."""
+        self._files.pop((endpoint, session), None)
+
+    def restored(self, endpoint: str, slot: int, session: str) -> None:
+        """C{session}'s file was loaded into C{slot}: the slot holds it, as saved."""
+        self._residents[(endpoint, slot)] = _Resident(session, dirty=False)
+
+    def restore_failed(self, endpoint: str, slot: int, session: str) -> None:
+        """
+        A restore of C{session} into C{slot} failed or did nothing: its file is not tried
+        again until it is saved anew, and what the slot holds is no longer known.
+        """
+        self._files.pop((endpoint, session), None)
+        self._residents.pop((endpoint, slot), None)
+
+    def completed(self, endpoint: str, slot: int, session: str) -> None:
+        """C{session}'s request ran on C{slot}: the slot holds its conversation, unsaved."""
+        self._residents[(endpoint, slot)] = _Resident(session, dirty=True)

@@ -1,0 +1,207 @@
+"""
+Tests for L{loopd.gateway.slot_swap} in the leased call: on a C{slot_save} endpoint, the
+session a slot holds is saved before another takes it, a returning session's file is
+restored before its request, and a restore that fails or does nothing falls back to a plain
+request; against the fake llama-server's slot files (L{SlotFiles}) in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.logger import capturedLogs, formatEvent
+from twisted.trial.unittest import SynchronousTestCase
+
+from loopd.gateway.slot_store import filename
+from loopd.gateway.upstream import CallKeys
+from loopd.llama.types import ChatRequest, Completion, User
+from loopd.testing.fake_llama import CHAT, SlotFiles, error_reply, json_reply
+from loopd.testing.gateway import GatewayHarness, make_config
+from loopd.testing.llama_replies import answer
+
+REQUEST = ChatRequest(slot=-1, messages=(User("Hi"),))
+#: A turn that found its cache (or a restored one): 900 of 910 prompt tokens reused.
+HIT = {"cache_n": 900, "prompt_n": 10, "predicted_n": 2}
+#: A turn that found nothing: the whole prompt evaluated.
+MISS = {"cache_n": 0, "prompt_n": 910, "predicted_n": 2}
+
+
+def file_of(session: str) -> str:
+    """The file of C{session} on C{tiny}."""
+    return filename("tiny", session)
+
+
+class SwapCase(SynchronousTestCase):
+    """One slot_save endpoint, C{tiny}, with one slot; calls made without leases."""
+
+    slot_save = True
+
+    def setUp(self) -> None:
+        config = make_config(slots=1)
+        endpoint = dataclasses.replace(config.endpoints[0], slot_save=self.slot_save)
+        self.harness = GatewayHarness(dataclasses.replace(config, endpoints=(endpoint,)))
+        self.fake = self.harness.fake
+        self.files = SlotFiles(self.fake, 1)
+        self.upstreams = self.harness.gateway.upstreams
+
+    def call(self, session: str, timings: dict[str, Any] = HIT) -> Deferred[Completion]:
+        """Start one call of C{session}, its answer reporting C{timings}; let it run."""
+        self.fake.script("POST", CHAT, answer({"content": session}, timings=timings))
+        d = self.upstreams.call("tiny", REQUEST, CallKeys(session))
+        self.harness.advance(0.5)
+        # The slot now holds this session's conversation, as a real server's would.
+        self.files.tokens[0] = 910
+        return d
+
+    def turn(self, session: str, timings: dict[str, Any] = HIT) -> Completion:
+        """One whole call of C{session}."""
+        return self.successResultOf(self.call(session, timings))
+
+    def sent(self) -> list[str]:
+        """What reached the fake, in order: C{chat} or the slot action."""
+        return [
+            "chat" if r.path == CHAT else r.query.removeprefix("action=")
+            for r in self.fake.requests
+        ]
+
+
+class SwapTests(SwapCase):
+    """Save on switch-away, restore on return."""
+
+    def test_save_on_switch_away(self) -> None:
+        """b takes a's slot: a is saved to its file first, then b's request goes."""
+        self.turn("a")
+        self.turn("b")
+        self.assertEqual(self.sent(), ["chat", "save", "chat"])
+        self.assertEqual(self.files.actions, [("save", 0, file_of("a"))])
+        self.assertEqual(self.files.files, {file_of("a"): 910})
+
+    def test_restore_on_return(self) -> None:
+        """a comes back to the slot b holds: b is saved, a restored, then a's request."""
+        for session in ("a", "b", "a"):
+            self.turn(session)
+        self.assertEqual(self.sent(), ["chat", "save", "chat", "save", "restore", "chat"])
+        self.assertEqual(self.files.actions[-1], ("restore", 0, file_of("a")))
+        self.assertTrue(self.upstreams.slot_swap.store.has_file("tiny", "a"))
+        self.assertEqual(self.upstreams.slot_swap.store.resident("tiny", 0), "a")
+
+    def test_own_slot_nothing_asked(self) -> None:
+        """A session whose slot still holds it: no slot action at all."""
+        self.turn("a")
+        self.turn("a")
+        self.assertEqual(self.sent(), ["chat", "chat"])
+
+    def test_restored_not_saved_again_unchanged(self) -> None:
+        """
+        A restored conversation that has not run since is not saved again: b's request after
+        a's failed one does not save a.
+        """
+        for session in ("a", "b"):
+            self.turn(session)
+        self.fake.script("POST", CHAT, error_reply(400, "invalid_request_error", "bad"))
+        failing = self.upstreams.call("tiny", REQUEST, CallKeys("a"))
+        self.harness.advance(0.5)
+        self.failureResultOf(failing)
+        self.turn("b")
+        expected = ["chat", "save", "chat", "save", "restore", "chat", "restore", "chat"]
+        self.assertEqual(self.sent(), expected)
+
+    def test_closed_anonymous_session_not_saved(self) -> None:
+        """A session that ended (its connection closed) is not saved when another comes."""
+        self.turn("anonymous:1")
+        self.upstreams.end_session("anonymous:1")
+        self.turn("b")
+        self.assertEqual(self.sent(), ["chat", "chat"])
+
+
+class FallbackTests(SwapCase):
+    """A save or restore that fails or does nothing: the request goes as it is."""
+
+    def test_failed_restore_plain_request(self) -> None:
+        """A restore the server refuses: logged, the request still runs, the file dropped."""
+        for session in ("a", "b"):
+            self.turn(session)
+        self.files.files.clear()  # the server lost a's file
+        with capturedLogs() as events:
+            completion = self.turn("a", MISS)
+        self.assertEqual(completion.content, "a")
+        self.assertEqual(self.sent()[-3:], ["save", "restore", "chat"])
+        text = [formatEvent(e) for e in events]
+        self.assertTrue(any("slot restore failed for session a on tiny slot 0" in t for t in text))
+        self.assertTrue(any("Unable to restore slot" in t for t in text))
+        self.assertFalse(self.upstreams.slot_swap.store.has_file("tiny", "a"))
+
+    def test_restore_that_did_nothing(self) -> None:
+        """
+        A restore after which the answer reused nothing did nothing: logged, and the file is
+        not restored again until a is saved anew.
+        """
+        for session in ("a", "b"):
+            self.turn(session)
+        with capturedLogs() as events:
+            self.turn("a", MISS)
+        text = [formatEvent(e) for e in events]
+        self.assertTrue(any("slot restore did nothing for session a" in t for t in text))
+        self.assertFalse(self.upstreams.slot_swap.store.has_file("tiny", "a"))
+
+    def test_restore_of_nothing(self) -> None:
+        """A restore that loaded 0 tokens counts as failed at once."""
+        for session in ("a", "b"):
+            self.turn(session)
+        self.files.files[file_of("a")] = 0
+        self.turn("a")
+        self.assertFalse(self.upstreams.slot_swap.store.has_file("tiny", "a"))
+
+    def test_failed_save_request_goes_on(self) -> None:
+        """A save the server refuses (no --slot-save-path after all): b's request still runs."""
+        self.files.enabled = False
+        self.turn("a")
+        with capturedLogs() as events:
+            self.assertEqual(self.turn("b").content, "b")
+        text = [formatEvent(e) for e in events]
+        self.assertTrue(any("slot save failed for session a on tiny slot 0" in t for t in text))
+        self.assertEqual(self.sent(), ["chat", "save", "chat"])
+        # a has no file, so its return asks no restore.
+        self.turn("a")
+        self.assertEqual(self.sent()[-2:], ["save", "chat"])
+
+    def test_silent_save_bounded(self) -> None:
+        """A save that is never answered gives up after liveness_ms; the request goes."""
+        self.turn("a")
+        silent = dataclasses.replace(json_reply(200, {}), headers_delay=math.inf)
+        self.fake.script("POST", "/slots/0", silent)
+        self.fake.script("POST", CHAT, answer({"content": "b"}, timings=HIT))
+        d = self.upstreams.call("tiny", REQUEST, CallKeys("b"))
+        self.harness.advance(0.05)
+        self.assertEqual(self.sent(), ["chat", "save"])
+        self.harness.advance(0.5)
+        self.assertEqual(self.successResultOf(d).content, "b")
+
+    def test_cancel_during_save(self) -> None:
+        """Cancelling the call while the save runs aborts it; no request goes upstream."""
+        self.turn("a")
+        silent = dataclasses.replace(json_reply(200, {}), headers_delay=math.inf)
+        self.fake.script("POST", "/slots/0", silent)
+        d = self.upstreams.call("tiny", REQUEST, CallKeys("b"))
+        self.harness.net.pump()
+        d.cancel()
+        self.failureResultOf(d, CancelledError)
+        self.harness.advance(1.0)
+        self.assertEqual(self.sent(), ["chat", "save"])
+        self.assertTrue(self.fake.connections[-1].client_closed)
+        self.assertFalse(self.upstreams.clients["tiny"].gate.in_flight(0))
+
+
+class DisabledTests(SwapCase):
+    """Without slot_save, nothing but the chats reaches the server."""
+
+    slot_save = False
+
+    def test_no_slot_actions(self) -> None:
+        """Sessions taking turns on one slot: chats only."""
+        for session in ("a", "b", "a"):
+            self.turn(session)
+        self.assertEqual(self.sent(), ["chat", "chat", "chat"])
