@@ -56,7 +56,8 @@ class Result:
 
 
 def loopd_config(listen: str, endpoint_socket: str) -> str:
-    """Return the loopd.toml text: one endpoint, no self-test, a deep queue."""
+    """Return the loopd.toml text: one endpoint, no self-test, a deep queue, and the
+    inferproxy's limits."""
     return "\n".join(
         [
             "[server]",
@@ -69,6 +70,12 @@ def loopd_config(listen: str, endpoint_socket: str) -> str:
             f"name = {json.dumps(MODEL)}",
             f"socket = {json.dumps(endpoint_socket)}",
             "selftest = false",
+            # The limits PROXY_CMD starts the inferproxy with: loopd paces its connections
+            # to them, and the defaults (2 a second after a burst of 10) would be the
+            # bottleneck of every loopd path here.
+            "proxy_max_connections = 64",
+            "proxy_burst = 1000000",
+            "proxy_refill_per_second = 1000000",
             "",
         ]
     )

@@ -4,10 +4,16 @@ Gateway requests as lease holders of the shared scheduler (DESIGN §3 decision 1
 
 Each chat request takes a lease on its endpoint's queue for its session before it goes
 upstream, competing with the leases outside clients take over the lease socket. A session's
-lease outlives its request by a grace (C{[queue] grace_ms}), so its next turn starts without a
-switch and finds its slot's KV cache warm. Concurrent requests of one session share its lease;
-the grace starts when the last of them ends. A session that is gone (L{GatewayLeases.end}: an
-anonymous session whose connection closed) has no grace.
+lease outlives its request by a grace, so its next turn starts without a switch and finds its
+slot's KV cache warm, but only while the grace is worth its cost (decision 37,
+L{loopd.gateway.grace}): while nobody waits for the queue, the grace lasts C{[queue]
+grace_ms}; while a request waits (the gateway's own or an outside client's), it ends once the
+longest wait reaches the holder's expected re-prefill time, learned per endpoint from the
+completions the gateway accounts (L{GatewayLeases.observe}). The release is rescheduled
+whenever the queue's waiters change; the freed slot goes to the waiter the scheduler's tiers
+and aging choose. Concurrent requests of one session share its lease; the grace starts when
+the last of them ends. A session that is gone (L{GatewayLeases.end}: an anonymous session
+whose connection closed) has no grace.
 
 While a request runs its lease gets keyed activity beats on the lease's own terms; during the
 grace it gets bare TTL refreshes only, so an idle-yield window shorter than the grace can hand
@@ -20,6 +26,7 @@ Timers go through the injected reactor; no I/O.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +35,9 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
+from loopd.gateway.grace import SwitchCosts, release_at
+from loopd.llama.info import CacheOutcome
+from loopd.llama.types import Timings
 from loopd.queue.protocol import deliver_grant
 from loopd.queue.scheduler import Scheduler
 from loopd.queue.scheduler_types import Grant, Tier
@@ -48,6 +58,10 @@ class LeaseHold:
     @ivar granted: whether the scheduler granted it.
     @ivar final: whether one of its requests ended the session (no grace).
     @ivar terms: the lease's terms, once granted.
+    @ivar context: the context tokens of the session's last completion on the endpoint
+        while it held this lease (what a switch would make the server evaluate again);
+        C{None} before one (nothing cached to protect).
+    @ivar grace_ends: when its grace ends, while it is in one.
     """
 
     def __init__(self, queue_key: str, session_key: str, role: Tier) -> None:
@@ -61,6 +75,8 @@ class LeaseHold:
         self.granted = False
         self.final = False
         self.terms: LeaseTerms | None = None
+        self.context: int | None = None
+        self.grace_ends: float | None = None
         self.waiters: list[Deferred[LeaseHold]] = []
         self.beats: LoopingCall | None = None
         self.grace: IDelayedCall | None = None
@@ -76,22 +92,35 @@ class GatewayLeases:
 
     Its L{on_grant} must be the scheduler's C{on_grant}: it answers the gateway's own grants
     and passes every other one to the socket layer.
+
+    @ivar costs: what a switch costs on each endpoint, as learned so far.
+    @ivar cut_short: per endpoint, the graces a waiting request ended before C{grace_ms}.
     """
 
-    def __init__(self, reactor: IReactorTime, grace_ms: int) -> None:
+    def __init__(
+        self, reactor: IReactorTime, grace_ms: int, costs: SwitchCosts | None = None
+    ) -> None:
         """
-        @param grace_ms: how long a session keeps its lease after its last request ended.
+        @param grace_ms: how long a session keeps its lease after its last request ended,
+            while nobody waits.
+        @param costs: the learned switch costs; C{None}: a fresh L{SwitchCosts}.
         """
         self._reactor = reactor
         self._grace = grace_ms / 1000.0
         self._holds: dict[tuple[str, str], LeaseHold] = {}
+        # The holds in their grace, in the order it began.
+        self._graced: dict[LeaseHold, None] = {}
+        self.costs = SwitchCosts() if costs is None else costs
+        self.cut_short: Counter[str] = Counter()
         self.scheduler: Scheduler | None = None
 
     def bind(self, scheduler: Scheduler) -> None:
         """
-        Use C{scheduler} (whose C{on_grant} is this object's L{on_grant}).
+        Use C{scheduler} (whose C{on_grant} is this object's L{on_grant}), and hear from it
+        when a queue's waiters change.
         """
         self.scheduler = scheduler
+        scheduler.watch_waiting(self._waiting_changed)
 
     def _scheduler(self) -> Scheduler:
         """The bound scheduler; using the leases before L{bind} is a programming error."""
@@ -145,9 +174,7 @@ class GatewayLeases:
             hold = LeaseHold(queue_key, session_key, role)
             self._holds[key] = hold
         hold.users += 1
-        if hold.grace is not None:
-            hold.grace.cancel()
-            hold.grace = None
+        self._end_grace(hold)
         if hold.granted:
             return _fired(hold)
         waiter: Deferred[LeaseHold] = Deferred(lambda d: self._withdraw(hold, d))
@@ -174,9 +201,38 @@ class GatewayLeases:
         if hold.users > 0:
             return
         if self._grace > 0 and not hold.final:
-            hold.grace = self._reactor.callLater(self._grace, self._release, hold)
+            hold.grace_ends = self._reactor.seconds() + self._grace
+            self._graced[hold] = None
+            self._schedule(hold)
         else:
             self._release(hold)
+
+    def observe(
+        self,
+        endpoint: str,
+        session_key: str,
+        slot: int,
+        history: str,
+        timings: Timings,
+        outcome: CacheOutcome | None,
+    ) -> None:
+        """
+        A completion of C{session_key} on C{endpoint}'s C{slot} was accounted: learn the
+        endpoint's costs from it (L{SwitchCosts.observe}), and price the session's lease
+        there by its context from now on.
+
+        Call it before the request's L{done}, so that its grace is priced by this completion.
+
+        @param history: the key of the session's slot history (its own key, or a mesh
+            session's per-endpoint key).
+        @param outcome: its cache outcome against the session's previous completion.
+        """
+        self.costs.observe(endpoint, slot, history, timings, outcome)
+        hold = self._holds.get((endpoint, session_key))
+        if hold is not None and hold.granted:
+            hold.context = timings.total
+            if hold in self._graced:
+                self._schedule(hold)
 
     def end(self, session_key: str) -> None:
         """
@@ -187,8 +243,6 @@ class GatewayLeases:
         for hold in [h for (_, s), h in self._holds.items() if s == session_key]:
             hold.final = True
             if hold.users == 0:
-                if hold.grace is not None:
-                    hold.grace.cancel()
                 self._release(hold)
 
     def held_sessions(self, queue_key: str) -> set[str]:
@@ -212,6 +266,48 @@ class GatewayLeases:
                 self.scheduler.disconnect(hold)
 
     # -- internals ---------------------------------------------------------------------
+
+    def _waiting_changed(self, queue_key: str) -> None:
+        """
+        Some queue's waiters changed: reprice every grace (they are few: at most one per
+        slot, and a hold's asked key may lead to a group's queue).
+        """
+        for hold in list(self._graced):
+            if hold in self._graced:
+                self._schedule(hold)
+
+    def _schedule(self, hold: LeaseHold) -> None:
+        """
+        Set the release of a hold in its grace to what the rule says now
+        (L{release_at}): at once when that moment has passed.
+        """
+        assert hold.grace_ends is not None
+        scheduler = self._scheduler()
+        waiting_since = scheduler.waiting_since(hold.queue_key)
+        reprefill = self.costs.reprefill_seconds(hold.queue_key, hold.context or 0)
+        at = release_at(hold.grace_ends, waiting_since, reprefill)
+        now = self._reactor.seconds()
+        if at <= now:
+            if at < hold.grace_ends:
+                self.cut_short[hold.queue_key] += 1
+            self._release(hold)
+        elif hold.grace is None:
+            hold.grace = self._reactor.callLater(at - now, self._grace_over, hold)
+        elif hold.grace.getTime() != at:
+            hold.grace.reset(at - now)
+
+    def _grace_over(self, hold: LeaseHold) -> None:
+        """The release time of a grace came."""
+        hold.grace = None
+        self._schedule(hold)
+
+    def _end_grace(self, hold: LeaseHold) -> None:
+        """C{hold} is no longer in a grace: its session is back, or it is gone."""
+        self._graced.pop(hold, None)
+        hold.grace_ends = None
+        if hold.grace is not None:
+            hold.grace.cancel()
+            hold.grace = None
 
     def _ahead(self, hold: LeaseHold) -> int:
         """How many sessions wait ahead of C{hold} in its queue (enqueue order)."""
@@ -249,7 +345,6 @@ class GatewayLeases:
 
     def _release(self, hold: LeaseHold) -> None:
         """The grace ended: give the slot back."""
-        hold.grace = None
         self._drop(hold)
         self._scheduler().release(hold.queue_key, hold.session_key)
 
@@ -261,9 +356,7 @@ class GatewayLeases:
         if hold.beats is not None and hold.beats.running:
             hold.beats.stop()
         hold.beats = None
-        if hold.grace is not None:
-            hold.grace.cancel()
-            hold.grace = None
+        self._end_grace(hold)
 
 
 def _fired(hold: LeaseHold) -> Deferred[LeaseHold]:

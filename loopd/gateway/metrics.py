@@ -2,8 +2,9 @@
 """
 The gateway's Prometheus metrics, served at C{GET /metrics}: its own counters, histogram and
 gauge (L{GatewayMetrics}), and collectors read at every scrape: the lease scheduler's
-numbers (L{SchedulerCollector}), what the C{auto} router has measured (L{RouterCollector})
-and the pacing of loopd's connections to each endpoint (L{PacingCollector}).
+numbers (L{SchedulerCollector}), what the C{auto} router has measured (L{RouterCollector}),
+the pacing of loopd's connections to each endpoint (L{PacingCollector}) and what the grace
+has learned a switch costs there (L{GraceCollector}).
 
 Each L{GatewayMetrics} owns its own C{CollectorRegistry}, never the process-wide default, so
 several gateways (or tests) in one process keep separate counts. Every metric is labelled by
@@ -13,7 +14,7 @@ the endpoint's name (or the lease queue's).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -28,6 +29,7 @@ from prometheus_client.registry import Collector
 from twisted.logger import Logger
 
 from loopd.gateway.errors import GatewayError
+from loopd.gateway.grace import SwitchCosts
 from loopd.gateway.health import HealthBoard, State
 from loopd.gateway.router import AutoRouter, SpeedStats
 from loopd.llama.pacing import Pacer
@@ -37,6 +39,7 @@ from loopd.queue.scheduler import Scheduler
 __all__ = [
     "TTFT_BUCKETS",
     "GatewayMetrics",
+    "GraceCollector",
     "HealthCollector",
     "PacingCollector",
     "RouterCollector",
@@ -198,6 +201,18 @@ class GatewayMetrics:
         """
         self.registry.register(PacingCollector(pacers))
 
+    def watch_grace(
+        self, costs: SwitchCosts, cut_short: Mapping[str, int], endpoints: Iterable[str]
+    ) -> None:
+        """
+        Add what the grace learned of each endpoint's switch cost (C{loopd_grace_*}), read
+        at every scrape (decision 37).
+
+        @param costs: the learned switch costs.
+        @param cut_short: per endpoint, the graces a waiting request cut short.
+        @param endpoints: the endpoints to show, learned or not (a fresh one shows the priors).
+        """
+        self.registry.register(GraceCollector(costs, cut_short, endpoints))
     def watch_health(self, board: HealthBoard) -> None:
         """Add each endpoint's health (C{loopd_endpoint_up}, C{loopd_endpoint_state})."""
         self.registry.register(HealthCollector(board))
@@ -408,6 +423,68 @@ class PacingCollector(Collector):
         yield refusals
         yield open_now
         yield waiting
+
+
+class GraceCollector(Collector):
+    """
+    A collector over the grace's L{SwitchCosts}; it keeps no numbers of its own.
+    """
+
+    def __init__(
+        self, costs: SwitchCosts, cut_short: Mapping[str, int], endpoints: Iterable[str]
+    ) -> None:
+        """
+        @param costs: the learned switch costs, read at each scrape.
+        @param cut_short: per endpoint, the graces a waiting request cut short (read too).
+        @param endpoints: the endpoints shown besides those with something learned.
+        """
+        self._costs = costs
+        self._cut_short = cut_short
+        self._endpoints = list(endpoints)
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """
+        Yield, per endpoint, the prompt speed and cache-loss share the grace prices a switch
+        with, their sample counts, and the graces cut short by a waiting request.
+        """
+        speed = GaugeMetricFamily(
+            "loopd_grace_prompt_tokens_per_second",
+            "Prompt tokens per second the grace prices a re-prefill with (prior before a sample).",
+            labels=["endpoint"],
+        )
+        speed_samples = CounterMetricFamily(
+            "loopd_grace_prompt_speed_samples",
+            "Completions whose prompt speed was learned from.",
+            labels=["endpoint"],
+        )
+        share = GaugeMetricFamily(
+            "loopd_grace_cache_loss_share",
+            "Share of returning sessions that lost their cache (prior filling in at first).",
+            labels=["endpoint"],
+        )
+        returning = GaugeMetricFamily(
+            "loopd_grace_returning_sessions",
+            "Returning sessions the loss share is taken over now (its window).",
+            labels=["endpoint"],
+        )
+        cut = CounterMetricFamily(
+            "loopd_grace_cut_short",
+            "Graces ended before grace_ms because a request waited past the re-prefill time.",
+            labels=["endpoint"],
+        )
+        names = dict.fromkeys([*self._endpoints, *self._costs.endpoints(), *self._cut_short])
+        for name in names:
+            costs = self._costs.costs(name)
+            speed.add_metric([name], costs.prompt_tokens_per_second)
+            speed_samples.add_metric([name], costs.speed_samples)
+            share.add_metric([name], costs.loss_share)
+            returning.add_metric([name], len(costs.losses))
+            cut.add_metric([name], self._cut_short.get(name, 0))
+        yield speed
+        yield speed_samples
+        yield share
+        yield returning
+        yield cut
 
 
 class HealthCollector(Collector):

@@ -103,6 +103,8 @@ class Gateway:
         self.leases = leases
         if leases is not None and leases.scheduler is not None:
             self.metrics.watch_scheduler(leases.scheduler)
+        if leases is not None:
+            self.metrics.watch_grace(leases.costs, leases.cut_short, self.clients)
         self.router = AutoRouter(config.endpoints, props, rng)
         names = [e.name for e in config.endpoints]
         self.health = HealthBoard(names, ProbePace.from_settings(config.health), reactor.seconds())

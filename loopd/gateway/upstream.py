@@ -22,7 +22,8 @@ mesh worker and reducer call go through L{Upstreams.call}.
     upstream read while the client does not read.
  4. B{Accounting.} A completion's token counts go to the metrics, its speed to the C{auto}
     router, and its cache outcome against the session's previous completion on the endpoint
-    to the session table, the metrics (a loss) and the log.
+    to the session table, the metrics (a loss) and the log; under leases, all of it to the
+    leases' switch costs, which price the grace (L{GatewayLeases.observe}).
  5. B{Give back.} The lease goes back when the call ends: with the grace (the session's next
     turn starts without a switch), or at once when the session said it ends or is gone (an
     anonymous session whose connection closed, L{Upstreams.end_session}), and at once after a
@@ -293,6 +294,8 @@ class Upstreams:
             while len(self._homes) > DEFAULT_MAX_SESSIONS:
                 self._homes.popitem(last=False)
         outcome = self.sessions.record(keys.history, slot, timings, self.config.cache_loss_tokens)
+        if self.leases is not None:
+            self.leases.observe(endpoint, keys.session, slot, keys.history, timings, outcome)
         if outcome is None:
             return
         if outcome.loss:
@@ -382,13 +385,15 @@ class _LeasedCall:
         calling.addCallbacks(self._completed, self._failed)
 
     def _completed(self, completion: Completion) -> None:
-        """The client answered: give the lease back, account for the answer, hand it on."""
+        """The client answered: account for the answer, give the lease back, hand it on."""
         self._step = None
-        self._give_back(self._keys.ends)
+        # The slot's file state first, then the accounts: the give-back may hand the slot on,
+        # and the grace it starts is priced by this completion.
         self._up.slot_swap.settle(
             self._endpoint, self._slot, self._keys.history, self._restored, completion.timings
         )
         self._up.account(self._endpoint, self._keys, self._slot, completion, self._conversation)
+        self._give_back(self._keys.ends)
         self._result.callback(completion)
 
     def _failed(self, reason: Failure) -> None:

@@ -348,15 +348,21 @@ def _read_timings(chunk: dict[str, Any]) -> Timings | None:
         return _usage_timings(chunk.get("usage"))
     if not isinstance(timings, dict):
         raise Protocol(f"timings is not an object: {timings!r}")
-    speed = timings.get("predicted_per_second")
-    if speed is not None and (not isinstance(speed, (int, float)) or isinstance(speed, bool)):
-        raise Protocol(f"timings.predicted_per_second is not a number: {speed!r}")
     return Timings(
         cache_n=_count(timings, "cache_n", "timings"),
         prompt_n=_count(timings, "prompt_n", "timings"),
         predicted_n=_count(timings, "predicted_n", "timings"),
-        predicted_per_second=None if speed is None else float(speed),
+        predicted_per_second=_speed(timings, "predicted_per_second"),
+        prompt_per_second=_speed(timings, "prompt_per_second"),
     )
+
+
+def _speed(timings: dict[str, Any], key: str) -> float | None:
+    """A speed field of C{timings}: a number, or None when absent or null."""
+    speed = timings.get(key)
+    if speed is not None and (not isinstance(speed, (int, float)) or isinstance(speed, bool)):
+        raise Protocol(f"timings.{key} is not a number: {speed!r}")
+    return None if speed is None else float(speed)
 
 
 def _usage_timings(usage: object) -> Timings | None:

@@ -209,6 +209,7 @@ def merge(prefix: Partial, completion: Completion) -> Completion:
         prompt_n=timings.prompt_n - from_prompt,
         predicted_n=back + timings.predicted_n,
         predicted_per_second=timings.predicted_per_second,
+        prompt_per_second=timings.prompt_per_second,
     )
     reasoning_tokens = prefix.reasoning_tokens
     if prefix.thinking:

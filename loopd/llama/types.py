@@ -283,13 +283,15 @@ class FinishReason(enum.Enum):
 class Timings:
     """
     The server's counts for a request: C{cache_n} prompt tokens reused, C{prompt_n}
-    evaluated, C{predicted_n} generated, and the generation speed when reported.
+    evaluated, C{predicted_n} generated, and the generation and prompt-processing speeds
+    when reported.
     """
 
     cache_n: int = 0
     prompt_n: int = 0
     predicted_n: int = 0
     predicted_per_second: float | None = None
+    prompt_per_second: float | None = None
 
     @property
     def total(self) -> int:

@@ -4,8 +4,9 @@ The lease scheduler: who holds each queue's slots, who waits, and who is next.
 
 Pure and clock-injected: time comes from C{clock.seconds()} (an C{IReactorTime}, a
 C{task.Clock} in tests), grants are delivered to the injected C{on_grant} callback and log
-events to C{on_event}. The protocol layer calls the public methods and runs L{Scheduler.sweep}
-on its own timer.
+events to C{on_event}; a watcher (L{Scheduler.watch_waiting}) hears which queues' waiters
+changed, and L{Scheduler.waiting_since} says since when a queue's longest waiter waits.
+The protocol layer calls the public methods and runs L{Scheduler.sweep} on its own timer.
 
 Rules (the seed's, with DESIGN §3 decisions 10 and 20-23):
  - a queue is created on first use; an unknown key gets the defaults;
@@ -102,6 +103,28 @@ class Scheduler:
         self._forgotten_queues = self._forgotten_switches = 0
         self._conns = ConnIndex()
         self._lapses = LapseHeap(self._holds)
+        self._waiting_watcher: Callable[[str], None] | None = None
+        # The queues whose waiters changed in the operation that is running (a dict for order).
+        self._waiting_changed: dict[str, None] = {}
+
+    def watch_waiting(self, watcher: Callable[[str], None] | None) -> None:
+        """
+        Tell C{watcher} the key of each queue whose waiters changed (one queued, granted,
+        withdrawn or moved by a reload), once per operation, after its grants are delivered;
+        C{None} stops telling.
+        """
+        self._waiting_watcher = watcher
+
+    def waiting_since(self, queue_key: str) -> float | None:
+        """
+        Return when the longest-waiting waiter of the queue C{queue_key} leads to was
+        enqueued (the clock's seconds), or C{None} when nobody waits there.
+        """
+        queue = self._queues.get(self._router(queue_key).queue_key)
+        if queue is None or not queue.waiting:
+            return None
+        # C{waiting} is in enqueue order.
+        return next(iter(queue.waiting.values())).enqueued_at / 1000.0
 
     # -- public operations -------------------------------------------------------------
 
@@ -146,6 +169,7 @@ class Scheduler:
             self._seq += 1
             waiter = Waiter(conn, queue_key, session_key, role, group, activity, self._seq, now)
             queue.enqueue(waiter)
+            self._waiting_changed[queue.key] = None
             self._conns.add(conn, queue.key, session_key)
             self._emit(QueueEvent("queued", queue.key, session_key, role))
         self._flush()
@@ -174,6 +198,7 @@ class Scheduler:
         if queue is not None:
             waiter = queue.remove(session_key)
             if waiter is not None:
+                self._waiting_changed[queue.key] = None
                 self._conns.discard(waiter.conn, queue.key, session_key)
             if session_key in queue.holders:
                 self._drop_lease(queue, session_key, "cancel")
@@ -235,6 +260,7 @@ class Scheduler:
             if self._queues[queue_key].remove(session_key) is None:
                 held.setdefault(queue_key, set()).add(session_key)
             else:
+                self._waiting_changed[queue_key] = None
                 self._conns.discard(conn, queue_key, session_key)
         # a queue C{conn} had nothing in is as full as before: no room, or no waiter
         for queue in in_order(self._queues, touched):
@@ -302,6 +328,8 @@ class Scheduler:
             elif waiter.session_key not in queue.waiting:
                 queue.enqueue(waiter)
         self._reindex()
+        for key in [*old, *self._queues]:
+            self._waiting_changed[key] = None
         for queue in self._queues.values():
             limit = queue.policy.max_streams
             if queue.policy.enabled and len(queue.holders) > limit:
@@ -481,6 +509,7 @@ class Scheduler:
         while queue.waiting and queue.has_room():
             w = next_waiter(queue, now)
             queue.remove(w.session_key)
+            self._waiting_changed[queue.key] = None
             self._grant(
                 queue, w.conn, w.queue_key, w.session_key, w.role, w.group, w.activity, now, True
             )
@@ -522,7 +551,13 @@ class Scheduler:
 
     def _flush(self) -> None:
         """
-        Deliver the grants made by the operation that is ending, in order.
+        Deliver the grants made by the operation that is ending, in order, then tell the
+        waiting watcher which queues' waiters changed.
         """
         while self._pending:
             self._on_grant(self._pending.popleft())
+        while self._waiting_changed:
+            key = next(iter(self._waiting_changed))
+            del self._waiting_changed[key]
+            if self._waiting_watcher is not None:
+                self._waiting_watcher(key)

@@ -23,6 +23,8 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.config import Config
 from loopd.gateway.leases import GatewayLeases, LeaseHold, queue_status
+from loopd.llama.info import CacheOutcome
+from loopd.llama.types import Timings
 from loopd.queue.protocol import LeaseProtocol
 from loopd.queue.scheduler import Scheduler
 from loopd.queue.scheduler_types import QueuePolicy, StaticRouter, Tier
@@ -43,6 +45,11 @@ from loopd.testing.llama_replies import answer
 ONE = QueuePolicy(max_streams=1, lease_ttl_ms=3000, idle_yield_ms=30_000)
 #: The grace most tests run with, in milliseconds.
 GRACE_MS = 1000
+#: A context whose re-prefill, at the fresh endpoint's prior speed and loss share, costs
+#: 10 s: more than any grace here, so a waiter waits for the whole grace (decision 37).
+COSTLY = Timings(prompt_n=10_000)
+#: A returning session that found its cache.
+HIT = CacheOutcome(loss=False, expected=100, cached=100)
 
 
 class Harness:
@@ -72,6 +79,10 @@ class Harness:
         """One request of C{session} takes its lease; what on_queued says goes to L{queued}."""
         heard = self.queued.setdefault(session, [])
         return self.leases.acquire(queue, session, role, on_queued=heard.append)
+
+    def served(self, hold: LeaseHold, timings: Timings = COSTLY) -> None:
+        """A completion of C{hold}'s session on slot 0 was accounted (priced by C{timings})."""
+        self.leases.observe(hold.queue_key, hold.session_key, 0, hold.session_key, timings, None)
 
     def entry(self, queue: str = "q") -> dict[str, Any]:
         """The status entry of C{queue}."""
@@ -254,6 +265,7 @@ class GraceTests(SynchronousTestCase):
         h = Harness()
         hold = self.successResultOf(h.acquire("a"))
         waiter = h.acquire("b")
+        h.served(hold)
         h.leases.done(hold)
         h.advance(0.9)
         again = self.successResultOf(h.acquire("a"))
@@ -267,6 +279,7 @@ class GraceTests(SynchronousTestCase):
         h = Harness()
         hold = self.successResultOf(h.acquire("a"))
         waiter = h.acquire("b")
+        h.served(hold)
         h.leases.done(hold)
         h.advance(0.95)
         self.assertNoResult(waiter)
@@ -292,6 +305,159 @@ class GraceTests(SynchronousTestCase):
         h.advance(1.05)
         self.assertNoResult(h.acquire("a"))
         self.assertEqual((h.waiting(), h.queued["a"]), (["a"], [0]))
+
+
+#: A context whose re-prefill costs 0.5 s at the priors (1,000 tokens/s, every switch a loss).
+HALF_SECOND = Timings(prompt_n=500)
+
+
+class CostTests(SynchronousTestCase):
+    """
+    While a request waits, a grace lasts only as long as that wait stays below the holder's
+    expected re-prefill (decision 37); nobody waiting, the whole grace.
+    """
+
+    def test_waiter_cuts_at_reprefill(self) -> None:
+        """b waits from 0.2 s; a's re-prefill costs 0.5 s: the slot goes to b at 0.7 s."""
+        h = Harness()
+        hold = self.successResultOf(h.acquire("a"))
+        h.served(hold, HALF_SECOND)
+        h.leases.done(hold)
+        h.advance(0.2)
+        waiter = h.acquire("b")
+        h.advance(0.45)
+        self.assertNoResult(waiter)
+        h.advance(0.1)
+        self.assertEqual(self.successResultOf(waiter).session_key, "b")
+        self.assertEqual((h.holders(), h.switches(), h.leases.cut_short), (["b"], 1, {"q": 1}))
+
+    def test_nobody_waits(self) -> None:
+        """Nobody waiting: the session keeps its slot for the whole grace, however cheap."""
+        h = Harness()
+        hold = self.successResultOf(h.acquire("a"))
+        h.served(hold, Timings(prompt_n=1))
+        h.leases.done(hold)
+        h.advance(0.95)
+        self.assertEqual(h.holders(), ["a"])
+        h.advance(0.1)
+        self.assertEqual((h.entry()["holders"], h.leases.cut_short), ([], {}))
+
+    def test_waited_while_running(self) -> None:
+        """A request that waited longer than the re-prefill while a's ran: at once at done."""
+        h = Harness()
+        hold = self.successResultOf(h.acquire("a"))
+        waiter = h.acquire("b")
+        h.advance(0.6)
+        h.served(hold, HALF_SECOND)
+        h.leases.done(hold)
+        self.assertEqual(self.successResultOf(waiter).session_key, "b")
+
+    def test_waiter_leaves(self) -> None:
+        """A waiter that gives up gives the holder its whole grace back."""
+        h = Harness()
+        hold = self.successResultOf(h.acquire("a"))
+        h.served(hold, HALF_SECOND)
+        h.leases.done(hold)
+        h.advance(0.2)
+        waiter = h.acquire("b")
+        waiter.cancel()
+        self.failureResultOf(waiter, CancelledError)
+        h.advance(0.75)
+        self.assertEqual(h.holders(), ["a"])
+        h.advance(0.1)
+        self.assertEqual(h.entry()["holders"], [])
+
+    def test_next_turn_before_the_cut(self) -> None:
+        """The bet won: a's next turn comes before the cut, switch-free; b still waits."""
+        h = Harness()
+        hold = self.successResultOf(h.acquire("a"))
+        h.served(hold, HALF_SECOND)
+        h.leases.done(hold)
+        waiter = h.acquire("b")
+        h.advance(0.3)
+        self.assertIs(self.successResultOf(h.acquire("a")), hold)
+        self.assertNoResult(waiter)
+        self.assertEqual((h.switches(), h.leases.cut_short), (0, {}))
+
+    def test_unpriced_hold(self) -> None:
+        """A hold with no completion (its request failed) protects nothing: cut at once."""
+        h = Harness()
+        hold = self.successResultOf(h.acquire("a"))
+        waiter = h.acquire("b")
+        h.leases.done(hold)
+        self.assertEqual(self.successResultOf(waiter).session_key, "b")
+
+    def test_learned_zero_loss_share(self) -> None:
+        """
+        An endpoint whose returning sessions all found their cache (a host-RAM cache):
+        switches are free, so even a 10,000-token holder gives way at once.
+        """
+        h = Harness()
+        for n in range(4):
+            h.leases.costs.observe("q", 0, f"was-{n}", Timings(), None)
+            h.leases.costs.observe("q", 0, "back", Timings(), HIT)
+        self.assertEqual(h.leases.costs.costs("q").loss_share, 0.0)
+        hold = self.successResultOf(h.acquire("a"))
+        h.served(hold, COSTLY)
+        h.leases.done(hold)
+        waiter = h.acquire("b")
+        self.assertEqual(self.successResultOf(waiter).session_key, "b")
+
+    def test_tiers_choose_who_gets_it(self) -> None:
+        """
+        A child waits from 0.1 s, a parent from 0.3 s: the child's wait cuts the grace at
+        0.6 s, and the slot goes to the parent, as the scheduler's tiers say.
+        """
+        h = Harness()
+        hold = self.successResultOf(h.acquire("a"))
+        h.served(hold, HALF_SECOND)
+        h.leases.done(hold)
+        h.advance(0.1)
+        child = h.acquire("c", "child")
+        h.advance(0.2)
+        parent = h.acquire("p")
+        h.advance(0.25)
+        self.assertEqual(h.holders(), ["a"])
+        h.advance(0.1)
+        self.assertEqual(self.successResultOf(parent).session_key, "p")
+        self.assertNoResult(child)
+
+    def test_socket_client_counts(self) -> None:
+        """A lease-socket client's wait cuts the grace too, and it is granted the slot."""
+        h = Harness()
+        hold = self.successResultOf(h.acquire("a"))
+        h.served(hold, HALF_SECOND)
+        h.leases.done(hold)
+        peer = LeaseProtocol()
+        transport = StringTransport()
+        peer.makeConnection(transport)
+        h.scheduler.acquire(peer, "q", "outside")
+        h.advance(0.45)
+        self.assertEqual(transport.value(), b"")
+        h.advance(0.1)
+        self.assertEqual(json.loads(transport.value())["op"], "granted")
+        self.assertEqual(h.holders(), ["outside"])
+
+    def test_two_holders_one_waiter(self) -> None:
+        """
+        Two slots in grace, one waiter: the cheaper holder gives way; once the waiter is
+        granted, the other holder has its whole grace again.
+        """
+        h = Harness(QueuePolicy(max_streams=2, lease_ttl_ms=3000, idle_yield_ms=30_000))
+        cheap = self.successResultOf(h.acquire("cheap"))
+        dear = self.successResultOf(h.acquire("dear"))
+        h.served(cheap, Timings(prompt_n=200))
+        h.served(dear, HALF_SECOND)
+        h.leases.done(cheap)
+        h.leases.done(dear)
+        waiter = h.acquire("b")
+        h.advance(0.25)
+        self.assertEqual(self.successResultOf(waiter).session_key, "b")
+        self.assertEqual(sorted(h.holders()), ["b", "dear"])
+        h.advance(0.7)
+        self.assertEqual(sorted(h.holders()), ["b", "dear"])
+        h.advance(0.1)
+        self.assertEqual(h.holders(), ["b"])
 
 
 class WithdrawTests(SynchronousTestCase):
@@ -408,6 +574,7 @@ class BeatTests(SynchronousTestCase):
         hold = self.successResultOf(h.acquire("a"))
         waiter = h.acquire("b")
         h.advance(1.0)
+        h.served(hold)
         h.leases.done(hold)
         h.advance(0.95)
         self.assertNoResult(waiter)
@@ -501,6 +668,7 @@ class SessionGoneTests(SynchronousTestCase):
         h = Harness()
         hold = self.successResultOf(h.acquire("a"))
         waiter = h.acquire("b")
+        h.served(hold)
         h.leases.done(hold)
         self.assertEqual(h.holders(), ["a"])
         h.leases.end("a")
@@ -537,6 +705,11 @@ PATIENT = dataclasses.replace(LIMITS, busy_wait_ms=60_000)
 def long_answer(seconds: float) -> Any:
     """An upstream answer that streams a delta every 50 ms for about C{seconds}."""
     return answer(*[{"content": "x"}] * round(seconds / 0.05 - 1))
+
+
+def costly(text: str) -> Any:
+    """An upstream answer C{text} whose context is L{COSTLY}: a waiter waits a whole grace."""
+    return answer({"content": text}, timings=dataclasses.asdict(COSTLY))
 
 
 class LeaseHarness(GatewayHarness):
@@ -688,8 +861,11 @@ class WaitTests(LeaseTestCase):
         self.assertEqual(self.chats_sent(), 2)
 
     def test_second_waits_for_grace(self) -> None:
-        """The waiter goes upstream only when the holder's grace has ended."""
-        self.script(answer({"content": "first"}), answer({"content": "second"}))
+        """
+        The waiter goes upstream only when the holder's grace has ended, when the holder's
+        re-prefill would cost more than the whole grace.
+        """
+        self.script(costly("first"), answer({"content": "second"}))
         self.harness.chat(STREAM, "a")
         self.harness.chat(STREAM, "b")
         self.harness.advance(1.05)
@@ -709,7 +885,7 @@ class WaitTests(LeaseTestCase):
 
     def test_session_end_false_keeps_grace(self) -> None:
         """X-Session-End: 0 (or false) is an ordinary request: the grace holds the slot."""
-        self.script(answer({"content": "first"}), answer({"content": "second"}))
+        self.script(costly("first"), answer({"content": "second"}))
         self.harness.chat(STREAM, "a", end="0")
         self.harness.chat(STREAM, "b")
         self.harness.advance(0.5)
@@ -796,7 +972,7 @@ class AnonymousTests(LeaseTestCase):
         A connection that stays open keeps its anonymous session and slot between requests
         (a second connection waits); when it closes, the slot goes to the waiter at once.
         """
-        self.script(*[answer({"content": c}) for c in ("a1", "a2", "b1")])
+        self.script(costly("a1"), costly("a2"), answer({"content": "b1"}))
         kept = self.harness.connect()
         kept.post(HI)
         self.harness.advance(0.2)
@@ -928,6 +1104,59 @@ class SlotTests(LeaseTestCase):
         self.assertEqual(self.harness.queue()["switches"], 0)
 
 
+class GatewayCostTests(LeaseTestCase):
+    """
+    Through the gateway: the holder's completion prices its grace with the endpoint's
+    learned prompt speed, and C{/metrics} shows what was learned.
+    """
+
+    grace_ms = 5000
+
+    def test_learned_speed_cuts(self) -> None:
+        """
+        a's answer evaluated 2,000 tokens at 4,000 tokens/s (a 0.5 s re-prefill, every switch
+        a loss at the prior); b waits from the start: b goes upstream at 0.5 s, not after
+        a's 5 s grace.
+        """
+        timings = {"prompt_n": 2000, "prompt_per_second": 4000.0}
+        self.script(answer({"content": "a"}, timings=timings), answer({"content": "b"}))
+        self.harness.chat(STREAM, "a")
+        self.harness.chat(STREAM, "b")
+        self.harness.advance(0.45)
+        self.assertEqual((self.chats_sent(), self.harness.holders()), (1, ["a"]))
+        self.harness.advance(0.1)
+        self.assertEqual((self.chats_sent(), self.harness.holders()), (2, ["b"]))
+        samples = self.harness.scrape()
+        tiny = frozenset({("endpoint", "tiny")})
+        self.assertEqual(samples[("loopd_grace_prompt_tokens_per_second", tiny)], 4000.0)
+        self.assertEqual(samples[("loopd_grace_cache_loss_share", tiny)], 1.0)
+        self.assertEqual(samples[("loopd_grace_cut_short_total", tiny)], 1.0)
+
+    def test_returning_session_hit(self) -> None:
+        """
+        a, then b on a's slot, then a again finding its 100 tokens cached (a server whose
+        RAM cache restored it): one returning session, a hit; the prior's losses make up
+        the other three of its four.
+        """
+        self.script(
+            answer({"content": "a1"}, timings={"prompt_n": 100}),
+            answer({"content": "b1"}, timings={"prompt_n": 100}),
+            answer({"content": "a2"}, timings={"cache_n": 100, "prompt_n": 10}),
+        )
+        first = self.harness.chat(STREAM, "a")
+        self.harness.advance(0.15)
+        second = self.harness.chat(STREAM, "b")
+        self.harness.advance(0.15)
+        third = self.harness.chat(STREAM, "a")
+        self.harness.advance(1.0)
+        replies = [content(c.response()) for c in (first, second, third)]
+        self.assertEqual(replies, ["a1", "b1", "a2"])
+        samples = self.harness.scrape()
+        tiny = frozenset({("endpoint", "tiny")})
+        self.assertEqual(samples[("loopd_grace_returning_sessions", tiny)], 1.0)
+        self.assertEqual(samples[("loopd_grace_cache_loss_share", tiny)], 0.75)
+
+
 class QueueRouteTests(LeaseTestCase):
     """
     C{GET /v1/queue} serves the lease protocol's status reply, only when there are leases.
@@ -983,7 +1212,7 @@ class MetricsTests(LeaseTestCase):
         }
 
     def test_lease_metrics(self) -> None:
-        """A waiter shows in waiters; its grant after the grace in grants and switches."""
+        """A waiter shows in waiters; its grant when a's grace is cut, in grants and switches."""
         self.assertEqual(
             self.lease_samples(),
             {
@@ -1002,7 +1231,7 @@ class MetricsTests(LeaseTestCase):
         self.assertEqual(samples["loopd_lease_switches_total{queue=tiny}"], 0.0)
         self.assertEqual(samples["loopd_lease_waiters{queue=tiny}"], 1.0)
         self.assertEqual(samples["loopd_lease_holders{queue=tiny}"], 1.0)
-        self.harness.advance(2)
+        self.harness.advance(0.5)
         samples = self.lease_samples()
         self.assertEqual(samples["loopd_lease_grants_total"], 2.0)
         self.assertEqual(samples["loopd_lease_releases_total"], 1.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
@@ -10,9 +11,11 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
+from loopd.gateway.grace import SwitchCosts
 from loopd.errors import Connect
 from loopd.gateway.health import HealthBoard, ProbePace
 from loopd.gateway.metrics import GatewayMetrics
+from loopd.llama.info import CacheOutcome
 from loopd.llama.types import Timings
 from loopd.queue.protocol import LeaseFactory, deliver_grant
 from loopd.queue.scheduler import Scheduler
@@ -252,6 +255,63 @@ class SchedulerCollectorTests(SynchronousTestCase):
         self.assertEqual(families["loopd_lease_holders"], {})
         self.assertEqual(
             families["loopd_lease_grants"], {("loopd_lease_grants_total", labels()): 0.0}
+        )
+
+
+class GraceCollectorTests(SynchronousTestCase):
+    """The grace's families: what a switch costs per endpoint, and the graces cut short."""
+
+    def test_fresh_endpoint_shows_priors(self) -> None:
+        """An endpoint with nothing learned shows the priors: 1,000 tokens/s, share 1."""
+        metrics = GatewayMetrics()
+        metrics.watch_grace(SwitchCosts(), Counter(), ["tiny"])
+        families = scrape(metrics)
+        tiny = labels(endpoint="tiny")
+        self.assertEqual(
+            {name: families[name] for name in families if name.startswith("loopd_grace_")},
+            {
+                "loopd_grace_prompt_tokens_per_second": {
+                    ("loopd_grace_prompt_tokens_per_second", tiny): 1000.0
+                },
+                "loopd_grace_prompt_speed_samples": {
+                    ("loopd_grace_prompt_speed_samples_total", tiny): 0.0
+                },
+                "loopd_grace_cache_loss_share": {("loopd_grace_cache_loss_share", tiny): 1.0},
+                "loopd_grace_returning_sessions": {("loopd_grace_returning_sessions", tiny): 0.0},
+                "loopd_grace_cut_short": {("loopd_grace_cut_short_total", tiny): 0.0},
+            },
+        )
+
+    def test_learned(self) -> None:
+        """Learned figures and cuts are read at each scrape, per endpoint."""
+        costs = SwitchCosts()
+        cut_short: Counter[str] = Counter()
+        metrics = GatewayMetrics()
+        metrics.watch_grace(costs, cut_short, ["tiny", "big"])
+        costs.observe("big", 0, "a", Timings(prompt_n=400, prompt_per_second=800.0), None)
+        costs.observe("big", 1, "a", Timings(), CacheOutcome(loss=True, expected=9, cached=0))
+        cut_short["big"] += 2
+        families = scrape(metrics)
+        big = labels(endpoint="big")
+        self.assertEqual(
+            families["loopd_grace_prompt_tokens_per_second"][
+                ("loopd_grace_prompt_tokens_per_second", big)
+            ],
+            800.0,
+        )
+        self.assertEqual(
+            families["loopd_grace_cache_loss_share"][("loopd_grace_cache_loss_share", big)], 1.0
+        )
+        self.assertEqual(
+            families["loopd_grace_returning_sessions"][("loopd_grace_returning_sessions", big)],
+            1.0,
+        )
+        self.assertEqual(
+            families["loopd_grace_cut_short"],
+            {
+                ("loopd_grace_cut_short_total", labels(endpoint="tiny")): 0.0,
+                ("loopd_grace_cut_short_total", big): 2.0,
+            },
         )
 
 

@@ -51,19 +51,19 @@ EXPECTED: dict[str, Completion] = {
         "chatcmpl-OiHLLzOdB6ClysIo6sjMBG6DNfIMXLHZ",
         "Hello from the tiny model!",
         FinishReason.STOP,
-        Timings(cache_n=22, prompt_n=3, predicted_n=7, predicted_per_second=5623.242736644799),
+        Timings(22, 3, 7, 5623.242736644799, 4559.270516717325),
     ),
     "sse/progress-3k-prompt.sse": answer(
         "chatcmpl-2av1G6a2c0FdHlxhJb5TyZR7uKSuBDcb",
         "Hello from the",
         FinishReason.LENGTH,
-        Timings(cache_n=6, prompt_n=3018, predicted_n=3, predicted_per_second=609.0133982947625),
+        Timings(6, 3018, 3, 609.0133982947625, 16296.072311796022),
     ),
     "sse/tools-required-stream.sse": answer(
         "chatcmpl-KeqtvCTnzVCoRWb8YvW4GIOQvgMH4wVt",
         None,
         FinishReason.TOOL_CALLS,
-        Timings(cache_n=544, prompt_n=3, predicted_n=51, predicted_per_second=1880.9013279163378),
+        Timings(544, 3, 51, 1880.9013279163378, 1807.2289156626507),
         ToolCall("fESDz9mJT5tZH3ujV6gJGHnxeUZ3tV5C", "get_weather", '{"city":"test"}'),
     ),
 }
@@ -444,7 +444,7 @@ class BrokenStreamTests(SynchronousTestCase):
         choices: list[Any] = [{}, [None], [{"index": 1, "delta": {}}], [{"delta": "text"}]]
         choices += [[{"delta": {}}, {"delta": {}}]]
         timings: list[Any] = ["fast", {"cache_n": -1}, {"predicted_n": 1.5}, {"predicted_n": True}]
-        timings += [{"predicted_per_second": "fast"}]
+        timings += [{"predicted_per_second": "fast"}, {"prompt_per_second": True}]
         chunks = [chunk(d) for d in deltas] + [{"id": ID, "choices": c} for c in choices]
         chunks += [chunk(timings=t) for t in timings] + [[], "chunk", None, {"id": ID}, chunk(id=5)]
         chunks += [chunk(prompt_progress=[]), chunk(prompt_progress={"total": "3"})]

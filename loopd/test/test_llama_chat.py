@@ -127,7 +127,7 @@ def stream(events: list[bytes], delay_s: float = 0.0, **changes: Any) -> Reply:
 def last_timings(name: str) -> Timings:
     """The timings of the last chunk of a transcript, which the completion must keep."""
     timings = transcript_chunks(name)[-1]["timings"]
-    keys = ("cache_n", "prompt_n", "predicted_n", "predicted_per_second")
+    keys = ("cache_n", "prompt_n", "predicted_n", "predicted_per_second", "prompt_per_second")
     return Timings(*(timings[key] for key in keys))
 
 

@@ -588,6 +588,74 @@ class ForgetTests(SynchronousTestCase):
         self.assertEqual(h.keys(), ["q"])
 
 
+class WaitingWatchTests(SynchronousTestCase):
+    """
+    The waiting watcher hears each queue whose waiters changed, after the operation's
+    grants; waiting_since says since when the longest waiter waits.
+    """
+
+    def watched(self) -> tuple[Harness, list[str]]:
+        """A harness whose watcher's calls are listed, a holder s1 on q and nothing told."""
+        h = Harness()
+        told: list[str] = []
+        h.sched.watch_waiting(told.append)
+        h.sched.acquire("c1", "q", "s1")
+        return h, told
+
+    def test_holder_alone_untold(self) -> None:
+        """A direct grant or a release with nobody waiting changes no waiters."""
+        h, told = self.watched()
+        h.sched.release("q", "s1")
+        self.assertEqual((told, h.sched.waiting_since("q")), ([], None))
+
+    def test_queued(self) -> None:
+        """A waiter queued at 2.5 s: q is told once; waiting_since is 2.5 s."""
+        h, told = self.watched()
+        h.advance_ms(2500)
+        h.sched.acquire("c2", "q", "s2")
+        h.advance_ms(500)
+        h.sched.acquire("c3", "q", "s3")
+        self.assertEqual((told, h.sched.waiting_since("q")), (["q", "q"], 2.5))
+
+    def test_granted_after_its_grant(self) -> None:
+        """The waiter granted on a release: told after its grant was delivered."""
+        h, told = self.watched()
+        h.sched.acquire("c2", "q", "s2")
+        seen: list[tuple[str, list[str]]] = []
+        h.sched.watch_waiting(lambda key: seen.append((key, h.sessions())))
+        h.sched.release("q", "s1")
+        self.assertEqual(seen, [("q", ["s1", "s2"])])
+        self.assertIsNone(h.sched.waiting_since("q"))
+
+    def test_cancelled_and_disconnected(self) -> None:
+        """A waiter cancelled, another whose connection went: told each time."""
+        h, told = self.watched()
+        h.sched.acquire("c2", "q", "s2")
+        h.sched.acquire("c3", "q", "s3")
+        del told[:]
+        h.sched.cancel("q", "s2")
+        self.assertEqual((told, h.sched.waiting_since("q")), (["q"], 0.0))
+        h.sched.disconnect("c3")
+        self.assertEqual((told, h.sched.waiting_since("q")), (["q", "q"], None))
+
+    def test_group_member_key(self) -> None:
+        """Asked by a member's key, waiting_since reads the group's queue; told its key."""
+        h = Harness(StaticRouter(defaults=ONE, groups={"gpu": ("u1", "u2")}))
+        told: list[str] = []
+        h.sched.watch_waiting(told.append)
+        h.sched.acquire("c1", "u1", "s1")
+        h.advance_ms(1000)
+        h.sched.acquire("c2", "u2", "s2")
+        self.assertEqual((told, h.sched.waiting_since("u1")), (["gpu"], 1.0))
+
+    def test_unwatched(self) -> None:
+        """watch_waiting(None) stops the telling."""
+        h, told = self.watched()
+        h.sched.watch_waiting(None)
+        h.sched.acquire("c2", "q", "s2")
+        self.assertEqual(told, [])
+
+
 class SchedulerMachineTests(SynchronousTestCase):
     """Runs the state machine."""
 

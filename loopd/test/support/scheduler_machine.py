@@ -66,6 +66,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.longest_ttl = 3_000
         self.before: dict[tuple[str, str], Waiter] = {}
         self.over: set[str] = set()
+        self.told: set[str] = set()
+        self.sched.watch_waiting(self.told.add)
 
     def now(self) -> float:
         """The clock in milliseconds."""
@@ -113,7 +115,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert not aged(first, queue.policy, self.now()), "aged child passed over"
 
     def step(self) -> None:
-        """Snapshot the waiters before a scheduler call."""
+        """Snapshot the waiters before a scheduler call; nothing told of it yet."""
+        self.told.clear()
         self.before = {
             (q.key, w.session_key): w
             for q in self.sched._queues.values()
@@ -220,6 +223,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         counters = self.sched.counters()
         listed = sum(q["switches"] for q in status)
         assert listed + counters.forgotten_switches == counters.switches == self.switches
+
+    @invariant()
+    def waiting_watched(self) -> None:
+        """
+        Every queue whose waiters changed since the step began was told to the watcher, and
+        waiting_since is its longest waiter's enqueue time (None with no waiter).
+        """
+        before: dict[str, set[str]] = {}
+        for key, session in self.before:
+            before.setdefault(key, set()).add(session)
+        after = {q.key: set(q.waiting) for q in self.sched._queues.values() if q.waiting}
+        changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+        assert changed <= self.told, f"waiters changed untold: {sorted(changed - self.told)}"
+        for queue in self.sched._queues.values():
+            since = self.sched.waiting_since(queue.key)
+            waiters = list(queue.waiting.values())
+            oldest = min((w.enqueued_at for w in waiters), default=None)
+            assert since == (None if oldest is None else oldest / 1000.0), "waiting_since"
 
     @invariant()
     def capacity(self) -> None:

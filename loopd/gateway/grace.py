@@ -1,0 +1,181 @@
+# -*- test-case-name: loopd.test.test_gateway_grace -*-
+"""
+What a session's grace is worth (DESIGN §3 decision 37): the pure rule and what it learns.
+
+The grace is a bet that the session's next turn comes before a re-prefill would cost more
+than the waiting. While nobody waits for the slot, a session keeps it for the whole grace;
+once a request waits, the holder keeps it only while that wait stays below the holder's
+expected re-prefill time (L{release_at}):
+
+    expected re-prefill = context tokens / prompt tokens per second x cache-loss share
+
+ - B{context tokens}: the holder's last completion on the endpoint, C{prompt_n + cache_n +
+   predicted_n} (L{Timings.total}): what the server would evaluate again if the session came
+   back to a slot that lost it.
+ - B{prompt tokens per second}: the endpoint's measured prefill speed, from the
+   C{prompt_per_second} of its completions that evaluated at least L{MIN_PROMPT_TOKENS}
+   tokens (a shorter prompt's time is the batch's overhead, not its throughput), averaged
+   with their token counts as weights and the older ones fading by L{SPEED_WEIGHT} a sample.
+ - B{cache-loss share}: of the endpoint's returning sessions, the share that lost their
+   cache (the session table's L{CacheOutcome}), over the last L{LOSS_WINDOW}. A server
+   whose host-RAM prompt cache restores a switched-out session shows hits here, so the
+   share is small and a switch cheap; one without shows losses, and the grace is kept.
+
+A B{returning session} is a completion of a session that had a completion on the endpoint
+before (the table returned an outcome) and ran on a slot whose last completion was another
+session's (or none): only then could the server have lost the session's cache. A session
+that kept its slot always hits, and says nothing about the server's caches.
+
+B{Priors}, before anything is measured (a fresh endpoint): prompt speed
+L{PRIOR_PROMPT_TOKENS_PER_SECOND} (a small CPU machine; faster hardware makes the first
+graces longer than they are worth, never shorter), replaced by the first sample; loss share
+L{PRIOR_LOSS_SHARE} (every switch loses the cache, as llama-server without a host-RAM cache
+does, and as b11434 does when a session is pinned to an empty slot), counted as
+L{PRIOR_SAMPLES} samples that the first real ones push out.
+
+Pure: no reactor, no I/O; times are passed in (seconds).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Final
+
+from loopd.llama.info import CacheOutcome
+from loopd.llama.types import Timings
+
+__all__ = [
+    "LOSS_WINDOW",
+    "MIN_PROMPT_TOKENS",
+    "PRIOR_LOSS_SHARE",
+    "PRIOR_PROMPT_TOKENS_PER_SECOND",
+    "PRIOR_SAMPLES",
+    "SPEED_WEIGHT",
+    "EndpointCosts",
+    "SwitchCosts",
+    "release_at",
+]
+
+#: The prompt speed of an endpoint with no sample yet, in tokens per second.
+PRIOR_PROMPT_TOKENS_PER_SECOND: Final = 1000.0
+#: The cache-loss share of an endpoint with no returning session yet.
+PRIOR_LOSS_SHARE: Final = 1.0
+#: How many returning sessions the prior loss share counts as.
+PRIOR_SAMPLES: Final = 4
+#: How many of the latest returning sessions the loss share is taken over.
+LOSS_WINDOW: Final = 32
+#: The weight of each new speed sample (the older ones keep the rest).
+SPEED_WEIGHT: Final = 0.2
+#: The fewest evaluated prompt tokens whose speed is a sample.
+MIN_PROMPT_TOKENS: Final = 32
+
+
+@dataclass
+class EndpointCosts:
+    """
+    One endpoint's learned figures.
+
+    @ivar speed_samples: how many prompt speeds were measured.
+    @ivar losses: the latest returning sessions' outcomes, C{True} for a loss, oldest first.
+    @ivar occupants: each slot's session of its last completion.
+    """
+
+    speed_samples: int = 0
+    losses: deque[bool] = field(default_factory=lambda: deque(maxlen=LOSS_WINDOW))
+    occupants: dict[int, str] = field(default_factory=dict)
+    _tokens: float = 0.0
+    _seconds: float = 0.0
+
+    @property
+    def prompt_tokens_per_second(self) -> float:
+        """The measured prefill speed, or the prior before any sample."""
+        if self._seconds <= 0:
+            return PRIOR_PROMPT_TOKENS_PER_SECOND
+        return self._tokens / self._seconds
+
+    @property
+    def loss_share(self) -> float:
+        """The share of returning sessions that lost their cache, the prior filling in."""
+        seen = len(self.losses)
+        prior = max(0, PRIOR_SAMPLES - seen)
+        return (sum(self.losses) + PRIOR_LOSS_SHARE * prior) / (seen + prior)
+
+    def reprefill_seconds(self, context_tokens: int) -> float:
+        """
+        The expected cost, in seconds, of switching out a session of C{context_tokens}.
+
+        @raise ValueError: C{context_tokens} is negative.
+        """
+        if context_tokens < 0:
+            raise ValueError(f"context_tokens must be >= 0, got {context_tokens}")
+        return context_tokens / self.prompt_tokens_per_second * self.loss_share
+
+    def observe_speed(self, timings: Timings) -> None:
+        """Take C{timings}' prompt speed as a sample when it is one (module docstring)."""
+        speed = timings.prompt_per_second
+        if speed is None or not 0 < speed < math.inf or timings.prompt_n < MIN_PROMPT_TOKENS:
+            return
+        keep = 1.0 - SPEED_WEIGHT
+        self._tokens = self._tokens * keep + timings.prompt_n
+        self._seconds = self._seconds * keep + timings.prompt_n / speed
+        self.speed_samples += 1
+
+
+class SwitchCosts:
+    """
+    Every endpoint's L{EndpointCosts}, learned from the completions the gateway accounts.
+    """
+
+    def __init__(self) -> None:
+        """No endpoint measured yet."""
+        self._endpoints: dict[str, EndpointCosts] = {}
+
+    def observe(
+        self,
+        endpoint: str,
+        slot: int,
+        session: str,
+        timings: Timings,
+        outcome: CacheOutcome | None,
+    ) -> None:
+        """
+        Learn from one completion of C{session} on C{endpoint}'s C{slot}.
+
+        @param outcome: its cache outcome against the session's previous completion
+            (L{loopd.gateway.sessions.Sessions.record}), C{None} for a session's first.
+        """
+        costs = self._endpoints.setdefault(endpoint, EndpointCosts())
+        costs.observe_speed(timings)
+        if outcome is not None and costs.occupants.get(slot) != session:
+            costs.losses.append(outcome.loss)
+        costs.occupants[slot] = session
+
+    def costs(self, endpoint: str) -> EndpointCosts:
+        """C{endpoint}'s figures; the priors (a fresh, unstored record) when it has none."""
+        return self._endpoints.get(endpoint) or EndpointCosts()
+
+    def endpoints(self) -> list[str]:
+        """The endpoints with something learned, in the order they were first seen."""
+        return list(self._endpoints)
+
+    def reprefill_seconds(self, endpoint: str, context_tokens: int) -> float:
+        """L{EndpointCosts.reprefill_seconds} of C{endpoint}."""
+        return self.costs(endpoint).reprefill_seconds(context_tokens)
+
+
+def release_at(grace_ends: float, waiting_since: float | None, reprefill_seconds: float) -> float:
+    """
+    When a holder in its grace gives its slot back.
+
+    @param grace_ends: when its grace (C{grace_ms} after its last request) ends.
+    @param waiting_since: when the longest-waiting request for its slot began to wait;
+        C{None} when nobody waits.
+    @param reprefill_seconds: its expected re-prefill time (L{EndpointCosts.reprefill_seconds}).
+    @return: the grace's end while nobody waits, else the earlier of it and the moment the
+        wait reaches the expected re-prefill time (which may be past: give it back now).
+    """
+    if waiting_since is None:
+        return grace_ends
+    return min(grace_ends, waiting_since + reprefill_seconds)
