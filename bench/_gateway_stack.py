@@ -55,9 +55,9 @@ class Result:
     text: str
 
 
-def loopd_config(listen: str, endpoint_socket: str) -> str:
-    """Return the loopd.toml text: one endpoint, no self-test, a deep queue, and the
-    inferproxy's limits."""
+def loopd_config(listen: str, endpoint_socket: str, grace_ms: int | None = None) -> str:
+    """Return the loopd.toml text: one endpoint, no self-test, a deep queue, the
+    inferproxy's limits, and [queue] grace_ms when given (else loopd's default)."""
     return "\n".join(
         [
             "[server]",
@@ -77,12 +77,14 @@ def loopd_config(listen: str, endpoint_socket: str) -> str:
             "proxy_burst = 1000000",
             "proxy_refill_per_second = 1000000",
             "",
+            *([] if grace_ms is None else ["[queue]", f"grace_ms = {grace_ms}", ""]),
         ]
     )
 
 
-def start(children: Children, threads: int) -> Stack:
-    """Start the server (2 slots), inferproxy and loopd; return where they listen."""
+def start(children: Children, threads: int, grace_ms: int | None = None) -> Stack:
+    """Start the server (2 slots), inferproxy and loopd (with grace_ms when given); return
+    where they listen."""
     from loopd.demo.tiny_model import write_tiny_model
 
     model = os.path.join(children.dir, "tiny-think.gguf")
@@ -92,7 +94,7 @@ def start(children: Children, threads: int) -> Stack:
     listen = os.path.join(children.dir, "loopd.sock")
     config = os.path.join(children.dir, "loopd.toml")
     with open(config, "w", encoding="utf-8") as f:
-        f.write(loopd_config(listen, infer))
+        f.write(loopd_config(listen, infer, grace_ms))
     argv = [sys.executable, "-m", "twisted", "--log-format=text", "loopd", "--config", config]
     proc = children.spawn("loopd", argv, log=True)
     wait_socket(children, proc, "loopd", listen)

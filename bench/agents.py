@@ -72,11 +72,6 @@ from loopd.llama.types import Assistant, ChatMessage, System, User
 
 N_CTX = 8192
 """The server's context: the one slot has all of it."""
-ENDPOINT_PACING = (
-    "proxy_max_connections = 64\nproxy_burst = 1000000\nproxy_refill_per_second = 1000000.0\n"
-)
-"""loopd's own pacing of the endpoint, as open as the inferproxy's (PROXY_CMD), where
-`loopd_config` does not set it already."""
 SLOT_SAVE = "slot_save = true\n"
 """The [[endpoint]] field of case (d)."""
 
@@ -191,8 +186,7 @@ def start_case(children: Children, case: Case, args: argparse.Namespace) -> tupl
     listen = os.path.join(children.dir, "loopd.sock")
     config = os.path.join(children.dir, "loopd.toml")
     with open(config, "w", encoding="utf-8") as f:
-        base = loopd_config(listen, infer)
-        f.write(base + ("" if "proxy_burst" in base else ENDPOINT_PACING))
+        f.write(loopd_config(listen, infer))
         f.write(SLOT_SAVE if case.slot_save else "")
         f.write("\n[queue]\nserve = false\n")
         if args.grace_ms is not None:
