@@ -213,6 +213,7 @@ class GatewayMetrics:
         @param endpoints: the endpoints to show, learned or not (a fresh one shows the priors).
         """
         self.registry.register(GraceCollector(costs, cut_short, endpoints))
+
     def watch_health(self, board: HealthBoard) -> None:
         """Add each endpoint's health (C{loopd_endpoint_up}, C{loopd_endpoint_state})."""
         self.registry.register(HealthCollector(board))

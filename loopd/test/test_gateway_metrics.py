@@ -11,8 +11,8 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.gateway.grace import SwitchCosts
 from loopd.errors import Connect
+from loopd.gateway.grace import SwitchCosts
 from loopd.gateway.health import HealthBoard, ProbePace
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.llama.info import CacheOutcome
