@@ -4,8 +4,9 @@ What a session's grace is worth (DESIGN §3 decision 37): the pure rule and what
 
 The grace is a bet that the session's next turn comes before a re-prefill would cost more
 than the waiting. While nobody waits for the slot, a session keeps it for the whole grace;
-once a request waits, the holder keeps it only while that wait stays below the holder's
-expected re-prefill time (L{release_at}):
+once a request waits, the holder keeps it only until the slot has idled beside that request
+for the holder's expected re-prefill time (L{release_at}, the ski-rental rule: a slot never
+idles beside a waiter longer than the switch would have cost):
 
     expected re-prefill = context tokens / prompt tokens per second x cache-loss share
 
@@ -26,12 +27,16 @@ before (the table returned an outcome) and ran on a slot whose last completion w
 session's (or none): only then could the server have lost the session's cache. A session
 that kept its slot always hits, and says nothing about the server's caches.
 
-B{Priors}, before anything is measured (a fresh endpoint): prompt speed
+B{Before anything is measured} (a fresh endpoint): prompt speed
 L{PRIOR_PROMPT_TOKENS_PER_SECOND} (a small CPU machine; faster hardware makes the first
-graces longer than they are worth, never shorter), replaced by the first sample; loss share
-L{PRIOR_LOSS_SHARE} (every switch loses the cache, as llama-server without a host-RAM cache
-does, and as b11434 does when a session is pinned to an empty slot), counted as
-L{PRIOR_SAMPLES} samples that the first real ones push out.
+graces longer than they are worth, never shorter), replaced by the first sample. The loss
+share is B{learned first}: until L{LEARN_SAMPLES} returning sessions were seen it is unknown
+(C{None}) and a switch is priced at nothing, so a waiter takes the slot as soon as the
+holder's request ends. Only switches show what a switch costs (loopd cannot see the server's
+C{--cache-ram}); a grace kept while learning would, on one slot whose sessions come back
+within their re-prefill time, never let a switch happen, and on a server whose RAM cache
+makes switches free it would idle every slot beside its waiters for good. Learning costs at
+most L{LEARN_SAMPLES} re-prefills per endpoint and start.
 
 Pure: no reactor, no I/O; times are passed in (seconds).
 """
@@ -47,11 +52,10 @@ from loopd.llama.info import CacheOutcome
 from loopd.llama.types import Timings
 
 __all__ = [
+    "LEARN_SAMPLES",
     "LOSS_WINDOW",
     "MIN_PROMPT_TOKENS",
-    "PRIOR_LOSS_SHARE",
     "PRIOR_PROMPT_TOKENS_PER_SECOND",
-    "PRIOR_SAMPLES",
     "SPEED_WEIGHT",
     "EndpointCosts",
     "SwitchCosts",
@@ -60,10 +64,8 @@ __all__ = [
 
 #: The prompt speed of an endpoint with no sample yet, in tokens per second.
 PRIOR_PROMPT_TOKENS_PER_SECOND: Final = 1000.0
-#: The cache-loss share of an endpoint with no returning session yet.
-PRIOR_LOSS_SHARE: Final = 1.0
-#: How many returning sessions the prior loss share counts as.
-PRIOR_SAMPLES: Final = 4
+#: How many returning sessions an endpoint must show before its loss share is known.
+LEARN_SAMPLES: Final = 2
 #: How many of the latest returning sessions the loss share is taken over.
 LOSS_WINDOW: Final = 32
 #: The weight of each new speed sample (the older ones keep the rest).
@@ -96,21 +98,29 @@ class EndpointCosts:
         return self._tokens / self._seconds
 
     @property
-    def loss_share(self) -> float:
-        """The share of returning sessions that lost their cache, the prior filling in."""
+    def loss_share(self) -> float | None:
+        """
+        The share of the latest returning sessions that lost their cache; C{None} while
+        fewer than L{LEARN_SAMPLES} were seen (still learning).
+        """
         seen = len(self.losses)
-        prior = max(0, PRIOR_SAMPLES - seen)
-        return (sum(self.losses) + PRIOR_LOSS_SHARE * prior) / (seen + prior)
+        if seen < LEARN_SAMPLES:
+            return None
+        return sum(self.losses) / seen
 
     def reprefill_seconds(self, context_tokens: int) -> float:
         """
-        The expected cost, in seconds, of switching out a session of C{context_tokens}.
+        The expected cost, in seconds, of switching out a session of C{context_tokens}:
+        nothing while the loss share is still learned.
 
         @raise ValueError: C{context_tokens} is negative.
         """
         if context_tokens < 0:
             raise ValueError(f"context_tokens must be >= 0, got {context_tokens}")
-        return context_tokens / self.prompt_tokens_per_second * self.loss_share
+        share = self.loss_share
+        if share is None:
+            return 0.0
+        return context_tokens / self.prompt_tokens_per_second * share
 
     def observe_speed(self, timings: Timings) -> None:
         """Take C{timings}' prompt speed as a sample when it is one (module docstring)."""
@@ -165,17 +175,28 @@ class SwitchCosts:
         return self.costs(endpoint).reprefill_seconds(context_tokens)
 
 
-def release_at(grace_ends: float, waiting_since: float | None, reprefill_seconds: float) -> float:
+def release_at(
+    grace_began: float,
+    grace_ends: float,
+    waiting_since: float | None,
+    reprefill_seconds: float,
+) -> float:
     """
     When a holder in its grace gives its slot back.
 
-    @param grace_ends: when its grace (C{grace_ms} after its last request) ends.
+    The slot idles beside a waiter from the later of the grace's start and the wait's: a
+    request that waited through the holder's last turn is not owed that turn, which was
+    work, not the grace.
+
+    @param grace_began: when its grace began (its last request ended).
+    @param grace_ends: when its grace (C{grace_ms} after that) ends.
     @param waiting_since: when the longest-waiting request for its slot began to wait;
         C{None} when nobody waits.
     @param reprefill_seconds: its expected re-prefill time (L{EndpointCosts.reprefill_seconds}).
     @return: the grace's end while nobody waits, else the earlier of it and the moment the
-        wait reaches the expected re-prefill time (which may be past: give it back now).
+        slot has idled beside the waiter for the expected re-prefill time (which may be
+        past: give it back now).
     """
     if waiting_since is None:
         return grace_ends
-    return min(grace_ends, waiting_since + reprefill_seconds)
+    return min(grace_ends, max(grace_began, waiting_since) + reprefill_seconds)

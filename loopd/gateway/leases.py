@@ -8,7 +8,8 @@ lease outlives its request by a grace, so its next turn starts without a switch 
 slot's KV cache warm, but only while the grace is worth its cost (decision 37,
 L{loopd.gateway.grace}): while nobody waits for the queue, the grace lasts C{[queue]
 grace_ms}; while a request waits (the gateway's own or an outside client's), it ends once the
-longest wait reaches the holder's expected re-prefill time, learned per endpoint from the
+slot has idled beside the longest waiter (from the later of the grace's start and the
+wait's) for the holder's expected re-prefill time, learned per endpoint from the
 completions the gateway accounts (L{GatewayLeases.observe}). The release is rescheduled
 whenever the queue's waiters change; the freed slot goes to the waiter the scheduler's tiers
 and aging choose. Concurrent requests of one session share its lease; the grace starts when
@@ -61,6 +62,7 @@ class LeaseHold:
     @ivar context: the context tokens of the session's last completion on the endpoint
         while it held this lease (what a switch would make the server evaluate again);
         C{None} before one (nothing cached to protect).
+    @ivar grace_began: when its grace began, while it is in one.
     @ivar grace_ends: when its grace ends, while it is in one.
     """
 
@@ -76,6 +78,7 @@ class LeaseHold:
         self.final = False
         self.terms: LeaseTerms | None = None
         self.context: int | None = None
+        self.grace_began: float | None = None
         self.grace_ends: float | None = None
         self.waiters: list[Deferred[LeaseHold]] = []
         self.beats: LoopingCall | None = None
@@ -201,7 +204,8 @@ class GatewayLeases:
         if hold.users > 0:
             return
         if self._grace > 0 and not hold.final:
-            hold.grace_ends = self._reactor.seconds() + self._grace
+            hold.grace_began = self._reactor.seconds()
+            hold.grace_ends = hold.grace_began + self._grace
             self._graced[hold] = None
             self._schedule(hold)
         else:
@@ -281,11 +285,11 @@ class GatewayLeases:
         Set the release of a hold in its grace to what the rule says now
         (L{release_at}): at once when that moment has passed.
         """
-        assert hold.grace_ends is not None
+        assert hold.grace_began is not None and hold.grace_ends is not None
         scheduler = self._scheduler()
         waiting_since = scheduler.waiting_since(hold.queue_key)
         reprefill = self.costs.reprefill_seconds(hold.queue_key, hold.context or 0)
-        at = release_at(hold.grace_ends, waiting_since, reprefill)
+        at = release_at(hold.grace_began, hold.grace_ends, waiting_since, reprefill)
         now = self._reactor.seconds()
         if at <= now:
             if at < hold.grace_ends:
@@ -304,7 +308,7 @@ class GatewayLeases:
     def _end_grace(self, hold: LeaseHold) -> None:
         """C{hold} is no longer in a grace: its session is back, or it is gone."""
         self._graced.pop(hold, None)
-        hold.grace_ends = None
+        hold.grace_began = hold.grace_ends = None
         if hold.grace is not None:
             hold.grace.cancel()
             hold.grace = None

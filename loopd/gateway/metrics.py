@@ -460,7 +460,7 @@ class GraceCollector(Collector):
         )
         share = GaugeMetricFamily(
             "loopd_grace_cache_loss_share",
-            "Share of returning sessions that lost their cache (prior filling in at first).",
+            "Share of returning sessions that lost their cache (NaN while still learning).",
             labels=["endpoint"],
         )
         returning = GaugeMetricFamily(
@@ -470,7 +470,7 @@ class GraceCollector(Collector):
         )
         cut = CounterMetricFamily(
             "loopd_grace_cut_short",
-            "Graces ended before grace_ms because a request waited past the re-prefill time.",
+            "Graces ended before grace_ms: the slot idled beside a waiter for the re-prefill time.",
             labels=["endpoint"],
         )
         names = dict.fromkeys([*self._endpoints, *self._costs.endpoints(), *self._cut_short])
@@ -478,7 +478,8 @@ class GraceCollector(Collector):
             costs = self._costs.costs(name)
             speed.add_metric([name], costs.prompt_tokens_per_second)
             speed_samples.add_metric([name], costs.speed_samples)
-            share.add_metric([name], costs.loss_share)
+            learned = costs.loss_share
+            share.add_metric([name], math.nan if learned is None else learned)
             returning.add_metric([name], len(costs.losses))
             cut.add_metric([name], self._cut_short.get(name, 0))
         yield speed

@@ -1,7 +1,7 @@
 """
 Tests for the grace's cost rule and what it learns (L{loopd.gateway.grace}): the release
-time, the priors of a fresh endpoint, the prompt speed, the loss share of returning sessions
-and which completions count as those.
+time (idling beside a waiter), a fresh endpoint still learning, the prompt speed, the loss
+share of returning sessions and which completions count as those.
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.gateway.grace import (
+    LEARN_SAMPLES,
     LOSS_WINDOW,
     MIN_PROMPT_TOKENS,
-    PRIOR_LOSS_SHARE,
     PRIOR_PROMPT_TOKENS_PER_SECOND,
-    PRIOR_SAMPLES,
     EndpointCosts,
     SwitchCosts,
     release_at,
@@ -32,60 +31,83 @@ times = st.floats(min_value=0, max_value=1e6, allow_nan=False)
 class ReleaseAtTests(SynchronousTestCase):
     """
     L{release_at}: the grace's end while nobody waits, else no later than the moment the
-    longest wait reaches the expected re-prefill.
+    slot has idled beside the longest waiter for the expected re-prefill.
     """
 
     def test_nobody_waits(self) -> None:
         """No waiter: the whole grace, whatever the re-prefill costs."""
-        self.assertEqual(release_at(13.0, None, 0.0), 13.0)
-        self.assertEqual(release_at(13.0, None, 99.0), 13.0)
+        self.assertEqual(release_at(12.0, 13.0, None, 0.0), 13.0)
+        self.assertEqual(release_at(12.0, 13.0, None, 99.0), 13.0)
 
     def test_waiter_cuts(self) -> None:
-        """A waiter since 10.0 and a 0.5 s re-prefill: released at 10.5."""
-        self.assertEqual(release_at(13.0, 10.0, 0.5), 10.5)
+        """A waiter since 12.2 (in the grace) and a 0.5 s re-prefill: released at 12.7."""
+        self.assertEqual(release_at(12.0, 13.0, 12.2, 0.5), 12.7)
+
+    def test_waited_through_the_turn(self) -> None:
+        """A waiter since 10.0, before the grace began at 12.0: the idling counts from 12.0."""
+        self.assertEqual(release_at(12.0, 13.0, 10.0, 0.5), 12.5)
 
     def test_costly_keeps_grace(self) -> None:
         """A re-prefill dearer than the rest of the grace: the grace's end."""
-        self.assertEqual(release_at(13.0, 10.0, 5.0), 13.0)
+        self.assertEqual(release_at(12.0, 13.0, 12.2, 5.0), 13.0)
 
     def test_free_switch(self) -> None:
-        """A re-prefill of nothing: released when the wait began (now, or already past)."""
-        self.assertEqual(release_at(13.0, 10.0, 0.0), 10.0)
+        """A re-prefill of nothing: released when the grace or the wait began."""
+        self.assertEqual(release_at(12.0, 13.0, 10.0, 0.0), 12.0)
+        self.assertEqual(release_at(12.0, 13.0, 12.4, 0.0), 12.4)
 
-    @given(times, st.none() | times, times)
+    @given(times, times, st.none() | times, times)
     def test_never_past_the_grace(
-        self, grace_ends: float, since: float | None, reprefill: float
+        self, began: float, length: float, since: float | None, reprefill: float
     ) -> None:
-        """Never later than the grace's end; with a waiter, never later than its deadline."""
-        at = release_at(grace_ends, since, reprefill)
+        """
+        Never later than the grace's end; with a waiter, never later than its idle
+        deadline, and never before the grace began.
+        """
+        grace_ends = began + length
+        at = release_at(began, grace_ends, since, reprefill)
         self.assertLessEqual(at, grace_ends)
+        self.assertGreaterEqual(at, began)
         if since is not None:
-            self.assertLessEqual(at, since + reprefill)
+            self.assertLessEqual(at, max(began, since) + reprefill)
 
 
-class PriorTests(SynchronousTestCase):
+class LearningTests(SynchronousTestCase):
     """
-    A fresh endpoint's figures are the documented priors.
+    A fresh endpoint: the prior prompt speed, and a loss share that is unknown until
+    LEARN_SAMPLES returning sessions were seen, a switch priced at nothing meanwhile.
     """
 
     def test_fresh_endpoint(self) -> None:
-        """Nothing observed: 1,000 tokens/s, every switch a loss; 2,000 tokens cost 2 s."""
+        """Nothing observed: 1,000 tokens/s, the share unknown, a switch free."""
         costs = SwitchCosts()
         fresh = costs.costs("tiny")
         self.assertEqual(fresh.prompt_tokens_per_second, PRIOR_PROMPT_TOKENS_PER_SECOND)
-        self.assertEqual(fresh.loss_share, PRIOR_LOSS_SHARE)
+        self.assertIsNone(fresh.loss_share)
         self.assertEqual((fresh.speed_samples, len(fresh.losses)), (0, 0))
-        self.assertEqual(costs.reprefill_seconds("tiny", 2000), 2.0)
+        self.assertEqual(costs.reprefill_seconds("tiny", 2000), 0.0)
         self.assertEqual(costs.endpoints(), [])
 
-    def test_prior_fades(self) -> None:
-        """Each returning hit pushes out one of the prior's losses; after them, the share is 0."""
+    def test_learned_after_samples(self) -> None:
+        """
+        Losses only: unknown until the LEARN_SAMPLES-th, then 1; 2,000 tokens then cost 2 s
+        at the prior speed.
+        """
         costs = EndpointCosts()
         shares = []
-        for _ in range(PRIOR_SAMPLES + 2):
-            costs.losses.append(False)
+        for _ in range(LEARN_SAMPLES + 1):
             shares.append(costs.loss_share)
-        self.assertEqual(shares, [0.75, 0.5, 0.25, 0.0, 0.0, 0.0])
+            costs.losses.append(True)
+        shares.append(costs.loss_share)
+        self.assertEqual(shares, [None] * LEARN_SAMPLES + [1.0, 1.0])
+        self.assertEqual(costs.reprefill_seconds(2000), 2.0)
+
+    def test_mixed_samples(self) -> None:
+        """One loss and one hit: a share of a half, so half the re-prefill."""
+        costs = EndpointCosts()
+        costs.losses.extend([True, False])
+        self.assertEqual(costs.loss_share, 0.5)
+        self.assertEqual(costs.reprefill_seconds(2000), 1.0)
 
     def test_negative_context(self) -> None:
         """A negative context is a programming error, named."""
@@ -186,23 +208,29 @@ class ReturningSessionTests(SynchronousTestCase):
         self.assertEqual(list(costs.costs("tiny").losses), [True])
 
     def test_per_endpoint(self) -> None:
-        """Each endpoint learns apart: a RAM-cached one's hits leave the other's prior."""
+        """Each endpoint learns apart: a RAM-cached one's hits leave the other unknown."""
         costs = SwitchCosts()
-        for _ in range(PRIOR_SAMPLES):
+        for _ in range(LEARN_SAMPLES):
             costs.observe("ram", 0, "a", Timings(), None)
             costs.observe("ram", 0, "b", Timings(), HIT)
+            costs.observe("plain", 0, "a", Timings(), None)
+            costs.observe("plain", 0, "b", Timings(), LOSS)
         self.assertEqual(costs.costs("ram").loss_share, 0.0)
         self.assertEqual(costs.reprefill_seconds("ram", 10_000), 0.0)
-        self.assertEqual(costs.costs("plain").loss_share, PRIOR_LOSS_SHARE)
+        self.assertEqual(costs.costs("plain").loss_share, 1.0)
+        self.assertEqual(costs.reprefill_seconds("plain", 10_000), 10.0)
+        self.assertIsNone(costs.costs("fresh").loss_share)
 
     @given(st.lists(st.booleans(), min_size=1, max_size=3 * LOSS_WINDOW))
     def test_share_of_window(self, outcomes: list[bool]) -> None:
-        """The share is in [0, 1]: with enough samples, the losses among the latest window."""
+        """Unknown below LEARN_SAMPLES; from then, the losses among the latest window."""
         costs = SwitchCosts()
         for n, loss in enumerate(outcomes):
             costs.observe("tiny", 0, f"s{n}", Timings(), LOSS if loss else HIT)
         share = costs.costs("tiny").loss_share
-        self.assertTrue(0.0 <= share <= 1.0)
         window = outcomes[-LOSS_WINDOW:]
-        if len(window) >= PRIOR_SAMPLES:
+        if len(window) < LEARN_SAMPLES:
+            self.assertIsNone(share)
+        else:
+            assert share is not None
             self.assertAlmostEqual(share, sum(window) / len(window))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 from twisted.internet.defer import CancelledError, Deferred
@@ -22,6 +23,7 @@ from twisted.logger import capturedLogs, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.config import Config
+from loopd.gateway.grace import LEARN_SAMPLES, SwitchCosts
 from loopd.gateway.leases import GatewayLeases, LeaseHold, queue_status
 from loopd.llama.info import CacheOutcome
 from loopd.llama.types import Timings
@@ -45,23 +47,49 @@ from loopd.testing.llama_replies import answer
 ONE = QueuePolicy(max_streams=1, lease_ttl_ms=3000, idle_yield_ms=30_000)
 #: The grace most tests run with, in milliseconds.
 GRACE_MS = 1000
-#: A context whose re-prefill, at the fresh endpoint's prior speed and loss share, costs
-#: 10 s: more than any grace here, so a waiter waits for the whole grace (decision 37).
+#: A context whose re-prefill, at the prior speed on an endpoint that learned every switch
+#: loses the cache, costs 10 s: more than any grace here, so a waiter waits for the whole
+#: grace (decision 37).
 COSTLY = Timings(prompt_n=10_000)
 #: A returning session that found its cache.
 HIT = CacheOutcome(loss=False, expected=100, cached=100)
+#: A returning session that lost it.
+LOSS = CacheOutcome(loss=True, expected=100, cached=0)
+
+
+def learn(
+    costs: SwitchCosts, endpoint: str, outcome: CacheOutcome, times: int = LEARN_SAMPLES
+) -> None:
+    """
+    Let C{endpoint} see C{times} returning sessions with C{outcome} (on slot -1, which no
+    test uses), so that its loss share is known.
+    """
+    for n in range(times):
+        costs.observe(endpoint, -1, f"was-{n}", Timings(), None)
+        costs.observe(endpoint, -1, "back", Timings(), outcome)
 
 
 class Harness:
     """A L{GatewayLeases} bound to a scheduler on a C{task.Clock}."""
 
-    def __init__(self, policy: QueuePolicy = ONE, grace_ms: int = GRACE_MS, **queues: Any) -> None:
+    def __init__(
+        self,
+        policy: QueuePolicy = ONE,
+        grace_ms: int = GRACE_MS,
+        learning: bool = False,
+        **queues: Any,
+    ) -> None:
         """
         @param policy: every queue's policy but those in C{queues}.
+        @param learning: leave the endpoints fresh (their loss share still learned); by
+            default C{q} and the C{queues} have learned that every switch loses the cache.
         @param queues: queue key → its own L{QueuePolicy}.
         """
         self.clock = Clock()
         self.leases = GatewayLeases(self.clock, grace_ms)
+        if not learning:
+            for endpoint in ("q", *queues):
+                learn(self.leases.costs, endpoint, LOSS)
         router = StaticRouter(defaults=policy, queues=queues)
         self.scheduler = Scheduler(self.clock, router, self.leases.on_grant)
         self.leases.bind(self.scheduler)
@@ -307,14 +335,16 @@ class GraceTests(SynchronousTestCase):
         self.assertEqual((h.waiting(), h.queued["a"]), (["a"], [0]))
 
 
-#: A context whose re-prefill costs 0.5 s at the priors (1,000 tokens/s, every switch a loss).
+#: A context whose re-prefill costs 0.5 s at the prior speed (1,000 tokens/s) where every
+#: switch loses the cache.
 HALF_SECOND = Timings(prompt_n=500)
 
 
 class CostTests(SynchronousTestCase):
     """
-    While a request waits, a grace lasts only as long as that wait stays below the holder's
-    expected re-prefill (decision 37); nobody waiting, the whole grace.
+    While a request waits, a grace lasts only until the slot has idled beside it for the
+    holder's expected re-prefill (decision 37); nobody waiting, the whole grace; while the
+    endpoint's loss share is still learned, a switch is free.
     """
 
     def test_waiter_cuts_at_reprefill(self) -> None:
@@ -343,14 +373,21 @@ class CostTests(SynchronousTestCase):
         self.assertEqual((h.entry()["holders"], h.leases.cut_short), ([], {}))
 
     def test_waited_while_running(self) -> None:
-        """A request that waited longer than the re-prefill while a's ran: at once at done."""
+        """
+        b waited through a's 0.6 s turn: that was work, not the grace, so the slot still
+        idles beside b for a's 0.5 s re-prefill, and goes to b at 1.1 s.
+        """
         h = Harness()
         hold = self.successResultOf(h.acquire("a"))
         waiter = h.acquire("b")
         h.advance(0.6)
         h.served(hold, HALF_SECOND)
         h.leases.done(hold)
+        h.advance(0.45)
+        self.assertNoResult(waiter)
+        h.advance(0.1)
         self.assertEqual(self.successResultOf(waiter).session_key, "b")
+        self.assertEqual(h.leases.cut_short, {"q": 1})
 
     def test_waiter_leaves(self) -> None:
         """A waiter that gives up gives the holder its whole grace back."""
@@ -392,16 +429,58 @@ class CostTests(SynchronousTestCase):
         An endpoint whose returning sessions all found their cache (a host-RAM cache):
         switches are free, so even a 10,000-token holder gives way at once.
         """
-        h = Harness()
-        for n in range(4):
-            h.leases.costs.observe("q", 0, f"was-{n}", Timings(), None)
-            h.leases.costs.observe("q", 0, "back", Timings(), HIT)
+        h = Harness(learning=True)
+        learn(h.leases.costs, "q", HIT, times=4)
         self.assertEqual(h.leases.costs.costs("q").loss_share, 0.0)
         hold = self.successResultOf(h.acquire("a"))
         h.served(hold, COSTLY)
         h.leases.done(hold)
         waiter = h.acquire("b")
         self.assertEqual(self.successResultOf(waiter).session_key, "b")
+
+    def test_learning_gives_way(self) -> None:
+        """
+        A fresh endpoint, its loss share unknown: a switch is priced at nothing, so a
+        waiter takes even a 10,000-token holder's slot as soon as its request ends.
+        """
+        h = Harness(learning=True)
+        hold = self.successResultOf(h.acquire("a"))
+        waiter = h.acquire("b")
+        h.served(hold, COSTLY)
+        h.leases.done(hold)
+        self.assertEqual(self.successResultOf(waiter).session_key, "b")
+        self.assertIsNone(h.leases.costs.costs("q").loss_share)
+
+    def test_learning_nobody_waits(self) -> None:
+        """Still learning, nobody waiting: the whole grace, as on any endpoint."""
+        h = Harness(learning=True)
+        hold = self.successResultOf(h.acquire("a"))
+        h.served(hold, COSTLY)
+        h.leases.done(hold)
+        h.advance(0.95)
+        self.assertEqual(h.holders(), ["a"])
+        h.advance(0.1)
+        self.assertEqual(h.entry()["holders"], [])
+
+    def test_learned_losses_keep(self) -> None:
+        """
+        Once the endpoint has shown LEARN_SAMPLES returning sessions that lost their cache,
+        a 10,000-token holder keeps its slot beside a waiter for the whole grace.
+        """
+        h = Harness(learning=True)
+        learn(h.leases.costs, "q", LOSS, times=LEARN_SAMPLES - 1)
+        self.assertIsNone(h.leases.costs.costs("q").loss_share)
+        learn(h.leases.costs, "q", LOSS, times=1)
+        self.assertEqual(h.leases.costs.costs("q").loss_share, 1.0)
+        hold = self.successResultOf(h.acquire("a"))
+        waiter = h.acquire("b")
+        h.served(hold, COSTLY)
+        h.leases.done(hold)
+        h.advance(0.95)
+        self.assertNoResult(waiter)
+        h.advance(0.1)
+        self.assertEqual(self.successResultOf(waiter).session_key, "b")
+        self.assertEqual(h.leases.cut_short, {})
 
     def test_tiers_choose_who_gets_it(self) -> None:
         """
@@ -715,9 +794,18 @@ def costly(text: str) -> Any:
 class LeaseHarness(GatewayHarness):
     """L{GatewayHarness} whose gateway takes leases, as C{twist loopd} wires them."""
 
-    def __init__(self, config: Config, grace_ms: int = 1000) -> None:
-        """A gateway over C{config} with a lease scheduler and a grace of C{grace_ms}."""
+    def __init__(self, config: Config, grace_ms: int = 1000, learning: bool = False) -> None:
+        """
+        A gateway over C{config} with a lease scheduler and a grace of C{grace_ms}.
+
+        @param learning: leave the endpoints fresh (their loss share still learned); by
+            default each has learned that every switch loses the cache.
+        """
         super().__init__(config, leases=True, grace_ms=grace_ms)
+        assert self.leases is not None
+        if not learning:
+            for endpoint in config.endpoints:
+                learn(self.leases.costs, endpoint.name, LOSS)
 
     def chat(
         self,
@@ -768,9 +856,11 @@ class LeaseTestCase(SynchronousTestCase):
 
     config = make_config(slots=1, limits=PATIENT)
     grace_ms = 1000
+    #: Whether the endpoints start fresh, their loss share still learned (L{LeaseHarness}).
+    learning = False
 
     def setUp(self) -> None:
-        self.harness = LeaseHarness(self.config, self.grace_ms)
+        self.harness = LeaseHarness(self.config, self.grace_ms, self.learning)
         self.fake = self.harness.fake
 
     def script(self, *replies: Any) -> None:
@@ -1115,14 +1205,16 @@ class GatewayCostTests(LeaseTestCase):
     def test_learned_speed_cuts(self) -> None:
         """
         a's answer evaluated 2,000 tokens at 4,000 tokens/s (a 0.5 s re-prefill, every switch
-        a loss at the prior); b waits from the start: b goes upstream at 0.5 s, not after
-        a's 5 s grace.
+        a loss as the endpoint learned); b waits from the start: b goes upstream 0.5 s after
+        a's answer, not after a's 5 s grace.
         """
         timings = {"prompt_n": 2000, "prompt_per_second": 4000.0}
         self.script(answer({"content": "a"}, timings=timings), answer({"content": "b"}))
         self.harness.chat(STREAM, "a")
         self.harness.chat(STREAM, "b")
-        self.harness.advance(0.45)
+        self.harness.advance(0.15)
+        self.assertEqual((self.chats_sent(), self.harness.holders()), (1, ["a"]))
+        self.harness.advance(0.4)
         self.assertEqual((self.chats_sent(), self.harness.holders()), (1, ["a"]))
         self.harness.advance(0.1)
         self.assertEqual((self.chats_sent(), self.harness.holders()), (2, ["b"]))
@@ -1132,29 +1224,46 @@ class GatewayCostTests(LeaseTestCase):
         self.assertEqual(samples[("loopd_grace_cache_loss_share", tiny)], 1.0)
         self.assertEqual(samples[("loopd_grace_cut_short_total", tiny)], 1.0)
 
+
+class GatewayLearningTests(LeaseTestCase):
+    """
+    Through the gateway on a fresh endpoint: returning sessions teach it the loss share,
+    which C{/metrics} shows as NaN until it is known.
+    """
+
+    learning = True
+
     def test_returning_session_hit(self) -> None:
         """
-        a, then b on a's slot, then a again finding its 100 tokens cached (a server whose
-        RAM cache restored it): one returning session, a hit; the prior's losses make up
-        the other three of its four.
+        a, then b on a's slot (a gives way at once: nothing learned yet), then a again
+        finding its 100 tokens cached (a server whose RAM cache restored it): one returning
+        session, a hit, and the share still unknown; a second one like it makes it 0.
         """
         self.script(
             answer({"content": "a1"}, timings={"prompt_n": 100}),
             answer({"content": "b1"}, timings={"prompt_n": 100}),
             answer({"content": "a2"}, timings={"cache_n": 100, "prompt_n": 10}),
+            answer({"content": "b2"}, timings={"cache_n": 100, "prompt_n": 10}),
         )
+        tiny = frozenset({("endpoint", "tiny")})
+        self.assertTrue(math.isnan(self.harness.scrape()[("loopd_grace_cache_loss_share", tiny)]))
         first = self.harness.chat(STREAM, "a")
-        self.harness.advance(0.15)
+        self.harness.advance(0.05)
         second = self.harness.chat(STREAM, "b")
-        self.harness.advance(0.15)
+        self.harness.advance(0.2)
         third = self.harness.chat(STREAM, "a")
         self.harness.advance(1.0)
         replies = [content(c.response()) for c in (first, second, third)]
         self.assertEqual(replies, ["a1", "b1", "a2"])
         samples = self.harness.scrape()
-        tiny = frozenset({("endpoint", "tiny")})
         self.assertEqual(samples[("loopd_grace_returning_sessions", tiny)], 1.0)
-        self.assertEqual(samples[("loopd_grace_cache_loss_share", tiny)], 0.75)
+        self.assertTrue(math.isnan(samples[("loopd_grace_cache_loss_share", tiny)]))
+        fourth = self.harness.chat(STREAM, "b")
+        self.harness.advance(0.5)
+        self.assertEqual(content(fourth.response()), "b2")
+        samples = self.harness.scrape()
+        self.assertEqual(samples[("loopd_grace_returning_sessions", tiny)], 2.0)
+        self.assertEqual(samples[("loopd_grace_cache_loss_share", tiny)], 0.0)
 
 
 class QueueRouteTests(LeaseTestCase):

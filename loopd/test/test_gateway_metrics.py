@@ -262,11 +262,16 @@ class GraceCollectorTests(SynchronousTestCase):
     """The grace's families: what a switch costs per endpoint, and the graces cut short."""
 
     def test_fresh_endpoint_shows_priors(self) -> None:
-        """An endpoint with nothing learned shows the priors: 1,000 tokens/s, share 1."""
+        """
+        An endpoint with nothing learned shows the prior speed, 1,000 tokens/s, and a loss
+        share of NaN: still learning.
+        """
         metrics = GatewayMetrics()
         metrics.watch_grace(SwitchCosts(), Counter(), ["tiny"])
         families = scrape(metrics)
         tiny = labels(endpoint="tiny")
+        share = families["loopd_grace_cache_loss_share"].pop(("loopd_grace_cache_loss_share", tiny))
+        self.assertTrue(math.isnan(share))
         self.assertEqual(
             {name: families[name] for name in families if name.startswith("loopd_grace_")},
             {
@@ -276,7 +281,7 @@ class GraceCollectorTests(SynchronousTestCase):
                 "loopd_grace_prompt_speed_samples": {
                     ("loopd_grace_prompt_speed_samples_total", tiny): 0.0
                 },
-                "loopd_grace_cache_loss_share": {("loopd_grace_cache_loss_share", tiny): 1.0},
+                "loopd_grace_cache_loss_share": {},
                 "loopd_grace_returning_sessions": {("loopd_grace_returning_sessions", tiny): 0.0},
                 "loopd_grace_cut_short": {("loopd_grace_cut_short_total", tiny): 0.0},
             },
@@ -290,6 +295,7 @@ class GraceCollectorTests(SynchronousTestCase):
         metrics.watch_grace(costs, cut_short, ["tiny", "big"])
         costs.observe("big", 0, "a", Timings(prompt_n=400, prompt_per_second=800.0), None)
         costs.observe("big", 1, "a", Timings(), CacheOutcome(loss=True, expected=9, cached=0))
+        costs.observe("big", 2, "a", Timings(), CacheOutcome(loss=False, expected=9, cached=9))
         cut_short["big"] += 2
         families = scrape(metrics)
         big = labels(endpoint="big")
@@ -300,11 +306,11 @@ class GraceCollectorTests(SynchronousTestCase):
             800.0,
         )
         self.assertEqual(
-            families["loopd_grace_cache_loss_share"][("loopd_grace_cache_loss_share", big)], 1.0
+            families["loopd_grace_cache_loss_share"][("loopd_grace_cache_loss_share", big)], 0.5
         )
         self.assertEqual(
             families["loopd_grace_returning_sessions"][("loopd_grace_returning_sessions", big)],
-            1.0,
+            2.0,
         )
         self.assertEqual(
             families["loopd_grace_cut_short"],
