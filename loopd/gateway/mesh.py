@@ -171,6 +171,7 @@ class _MeshCalls:
             self._session.ends,
             # The slot history is kept per endpoint: a mesh session calls several at once.
             slot_key=f"{self._session.id} mesh:{name}",
+            anonymous=self._session.anonymous,
         )
         calling = self._host.upstreams.call(name, request, keys, retryable=_retry_unless_down)
         return calling.addErrback(_rate_limited)

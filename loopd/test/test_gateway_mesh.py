@@ -21,6 +21,7 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.config import Config, Retry
+from loopd.testing.fake_llama import CHAT
 from loopd.testing.gateway import Response
 from loopd.testing.mesh import (
     ASK,
@@ -775,3 +776,45 @@ class MediaPoolTests(SynchronousTestCase):
         self.assertEqual(response.status, 400)
         self.assertEqual(response.json()["error"]["code"], "media_unsupported")
         self.assertEqual(harness.served(), {name: 0 for name in THREE})
+
+
+class AffinityTests(MeshTestCase):
+    """
+    A mesh turn over openai endpoints that carry loopd's session id to the engine's own
+    affinity (decision 42): a named session's id goes, an anonymous one's does not.
+    """
+
+    def harness(self) -> MeshHarness:
+        """Two openai workers, each asking for the id in C{x-smg-routing-key}."""
+        config = mesh_config(TWO, kinds={name: "openai" for name in TWO})
+        endpoints = tuple(
+            dataclasses.replace(e, affinity_header="x-smg-routing-key") for e in config.endpoints
+        )
+        harness = MeshHarness(dataclasses.replace(config, endpoints=endpoints))
+        harness.script(llama_70b=says("Paris", 0.1), mistral_7b=says("Paris", 0.1))
+        return harness
+
+    def routing_keys(self, harness: MeshHarness) -> list[str | None]:
+        """The routing key each worker's one request carried."""
+        keys = []
+        for name in TWO:
+            (received,) = harness.fakes[name].requests_to("POST", CHAT)
+            keys.append(received.header("x-smg-routing-key"))
+        return keys
+
+    def test_named_session_sends_its_id(self) -> None:
+        """X-Session-Id agent-1: both workers get it."""
+        harness = self.harness()
+        response = harness.ask(ASK, 1.0, session="agent-1")
+        self.assertEqual(response.status, 200)
+        self.assertEqual(self.routing_keys(harness), ["agent-1", "agent-1"])
+
+    def test_anonymous_mesh_sends_no_id(self) -> None:
+        """
+        No session named: the connection's anonymous id names no conversation, so no worker
+        gets one (the engine's own prefix routing decides).
+        """
+        harness = self.harness()
+        response = harness.ask(ASK, 1.0)
+        self.assertEqual(response.status, 200)
+        self.assertEqual(self.routing_keys(harness), [None, None])
