@@ -3,8 +3,9 @@
 The gateway's Prometheus metrics, served at C{GET /metrics}: its own counters, histogram and
 gauge (L{GatewayMetrics}), and collectors read at every scrape: the lease scheduler's
 numbers (L{SchedulerCollector}), what the C{auto} router has measured (L{RouterCollector}),
-the pacing of loopd's connections to each endpoint (L{PacingCollector}) and what the grace
-has learned a switch costs there (L{GraceCollector}).
+the pacing of loopd's connections to each endpoint (L{PacingCollector}), what the grace
+has learned a switch costs there (L{GraceCollector}) and how its slot-file saves and
+restores ended (L{SlotFileCollector}).
 
 Each L{GatewayMetrics} owns its own C{CollectorRegistry}, never the process-wide default, so
 several gateways (or tests) in one process keep separate counts. Every metric is labelled by
@@ -44,6 +45,7 @@ __all__ = [
     "PacingCollector",
     "RouterCollector",
     "SchedulerCollector",
+    "SlotFileCollector",
 ]
 
 _log = Logger(namespace="loopd.gateway.metrics")
@@ -213,6 +215,15 @@ class GatewayMetrics:
         @param endpoints: the endpoints to show, learned or not (a fresh one shows the priors).
         """
         self.registry.register(GraceCollector(costs, cut_short, endpoints))
+
+    def watch_slot_files(self, counts: Mapping[tuple[str, str, str], int]) -> None:
+        """
+        Add how the slot-file saves and restores ended (C{loopd_slot_files_total}), read at
+        every scrape (decision 39).
+
+        @param counts: by C{(endpoint, action, outcome)} (L{loopd.gateway.slot_swap}).
+        """
+        self.registry.register(SlotFileCollector(counts))
 
     def watch_health(self, board: HealthBoard) -> None:
         """Add each endpoint's health (C{loopd_endpoint_up}, C{loopd_endpoint_state})."""
@@ -487,6 +498,30 @@ class GraceCollector(Collector):
         yield share
         yield returning
         yield cut
+
+
+class SlotFileCollector(Collector):
+    """
+    A collector over the slot-file outcome counts of L{loopd.gateway.slot_swap.SlotSwap};
+    it keeps no numbers of its own.
+    """
+
+    def __init__(self, counts: Mapping[tuple[str, str, str], int]) -> None:
+        """
+        @param counts: by C{(endpoint, action, outcome)}, read at each scrape.
+        """
+        self._counts = counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        """Yield C{loopd_slot_files_total{endpoint, action, outcome}}."""
+        files = CounterMetricFamily(
+            "loopd_slot_files",
+            "Slot-file saves (saved, failed) and restores (worked, did_nothing, empty, failed).",
+            labels=["endpoint", "action", "outcome"],
+        )
+        for (endpoint, action, outcome), count in sorted(self._counts.items()):
+            files.add_metric([endpoint, action, outcome], count)
+        yield files
 
 
 class HealthCollector(Collector):

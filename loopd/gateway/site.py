@@ -122,6 +122,7 @@ class Gateway:
             slot_counts=slot_counts,
             health=self.health,
         )
+        self.metrics.watch_slot_files(self.upstreams.slot_swap.counts)
         self.metrics.watch_router(self.router, reactor.seconds)
         self.metrics.watch_health(self.health)
         self.metrics.watch_pacing({name: client.pacer for name, client in self.clients.items()})

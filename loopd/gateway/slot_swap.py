@@ -9,10 +9,16 @@ A save or restore that fails (an error status, no answer within the limits of
 L{Client.restore_slot}, no connection) is logged and the request goes on as a plain one: the
 server still has its own prompt cache, and the request is what matters. On an endpoint
 without C{slot_save} nothing is asked and nothing is kept.
+
+Every outcome is counted in L{SlotSwap.counts} (C{/metrics} shows them as
+C{loopd_slot_files_total}): a save C{saved} or C{failed}; a restore C{worked} (the next
+answer reused the file), C{did_nothing} (it loaded, the answer did not reuse it), C{empty}
+(the server loaded no tokens) or C{failed}.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Final
 
@@ -31,7 +37,12 @@ _log: Final = Logger(namespace="loopd.gateway.slots")
 
 
 class SlotSwap:
-    """The slot files of every C{slot_save} endpoint of one gateway."""
+    """
+    The slot files of every C{slot_save} endpoint of one gateway.
+
+    @ivar counts: how many saves and restores ended how, by C{(endpoint, action, outcome)}
+        (module docstring).
+    """
 
     def __init__(
         self,
@@ -53,6 +64,7 @@ class SlotSwap:
         self._keep = keep
         self._threshold = threshold
         self.store = store if store is not None else SlotStore()
+        self.counts: Counter[tuple[str, str, str]] = Counter()
 
     def enabled(self, endpoint: str) -> bool:
         """Whether C{endpoint} saves and restores slots."""
@@ -91,6 +103,7 @@ class SlotSwap:
             return
         if restored is not None:
             if restore_worked(timings.cache_n, self._threshold):
+                self.counts[endpoint, "restore", "worked"] += 1
                 _log.info(
                     "slot restore worked for session {session} on {endpoint} slot {slot}: "
                     "restored {restored}, reused {cached} tokens",
@@ -101,6 +114,7 @@ class SlotSwap:
                     cached=timings.cache_n,
                 )
             else:
+                self.counts[endpoint, "restore", "did_nothing"] += 1
                 _log.warn(
                     "slot restore did nothing for session {session} on {endpoint} slot "
                     "{slot}: restored {restored}, reused {cached} tokens",
@@ -120,11 +134,13 @@ class SlotSwap:
 
         def saved(answer: SlotFile) -> None:
             self.store.saved(endpoint, slot, session, answer.tokens)
+            self.counts[endpoint, "save", "saved"] += 1
 
         def failed(reason: Failure) -> Failure | None:
             if reason.check(CancelledError):
                 return reason
             self.store.save_failed(endpoint, session)
+            self.counts[endpoint, "save", "failed"] += 1
             _log.warn(
                 "slot save failed for session {session} on {endpoint} slot {slot}: {why}",
                 session=session,
@@ -152,6 +168,7 @@ class SlotSwap:
         def restored(answer: SlotFile) -> SlotFile | None:
             if answer.tokens == 0:
                 self.store.restore_failed(endpoint, slot, session)
+                self.counts[endpoint, "restore", "empty"] += 1
                 _log.warn(
                     "slot restore loaded nothing for session {session} on {endpoint} slot "
                     "{slot}, sending the request as it is",
@@ -167,6 +184,7 @@ class SlotSwap:
             if reason.check(CancelledError):
                 return reason
             self.store.restore_failed(endpoint, slot, session)
+            self.counts[endpoint, "restore", "failed"] += 1
             _log.warn(
                 "slot restore failed for session {session} on {endpoint} slot {slot}, "
                 "sending the request as it is: {why}",

@@ -2,7 +2,8 @@
 Tests for L{loopd.gateway.slot_swap} in the leased call: on a C{slot_save} endpoint, the
 session a slot holds is saved before another takes it, a returning session's file is
 restored before its request, and a restore that fails or does nothing falls back to a plain
-request; against the fake llama-server's slot files (L{SlotFiles}) in memory.
+request; against the fake llama-server's slot files (L{SlotFiles}) in memory. Each outcome
+is counted in C{/metrics} as C{loopd_slot_files_total}.
 """
 
 from __future__ import annotations
@@ -60,6 +61,16 @@ class SwapCase(SynchronousTestCase):
         """One whole call of C{session}."""
         return self.successResultOf(self.call(session, timings))
 
+    def counted(self) -> dict[tuple[str, str], float]:
+        """C{/metrics}' C{loopd_slot_files_total} of C{tiny}, by (action, outcome)."""
+        found = {}
+        for (name, labels), value in self.harness.scrape().items():
+            if name == "loopd_slot_files_total":
+                named = dict(labels)
+                self.assertEqual(named["endpoint"], "tiny")
+                found[named["action"], named["outcome"]] = value
+        return found
+
     def sent(self) -> list[str]:
         """What reached the fake, in order: C{chat} or the slot action."""
         return [
@@ -78,6 +89,7 @@ class SwapTests(SwapCase):
         self.assertEqual(self.sent(), ["chat", "save", "chat"])
         self.assertEqual(self.files.actions, [("save", 0, file_of("a"))])
         self.assertEqual(self.files.files, {file_of("a"): 910})
+        self.assertEqual(self.counted(), {("save", "saved"): 1.0})
 
     def test_restore_on_return(self) -> None:
         """a comes back to the slot b holds: b is saved, a restored, then a's request."""
@@ -87,6 +99,7 @@ class SwapTests(SwapCase):
         self.assertEqual(self.files.actions[-1], ("restore", 0, file_of("a")))
         self.assertTrue(self.upstreams.slot_swap.store.has_file("tiny", "a"))
         self.assertEqual(self.upstreams.slot_swap.store.resident("tiny", 0), "a")
+        self.assertEqual(self.counted(), {("save", "saved"): 2.0, ("restore", "worked"): 1.0})
 
     def test_own_slot_nothing_asked(self) -> None:
         """A session whose slot still holds it: no slot action at all."""
@@ -133,6 +146,7 @@ class FallbackTests(SwapCase):
         self.assertTrue(any("slot restore failed for session a on tiny slot 0" in t for t in text))
         self.assertTrue(any("Unable to restore slot" in t for t in text))
         self.assertFalse(self.upstreams.slot_swap.store.has_file("tiny", "a"))
+        self.assertEqual(self.counted(), {("save", "saved"): 2.0, ("restore", "failed"): 1.0})
 
     def test_restore_that_did_nothing(self) -> None:
         """
@@ -146,6 +160,7 @@ class FallbackTests(SwapCase):
         text = [formatEvent(e) for e in events]
         self.assertTrue(any("slot restore did nothing for session a" in t for t in text))
         self.assertFalse(self.upstreams.slot_swap.store.has_file("tiny", "a"))
+        self.assertEqual(self.counted(), {("save", "saved"): 2.0, ("restore", "did_nothing"): 1.0})
 
     def test_restore_of_nothing(self) -> None:
         """A restore that loaded 0 tokens counts as failed at once."""
@@ -154,6 +169,7 @@ class FallbackTests(SwapCase):
         self.files.files[file_of("a")] = 0
         self.turn("a")
         self.assertFalse(self.upstreams.slot_swap.store.has_file("tiny", "a"))
+        self.assertEqual(self.counted(), {("save", "saved"): 2.0, ("restore", "empty"): 1.0})
 
     def test_failed_save_request_goes_on(self) -> None:
         """A save the server refuses (no --slot-save-path after all): b's request still runs."""
@@ -164,6 +180,7 @@ class FallbackTests(SwapCase):
         text = [formatEvent(e) for e in events]
         self.assertTrue(any("slot save failed for session a on tiny slot 0" in t for t in text))
         self.assertEqual(self.sent(), ["chat", "save", "chat"])
+        self.assertEqual(self.counted(), {("save", "failed"): 1.0})
         # a has no file, so its return asks no restore.
         self.turn("a")
         self.assertEqual(self.sent()[-2:], ["save", "chat"])
@@ -204,4 +221,4 @@ class DisabledTests(SwapCase):
         """Sessions taking turns on one slot: chats only."""
         for session in ("a", "b", "a"):
             self.turn(session)
-        self.assertEqual(self.sent(), ["chat", "chat", "chat"])
+        self.assertEqual((self.sent(), self.counted()), (["chat", "chat", "chat"], {}))
