@@ -33,10 +33,11 @@ graces longer than they are worth, never shorter), replaced by the first sample.
 share is B{learned first}: until L{LEARN_SAMPLES} returning sessions were seen it is unknown
 (C{None}) and a switch is priced at nothing, so a waiter takes the slot as soon as the
 holder's request ends. Only switches show what a switch costs (loopd cannot see the server's
-C{--cache-ram}); a grace kept while learning would, on one slot whose sessions come back
-within their re-prefill time, never let a switch happen, and on a server whose RAM cache
-makes switches free it would idle every slot beside its waiters for good. Learning costs at
-most L{LEARN_SAMPLES} re-prefills per endpoint and start.
+C{--cache-ram}); a grace priced as a loss while learning would, on one slot whose sessions
+come back within their re-prefill time, never let a switch happen and so never learn, and
+on a server whose RAM cache makes switches free it would idle the slot beside every waiter.
+Learning costs one re-prefill for each session switched out while it lasts (where the
+server loses switched-out sessions), once per endpoint and start.
 
 Pure: no reactor, no I/O; times are passed in (seconds).
 """
