@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from twisted.internet.defer import CancelledError, Deferred
@@ -69,6 +70,12 @@ def learn(
         costs.observe(endpoint, -1, "back", Timings(), outcome)
 
 
+def learn_losses(costs: SwitchCosts, endpoints: Iterable[str]) -> None:
+    """Let each of C{endpoints} learn that every switch loses the cache (L{learn})."""
+    for endpoint in endpoints:
+        learn(costs, endpoint, LOSS)
+
+
 class Harness:
     """A L{GatewayLeases} bound to a scheduler on a C{task.Clock}."""
 
@@ -88,8 +95,7 @@ class Harness:
         self.clock = Clock()
         self.leases = GatewayLeases(self.clock, grace_ms)
         if not learning:
-            for endpoint in ("q", *queues):
-                learn(self.leases.costs, endpoint, LOSS)
+            learn_losses(self.leases.costs, ("q", *queues))
         router = StaticRouter(defaults=policy, queues=queues)
         self.scheduler = Scheduler(self.clock, router, self.leases.on_grant)
         self.leases.bind(self.scheduler)
@@ -362,15 +368,19 @@ class CostTests(SynchronousTestCase):
         self.assertEqual((h.holders(), h.switches(), h.leases.cut_short), (["b"], 1, {"q": 1}))
 
     def test_nobody_waits(self) -> None:
-        """Nobody waiting: the session keeps its slot for the whole grace, however cheap."""
-        h = Harness()
-        hold = self.successResultOf(h.acquire("a"))
-        h.served(hold, Timings(prompt_n=1))
-        h.leases.done(hold)
-        h.advance(0.95)
-        self.assertEqual(h.holders(), ["a"])
-        h.advance(0.1)
-        self.assertEqual((h.entry()["holders"], h.leases.cut_short), ([], {}))
+        """
+        Nobody waiting: the session keeps its slot for the whole grace, however cheap, on an
+        endpoint that learned its loss share as on one still learning it.
+        """
+        for learning in (False, True):
+            h = Harness(learning=learning)
+            hold = self.successResultOf(h.acquire("a"))
+            h.served(hold, Timings(prompt_n=1))
+            h.leases.done(hold)
+            h.advance(0.95)
+            self.assertEqual(h.holders(), ["a"], learning)
+            h.advance(0.1)
+            self.assertEqual((h.entry()["holders"], h.leases.cut_short), ([], {}), learning)
 
     def test_waited_while_running(self) -> None:
         """
@@ -450,17 +460,6 @@ class CostTests(SynchronousTestCase):
         h.leases.done(hold)
         self.assertEqual(self.successResultOf(waiter).session_key, "b")
         self.assertIsNone(h.leases.costs.costs("q").loss_share)
-
-    def test_learning_nobody_waits(self) -> None:
-        """Still learning, nobody waiting: the whole grace, as on any endpoint."""
-        h = Harness(learning=True)
-        hold = self.successResultOf(h.acquire("a"))
-        h.served(hold, COSTLY)
-        h.leases.done(hold)
-        h.advance(0.95)
-        self.assertEqual(h.holders(), ["a"])
-        h.advance(0.1)
-        self.assertEqual(h.entry()["holders"], [])
 
     def test_learned_losses_keep(self) -> None:
         """
@@ -804,8 +803,7 @@ class LeaseHarness(GatewayHarness):
         super().__init__(config, leases=True, grace_ms=grace_ms)
         assert self.leases is not None
         if not learning:
-            for endpoint in config.endpoints:
-                learn(self.leases.costs, endpoint.name, LOSS)
+            learn_losses(self.leases.costs, [e.name for e in config.endpoints])
 
     def chat(
         self,
