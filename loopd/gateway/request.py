@@ -127,8 +127,13 @@ class GatewayRequest:
     @ivar stream: answer with server-sent events.
     @ivar include_usage: a streamed answer ends with a usage chunk.
     @ivar session: the session it belongs to.
-    @ivar extras: the body's top-level fields loopd does not model, as sent. Nothing
-        forwards them yet; they are kept so that no front door has to read the body again.
+    @ivar thinking_cap: the request's own thinking cap in reasoning tokens (Anthropic's
+        C{thinking.budget_tokens}, a Responses C{reasoning.effort}), below the config's;
+        C{None} for the config's.
+    @ivar fields: the body fields the front door passes to the server as they are
+        (L{ChatRequest.fields}).
+    @ivar extras: the body's top-level fields loopd does not model, as sent, so that no
+        later stage has to read the body again.
     """
 
     model: str | None
@@ -143,6 +148,8 @@ class GatewayRequest:
     stream: bool = False
     include_usage: bool = False
     session: SessionRef = NO_SESSION
+    thinking_cap: int | None = None
+    fields: Mapping[str, Any] = field(default_factory=dict)
     extras: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -186,6 +193,8 @@ class GatewayRequest:
             top_p=self.top_p,
             stop=self.stop,
             tool_choice=self.tool_choice,
+            thinking_cap=self.thinking_cap,
+            fields=self.fields,
         )
 
 

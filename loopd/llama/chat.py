@@ -500,7 +500,8 @@ class ChatCall:
     def _check_thinking(self) -> None:
         """
         Apply the thinking cap after a chunk, for a llama-server request with thinking on while
-        the answer is still in its reasoning: at C{thinking.cap} reasoning tokens ask the server
+        the answer is still in its reasoning: at C{thinking.cap} reasoning tokens (or the
+        request's own C{thinking_cap}, when lower) ask the server
         to end the reasoning (L{_cap}); C{thinking.overrun} more tokens after that fail the call
         with L{ThinkingOverrun}. Once the answer has left its reasoning nothing is checked.
         """
@@ -511,10 +512,13 @@ class ChatCall:
             return
         tokens = assembler.reasoning_tokens
         thinking = self._config.thinking
+        cap = thinking.cap
+        if self._request.thinking_cap is not None:
+            cap = min(cap, self._request.thinking_cap)
         if self._capped_at is None:
             # The control names the completion by its id: until a chunk has shown one, the
             # cap waits (a null id would be refused, and the overrun counts from the cap).
-            if tokens >= thinking.cap and assembler.id is not None:
+            if tokens >= cap and assembler.id is not None:
                 self._cap(tokens, assembler.id)
         elif tokens >= self._capped_at + thinking.overrun:
             self._fail(

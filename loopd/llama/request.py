@@ -149,6 +149,7 @@ def chat_body(
         C{reasoning_end} control so the thinking cap can end a thinking block.
       - the endpoint's C{affinity_field} (an C{openai} endpoint's), set to
         C{request.session}, only when the request has a session.
+      - C{request.fields}, as they are, last (the front door chose and checked them).
 
     For an endpoint of kind C{openai}, the fields only llama.cpp's server knows
     (L{LLAMA_ONLY_FIELDS}) are left out, but for C{chat_template_kwargs} when the request's
@@ -190,6 +191,7 @@ def chat_body(
         body["reasoning_control"] = True
     if not llama and endpoint.affinity_field is not None and request.session is not None:
         body[endpoint.affinity_field] = request.session
+    body.update(request.fields)
     return body
 
 

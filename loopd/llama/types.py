@@ -12,6 +12,7 @@ tool_calls), so a session log can be replayed without conversion.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -147,6 +148,13 @@ class ChatRequest:
         session affinity (DESIGN decision 42); C{None} sends none (an anonymous session).
     @ivar tier: the session's tier, which an endpoint with C{affinity_priority} sends as
         the request's priority.
+    @ivar thinking_cap: a lower thinking cap than the config's C{thinking.cap} for this
+        request (an Anthropic C{budget_tokens}, a Responses C{reasoning.effort}); the
+        config's value stays the ceiling. Only a llama-server endpoint has the control
+        that applies it.
+    @ivar fields: more body fields for the server, sent as they are after the ones loopd
+        sets (C{response_format}, C{seed}, C{logprobs}, llama.cpp's C{top_k}, C{grammar},
+        ...); the front door has checked them and chosen which one endpoint kind takes.
     """
 
     slot: int
@@ -161,6 +169,8 @@ class ChatRequest:
     template_thinking: bool = False
     session: str | None = None
     tier: Literal["parent", "child"] = "parent"
+    thinking_cap: int | None = None
+    fields: Mapping[str, Any] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,102 @@
+# -*- test-case-name: loopd.test.test_gateway_door -*-
+"""
+What a front door is (DESIGN §3 decision 40): one wire API (OpenAI chat completions,
+Anthropic Messages, OpenAI Responses) reduced to two jobs, reading and writing.
+
+A L{Door} reads a request's body and headers once into the gateway's one request model,
+L{GatewayRequest}, or raises a L{GatewayError}; everything after it (the router, the mesh,
+the leased upstream call, the sessions and graces, endpoint health) is the same for every
+door and reads only that request (L{loopd.gateway.exchange}). For the way back the door
+gives an L{Answer} per exchange, which turns the call's events and its completion into that
+API's JSON body or its event stream, and its errors into that API's error shape.
+
+Pure: protocols and values, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from loopd.gateway.errors import GatewayError
+from loopd.gateway.request import GatewayRequest
+from loopd.llama.types import ChatEvent, Completion, Content, Reasoning, ToolCallDelta
+
+__all__ = ["Answer", "Door", "Header", "replay"]
+
+Header = Callable[[bytes], "bytes | None"]
+"""A request's header by its lower-case name, C{None} when absent."""
+
+
+class Answer(Protocol):
+    """
+    One exchange's answer in one door's shapes. The exchange calls L{opening} once, when
+    the event stream opens (at the first thing worth sending, so that an error before it is
+    still a status), then L{during} per event, then L{closing} or L{stream_error}; or, for a
+    request that did not ask to stream, L{body} or the door's L{Door.error_body}.
+
+    Each method that gives bytes gives whole server-sent events, framed (L{loopd.sse}).
+    """
+
+    def opening(self) -> bytes:
+        """The bytes that open the event stream (a role chunk, a C{message_start} ...)."""
+
+    def during(self, event: ChatEvent) -> bytes:
+        """
+        What one event of the call sends a streaming client: data events for text,
+        thinking and tool calls, loopd's own events as comment lines (or the API's own
+        keep-alive, such as Anthropic's C{ping}); C{b""} for nothing.
+        """
+
+    def closing(self, completion: Completion) -> bytes:
+        """The bytes that end a stream that went well (finish, usage, C{[DONE]} ...)."""
+
+    def stream_error(self, error: GatewayError) -> bytes:
+        """The error event that ends a stream that failed after it opened."""
+
+    def body(self, completion: Completion) -> object:
+        """The JSON body of a non-streaming answer (status 200)."""
+
+
+class Door(Protocol):
+    """
+    One front door: how its API's requests are read and its answers written.
+
+    @ivar name: the door's name in logs and metrics: C{chat}, C{messages}, C{responses}.
+    """
+
+    name: str
+
+    def read(self, body: bytes, header: Header, anonymous: Callable[[], str]) -> GatewayRequest:
+        """
+        Decode and check one request: its body and headers, its session (decision 36,
+        L{loopd.gateway.request.read_session} with the door's body ids; C{anonymous} gives
+        the connection's id, asked only when the request names no session).
+
+        @raise GatewayError: 400 naming the field for a bad or unsupported request.
+        """
+
+    def answer(self, request: GatewayRequest, model: str, created: int) -> Answer:
+        """
+        The answer of C{request} served by C{model} (the endpoint's name, or C{mesh}),
+        stamped with C{created} (seconds of the epoch). A fail-over to another endpoint
+        makes a new one.
+        """
+
+    def error_body(self, error: GatewayError) -> object:
+        """The JSON body of an error answered as a status, in the door's error shape."""
+
+
+def replay(completion: Completion) -> tuple[ChatEvent, ...]:
+    """
+    The events that stream C{completion} whole (its thinking, its text, each tool call),
+    for an answer that was complete before its stream opened, such as a mesh turn's.
+    """
+    events: list[ChatEvent] = []
+    if completion.reasoning_content:
+        events.append(Reasoning(completion.reasoning_content))
+    if completion.content:
+        events.append(Content(completion.content))
+    for index, call in enumerate(completion.tool_calls):
+        events.append(ToolCallDelta(index, call.id, call.name, call.arguments))
+    return tuple(events)
