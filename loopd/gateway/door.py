@@ -33,7 +33,7 @@ class Answer(Protocol):
     One exchange's answer in one door's shapes. The exchange calls L{opening} once, when
     the event stream opens (at the first thing worth sending, so that an error before it is
     still a status), then L{during} per event, then L{closing} or L{stream_error}; or, for a
-    request that did not ask to stream, L{body} or the door's L{Door.error_body}.
+    request that did not ask to stream, L{body} or the door's L{Door.error}.
 
     Each method that gives bytes gives whole server-sent events, framed (L{loopd.sse}).
     """
@@ -83,8 +83,12 @@ class Door(Protocol):
         makes a new one.
         """
 
-    def error_body(self, error: GatewayError) -> object:
-        """The JSON body of an error answered as a status, in the door's error shape."""
+    def error(self, error: GatewayError) -> tuple[int, object]:
+        """
+        The status and JSON body of an error answered as a status, in the door's error
+        shape. The status may differ from C{error.status} where the API says so (Anthropic
+        answers loopd's Busy with 529 C{overloaded_error}).
+        """
 
 
 def replay(completion: Completion) -> tuple[ChatEvent, ...]:
