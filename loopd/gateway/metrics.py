@@ -10,6 +10,13 @@ restores ended (L{SlotFileCollector}).
 Each L{GatewayMetrics} owns its own C{CollectorRegistry}, never the process-wide default, so
 several gateways (or tests) in one process keep separate counts. Every metric is labelled by
 the endpoint's name (or the lease queue's).
+
+C{prometheus_client} adds a C{*_created} series (a gauge of the creation time) to every
+counter, histogram and summary, which doubles every family on the page for nothing a
+scraper of loopd needs. Its own switch, C{disable_created_metrics()}, is process-wide and
+would change the output of every other registry of a program that embeds loopd, so
+L{GatewayMetrics.render} instead leaves those samples out of its own page
+(L{WithoutCreated}).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from twisted.logger import Logger
 
@@ -46,6 +53,7 @@ __all__ = [
     "RouterCollector",
     "SchedulerCollector",
     "SlotFileCollector",
+    "WithoutCreated",
 ]
 
 _log = Logger(namespace="loopd.gateway.metrics")
@@ -231,7 +239,36 @@ class GatewayMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of every metric here, and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(WithoutCreated(self.registry)), CONTENT_TYPE_LATEST
+
+
+#: The metric types to which C{prometheus_client} adds a C{_created} sample.
+_WITH_CREATED = frozenset({"counter", "histogram", "summary", "gaugehistogram"})
+
+
+class WithoutCreated(Collector):
+    """
+    A view of a collector (a registry) whose metrics lack their C{<name>_created} samples;
+    every other sample, and the collector itself, is left as it is.
+    """
+
+    def __init__(self, source: Collector) -> None:
+        """
+        @param source: the collector (usually a C{CollectorRegistry}) whose metrics are
+            shown.
+        """
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        """C{source}'s metrics, each a copy without its C{_created} samples."""
+        for metric in self._source.collect():
+            if metric.type not in _WITH_CREATED:
+                yield metric
+                continue
+            created = metric.name + "_created"
+            kept = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            kept.samples = [s for s in metric.samples if s.name != created]
+            yield kept
 
 
 def _guarded(endpoint: str, source: Callable[[], int]) -> Callable[[], float]:

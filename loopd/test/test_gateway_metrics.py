@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client import Counter as PromCounter
 from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
@@ -68,6 +69,30 @@ class RenderTests(SynchronousTestCase):
                 "loopd_http_connections_open": "gauge",
             },
         )
+
+    def test_no_created_series(self) -> None:
+        """
+        No C{_created} series doubles the counters and the histogram: no line of the page
+        (help, type or sample) names one, also after observations.
+        """
+        metrics = GatewayMetrics()
+        metrics.observe_request("main", "ok")
+        metrics.observe_first_token("main", 0.2)
+        metrics.observe_completion("main", Timings(cache_n=1, prompt_n=2, predicted_n=3))
+        metrics.observe_cache_loss("main")
+        body, _ = metrics.render()
+        self.assertNotIn(b"_created", body)
+        self.assertIn(b'loopd_requests_total{endpoint="main",outcome="ok"} 1.0', body)
+
+    def test_created_left_alone_elsewhere(self) -> None:
+        """
+        Leaving C{_created} out of loopd's page changes nothing process-wide: a registry of
+        the embedding program still renders its own C{_created} series.
+        """
+        GatewayMetrics().render()
+        other = CollectorRegistry()
+        PromCounter("other_things", "Things.", registry=other).inc()
+        self.assertIn(b"other_things_created", generate_latest(other))
 
     def test_requests_by_outcome(self) -> None:
         """Requests are counted per endpoint and outcome."""
