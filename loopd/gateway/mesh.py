@@ -47,6 +47,7 @@ from twisted.python.failure import Failure
 from twisted.web.server import Request
 
 from loopd.errors import Http
+from loopd.gateway.door import Answer, Door, replay
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.health import HealthBoard, means_down
 from loopd.gateway.metrics import GatewayMetrics
@@ -62,12 +63,13 @@ from loopd.gateway.web import (
     write_json,
 )
 from loopd.llama.retry import is_retryable
-from loopd.llama.types import ChatRequest, Completion
+from loopd.llama.types import ChatRequest, Completion, FinishReason, Timings, ToolCall
 from loopd.moa.engine import MeshTimings, MeshTurn, TurnResult
 from loopd.moa.fanout import RateLimited
 from loopd.moa.knobs import effective_enable_thinking
 from loopd.moa.response import (
     MODEL,
+    arguments_wire_string,
     call_id,
     chat_response,
     error_response,
@@ -204,14 +206,18 @@ class MeshExchange:
         request: Request,
         parsed: GatewayRequest,
         pool: tuple[Worker, ...],
+        door: Door | None = None,
     ) -> None:
         """
         @param host: the gateway.
         @param request: the client's request.
         @param parsed: what it asks, read once by the front door.
         @param pool: the workers (at least 2).
+        @param door: the front door that writes the answer, for a door other than chat
+            completions; C{None} answers in the reference's OpenAI shapes (§1.12).
         """
         self._host = host
+        self._door = door
         self._request = request
         self._stream = parsed.stream
         self._streaming = False
@@ -221,6 +227,7 @@ class MeshExchange:
         self._id = moa_id(now_ns)
         self._call_id = call_id(now_ns)
         self._created = int(host.wall_clock())
+        self._answer = None if door is None else door.answer(parsed, MODEL, self._created)
         calls = _MeshCalls(host, parsed.session)
         patience = host.config.mesh.strong_patience_ms / 1000.0
         self._turn = MeshTurn(
@@ -248,12 +255,25 @@ class MeshExchange:
             return
         self._cancel_turn()
         error = GatewayError(503, "loopd is shutting down", "server_error", "shutting_down")
-        if self._streaming:
-            self._write(data_line(error.body()))
-            self._finish()
-        else:
-            self._respond(error.status, error.body(), [])
+        self._fail(error, [])
         self._host.metrics.observe_request(MODEL, error.code)
+
+    def _fail(self, error: GatewayError, headers: list[tuple[bytes, bytes]]) -> None:
+        """Answer C{error} in the door's shape: its error event once streaming, else a status."""
+        if self._streaming:
+            self._flush()
+            self._write(self._stream_error(error))
+            self._finish()
+        elif self._door is not None:
+            self._respond(*self._door.error(error), headers)
+        else:
+            self._respond(error.status, error.body(), headers)
+
+    def _stream_error(self, error: GatewayError) -> bytes:
+        """The error event that ends the stream."""
+        if self._answer is not None:
+            return self._answer.stream_error(error)
+        return data_line(error.body())
 
     # -- while it runs -------------------------------------------------------------------
 
@@ -277,6 +297,8 @@ class MeshExchange:
         open_event_stream(self._request)
         for name, value in headers:
             self._request.setHeader(name, value)
+        if self._answer is not None:
+            self._write(self._answer.opening())
 
     def _flush(self) -> None:
         """Write the progress comments held back so far."""
@@ -298,6 +320,10 @@ class MeshExchange:
         headers = moa_headers(result.report)
         if result.error_code is not None:
             self._host.metrics.observe_request(MODEL, result.error_code)
+            if self._door is not None:
+                error = GatewayError(502, result.error_message, "server_error", result.error_code)
+                self._fail(error, headers)
+                return
             body = error_response(
                 result.error_message,
                 result.error_code,
@@ -314,6 +340,9 @@ class MeshExchange:
         self._host.metrics.observe_request(MODEL, "ok")
         outcome = result.outcome
         assert outcome is not None
+        if self._answer is not None:
+            self._answer_through_door(self._answer, result, headers)
+            return
         if result.tool_call and outcome.tool_name is not None:
             body = tool_call_response(
                 outcome.tool_name,
@@ -333,6 +362,35 @@ class MeshExchange:
         for chunk in stream_chunks(body):
             self._write(data_line(chunk))
         self._write(done_line())
+        self._finish()
+
+    def _answer_through_door(
+        self, answer: Answer, result: TurnResult, headers: list[tuple[bytes, bytes]]
+    ) -> None:
+        """
+        Answer a turn that went well through the door's L{Answer}: its text, or its tool
+        call, as one L{Completion} (a mesh turn has no server counts: they are zero), whole
+        as a body or replayed as the stream's events.
+        """
+        outcome = result.outcome
+        assert outcome is not None
+        if result.tool_call and outcome.tool_name is not None:
+            arguments = arguments_wire_string(outcome.tool_arguments)
+            call = ToolCall(self._call_id, outcome.tool_name, arguments)
+            completion = Completion(
+                self._id, None, None, (call,), FinishReason.TOOL_CALLS, Timings()
+            )
+        else:
+            completion = Completion(self._id, outcome.text, None, (), FinishReason.STOP, Timings())
+        if not self._stream:
+            self._respond(200, answer.body(completion), headers)
+            return
+        if not self._streaming:
+            self._open_stream(headers)
+        self._flush()
+        for event in replay(completion):
+            self._write(answer.during(event))
+        self._write(answer.closing(completion))
         self._finish()
 
     def _respond(self, status: int, body: object, headers: list[tuple[bytes, bytes]]) -> None:

@@ -18,8 +18,9 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
 from loopd.gateway.channel import GatewaySite
-from loopd.gateway.chat import ChatCompletions
+from loopd.gateway.chat import ChatDoor
 from loopd.gateway.errors import GatewayError
+from loopd.gateway.exchange import DoorRoute
 from loopd.gateway.health import HealthBoard, ProbePace
 from loopd.gateway.leases import GatewayLeases, queue_status
 from loopd.gateway.metrics import GatewayMetrics
@@ -59,7 +60,7 @@ class Gateway:
     """
     Everything one gateway serves with: a client per endpoint behind the leased upstream
     calls, the sessions, the router, the metrics. It is the host the chat route and the
-    mesh read (L{loopd.gateway.chat.ChatHost}).
+    mesh read (L{loopd.gateway.exchange.ExchangeHost}).
 
     @ivar in_flight: the exchanges under way, so stopping can end them.
     @ivar health: each endpoint's health state (L{HealthBoard}), fed by every upstream
@@ -178,7 +179,7 @@ class Gateway:
         The twisted.web site serving this gateway.
         """
         routes: dict[bytes, Resource] = {
-            b"/v1/chat/completions": ChatCompletions(self),
+            b"/v1/chat/completions": DoorRoute(self, ChatDoor()),
             b"/v1/models": JsonRoute(self._models),
             b"/health": JsonRoute(self._health),
             b"/metrics": _Metrics(self.metrics),

@@ -1,0 +1,403 @@
+# -*- test-case-name: loopd.test.test_gateway_chat,loopd.test.test_gateway_mesh -*-
+"""
+One request through a front door (DESIGN.md §3, decisions 15 to 19 and 40): the door reads
+the body once into the gateway's request model, one leased upstream call serves it, and the
+door writes the answer in its API's shapes (L{loopd.gateway.door}). Every door (OpenAI chat
+completions, Anthropic Messages, OpenAI Responses) goes this one way, so routing, the mesh,
+leases and graces, slot affinity, the thinking cap, retries and endpoint health are the same
+for all of them.
+
+The request's C{model} names an endpoint or a group, or C{auto} (the router's candidates, in
+order), or C{mesh}: with two or more workers in the pool a L{MeshExchange} serves it, else
+the one model does, as a request for it by name. Body fields passed to the server as they are
+(L{GatewayRequest.fields}) are a 400 naming them where they cannot apply: on C{mesh} (whose
+workers and reducer are loopd's own requests) and, for the llama.cpp-only ones, on an
+C{openai}-kind endpoint.
+
+A streaming answer starts lazily, at the first thing worth sending (a delta or one of
+loopd's own events), so that an error that comes before it (Busy, an upstream 400, ...)
+is still an HTTP status with the door's error body; after that, an error is the door's
+error event. loopd's own events travel as SSE comment lines (C{: loopd {...}}), which every
+SDK ignores. A client that goes away cancels the upstream request, and llama-server frees
+the slot.
+
+Endpoint health (DESIGN decision 38, L{loopd.gateway.health}): a request naming an endpoint
+that is down is answered 503 C{endpoint_unavailable} with C{Retry-After} at once. When a call
+finds its endpoint down (no connection, its inferproxy closing at once, an upstream 502/503
+that is not the model loading) while the client has seen nothing and the router has another
+candidate that is not down, the call is not retried: the request fails over at once (so a
+stream never opens on a C{retrying} comment first). Otherwise the client's retries run as
+they always did (a server that restarts under a stream resumes it); a call that still ends
+with its endpoint down is answered with the same 503.
+
+Backpressure: a streaming exchange registers a L{Flow} as its request's producer, and the
+upstream call reads through it, so a client that stops reading pauses the upstream read
+and loopd's buffers stay bounded; reading resumes when the client drains them.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Protocol
+
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request
+
+from loopd.errors import ProxyRefused
+from loopd.gateway.channel import GatewayChannel
+from loopd.gateway.chat import ChatDoor
+from loopd.gateway.door import Door
+from loopd.gateway.errors import GatewayError, error_for
+from loopd.gateway.health import EndpointUnavailableError, means_down
+from loopd.gateway.mesh import MeshExchange, MeshHost, mesh_pool
+from loopd.gateway.request import GatewayRequest
+from loopd.gateway.sessions import Sessions
+from loopd.gateway.upstream import CallKeys
+from loopd.gateway.web import open_event_stream, write_json
+from loopd.llama import Flow
+from loopd.llama.retry import is_retryable
+from loopd.llama.types import ChatEvent, Completion, Content, Reasoning, ToolCallDelta
+from loopd.moa.roles import VIRTUAL_MODEL_NAME as MESH_MODEL
+from loopd.settings import Endpoint
+
+__all__ = ["DoorRoute", "ExchangeHost", "write_error"]
+
+_log = Logger(namespace="loopd.gateway")
+
+_FIRST_TOKEN = (Content, Reasoning, ToolCallDelta)
+
+
+class ExchangeHost(MeshHost, Protocol):
+    """What a front door's route uses of its gateway, besides what the mesh uses."""
+
+    @property
+    def sessions(self) -> Sessions:
+        """The session table: anonymous ids, slots, cache outcomes."""
+
+    def endpoint_for(self, model: str | None) -> Endpoint:
+        """
+        The endpoint a request's C{model} names.
+
+        @raise GatewayError: 404 for a model no endpoint serves.
+        """
+
+    def route_auto(self, request: GatewayRequest) -> tuple[Endpoint, ...] | None:
+        """
+        The endpoints to try, in order, for an C{auto} request; C{None} for any other.
+
+        @raise GatewayError: the router's errors (C{media_unsupported}, C{no_endpoint}).
+        """
+
+
+class DoorRoute(Resource):
+    """
+    The route of one front door of one gateway: C{POST} reads the request through the door
+    and serves it.
+    """
+
+    isLeaf = True
+
+    def __init__(self, host: ExchangeHost, door: Door) -> None:
+        """
+        @param host: the gateway whose upstreams, router, sessions and metrics this route
+            uses.
+        @param door: how this route's API reads requests and writes answers.
+        """
+        super().__init__()
+        self._host = host
+        self._door = door
+
+    def render_POST(self, request: Request) -> bytes | int:
+        """
+        Answer one request.
+        """
+        host = self._host
+        content = request.content
+        body = content.read() if content is not None else b""
+        try:
+            parsed = self._door.read(body, request.getHeader, lambda: _anonymous(host, request))
+            routed = host.route_auto(parsed)
+            if parsed.model == MESH_MODEL:
+                pool = mesh_pool(host, parsed)
+                if len(pool) >= 2:
+                    _refuse_fields(parsed, "on model mesh")
+                    # Chat completions keep the reference's own mesh shapes (§1.12).
+                    door = None if isinstance(self._door, ChatDoor) else self._door
+                    MeshExchange(host, request, parsed, pool, door).start()
+                    return NOT_DONE_YET
+                # Fewer than two workers: the one model serves the request alone (v2).
+                routed = (host.config.endpoint(pool[0].name),)
+            first, *rest = routed or (host.endpoint_for(parsed.model),)
+            if not host.health.eligible(first.name):
+                raise host.health.unavailable([first.name], host.reactor.seconds())
+        except GatewayError as e:
+            host.metrics.observe_request("-", e.code)
+            return write_error(request, e, self._door)
+        _Exchange(host, self._door, request, parsed, first, rest).start()
+        return NOT_DONE_YET
+
+
+def _refuse_fields(parsed: GatewayRequest, where: str) -> None:
+    """
+    Refuse the request's pass-through fields C{where} they cannot apply.
+
+    @raise GatewayError: 400 C{unsupported_parameter} naming them.
+    """
+    if parsed.fields:
+        names = ", ".join(sorted(parsed.fields))
+        raise GatewayError(
+            400,
+            f"{names}: not supported {where}",
+            "invalid_request_error",
+            "unsupported_parameter",
+        )
+
+
+def write_error(request: Request, error: GatewayError, door: Door) -> bytes:
+    """
+    Answer C{error} with the status and JSON body of C{door}'s error shape (L{write_json}),
+    and the C{Retry-After} of an L{EndpointUnavailableError}.
+    """
+    if isinstance(error, EndpointUnavailableError):
+        request.setHeader(b"retry-after", b"%d" % error.retry_after)
+    status, body = door.error(error)
+    return write_json(request, status, body)
+
+
+def _anonymous(host: ExchangeHost, request: Request) -> str:
+    """
+    The anonymous session of C{request}'s connection; it ends when the connection closes
+    (no grace after it, DESIGN §3 decision 36).
+    """
+    channel = request.channel
+
+    def end_with_connection(session: str) -> None:
+        if isinstance(channel, GatewayChannel):
+            channel.when_closed(lambda: host.upstreams.end_session(session))
+
+    return host.sessions.anonymous_id(channel, end_with_connection)
+
+
+class _Phase(enum.Enum):
+    """Where an exchange stands with its client."""
+
+    QUIET = "nothing sent yet: an error is still a status"
+    STREAMING = "the event stream has started: an error is an event"
+    DONE = "the answer is complete, or the client has gone"
+
+
+class _Exchange:
+    """
+    One request's way through the gateway: the leased upstream call, the answer.
+
+    An C{auto} request comes with C{alternatives}, the router's next candidates: when its
+    endpoint cannot be reached (down, or its inferproxy refused) before anything went to the
+    client, the exchange tries the next one that is not down, each once (the failed call gave
+    its lease back at once).
+    """
+
+    def __init__(
+        self,
+        host: ExchangeHost,
+        door: Door,
+        request: Request,
+        parsed: GatewayRequest,
+        endpoint: Endpoint,
+        alternatives: list[Endpoint],
+    ) -> None:
+        """
+        @param host: the gateway.
+        @param door: the front door the request came through, which writes the answer.
+        @param request: the client's request.
+        @param parsed: what it asks, read once by the front door.
+        @param endpoint: the endpoint to try first.
+        @param alternatives: the router's next candidates, for a fail-over (C{auto} only).
+        """
+        self._host = host
+        self._door = door
+        self._request = request
+        self._parsed = parsed
+        self._alternatives = alternatives
+        self._tried: list[str] = []
+        session = parsed.session
+        self._keys = CallKeys(session.id, session.tier, session.ends, anonymous=session.anonymous)
+        self._phase = _Phase.QUIET
+        self._started_at = host.reactor.seconds()
+        self._first_token_seen = False
+        self._created = int(host.wall_clock())
+        self._call: Deferred[Completion] | None = None
+        self._flow: Flow | None = None
+        self._use(endpoint)
+
+    def _use(self, endpoint: Endpoint) -> None:
+        """Serve the request from C{endpoint} from now on."""
+        self._endpoint = endpoint
+        self._tried.append(endpoint.name)
+        self._answer = self._door.answer(self._parsed, endpoint.name, self._created)
+
+    def start(self) -> None:
+        """Send the request upstream; watch for the client leaving all along."""
+        self._host.in_flight.add(self)
+        self._request.notifyFinish().addErrback(self._client_gone)
+        if self._parsed.stream:
+            self._flow = Flow()
+            self._request.registerProducer(self._flow, True)
+        self._go()
+
+    def _go(self) -> None:
+        """One leased call to the current endpoint."""
+        call = self._host.upstreams.call(
+            self._endpoint.name,
+            self._parsed.chat_request(),
+            self._keys,
+            on_event=self._event,
+            retryable=self._retryable,
+            flow=self._flow,
+        )
+        self._call = call
+        call.addCallbacks(self._completed, self._failed)
+
+    def _retryable(self, error: BaseException) -> bool:
+        """
+        The client's retries, but not of a failure that says the endpoint is down while
+        the request can still fail over (nothing sent yet, a candidate left that is not
+        down): it goes there at once instead.
+        """
+        if means_down(error) and self._phase is _Phase.QUIET:
+            health = self._host.health
+            if any(health.eligible(e.name) for e in self._alternatives):
+                return False
+        return is_retryable(error)
+
+    def shutdown(self) -> None:
+        """
+        The daemon is stopping: end this exchange with an error.
+        """
+        self._end_with_error(
+            GatewayError(503, "loopd is shutting down", "server_error", "shutting_down")
+        )
+
+    # -- events --------------------------------------------------------------------------
+
+    def _event(self, event: ChatEvent) -> None:
+        """
+        One event of the upstream call: the first token's time for the metrics, and for a
+        streaming client what the door makes of it (which opens the stream).
+        """
+        if self._phase is _Phase.DONE:
+            return
+        if isinstance(event, _FIRST_TOKEN) and not self._first_token_seen:
+            self._first_token_seen = True
+            self._host.metrics.observe_first_token(
+                self._endpoint.name, self._host.reactor.seconds() - self._started_at
+            )
+        if not self._parsed.stream:
+            return
+        data = self._answer.during(event)
+        if not data:
+            return
+        self._start_stream()
+        self._request.write(data)
+
+    def _start_stream(self) -> None:
+        """Open the event stream with the door's opening (a role chunk ...), once."""
+        if self._phase is not _Phase.QUIET:
+            return
+        self._phase = _Phase.STREAMING
+        open_event_stream(self._request)
+        self._request.write(self._answer.opening())
+
+    # -- endings -------------------------------------------------------------------------
+
+    def _completed(self, completion: Completion) -> None:
+        """The call finished: answer with the completion, as the stream's end or a JSON body."""
+        self._call = None
+        if self._phase is _Phase.DONE:
+            return
+        name = self._endpoint.name
+        self._host.metrics.observe_request(name, "ok")
+        if self._parsed.stream:
+            self._start_stream()
+            self._request.write(self._answer.closing(completion))
+            self._finish()
+        else:
+            self._finish(write_json(self._request, 200, self._answer.body(completion)))
+
+    def _failed(self, reason: Failure) -> None:
+        """
+
+        The call failed: fail over when the endpoint is down or its inferproxy refused at a
+        limit (nothing reached a server) while the client has seen nothing and the router
+        has a next candidate that is not down; else answer the error, which for a down
+        endpoint is 503 C{endpoint_unavailable} naming every candidate tried. A cancellation
+        is this exchange's own doing (the client left, or the daemon stopped) and answers
+        nothing.
+        """
+        self._call = None
+        if self._phase is _Phase.DONE or reason.check(CancelledError):
+            return
+        error = reason.value or Exception(reason.getErrorMessage())
+        down = means_down(error)
+        unreached = down or isinstance(error, ProxyRefused)
+        health = self._host.health
+        self._alternatives = [e for e in self._alternatives if health.eligible(e.name)]
+        if unreached and self._alternatives and self._phase is _Phase.QUIET:
+            self._fail_over(reason)
+            return
+        tried = [name for name in self._tried if not health.eligible(name)]
+        if down and tried:
+            self._end_with_error(health.unavailable(tried, self._host.reactor.seconds()))
+            return
+        self._end_with_error(error_for(error))
+
+    def _fail_over(self, reason: Failure) -> None:
+        """
+        The endpoint is down or its inferproxy refused the connection, and the client has
+        seen nothing yet: try the router's next candidate, at once.
+        """
+        _log.warn(
+            "auto: {endpoint} unreachable ({error}); trying {next}",
+            endpoint=self._endpoint.name,
+            error=reason.getErrorMessage(),
+            next=self._alternatives[0].name,
+        )
+        self._use(self._alternatives.pop(0))
+        self._go()
+
+    def _end_with_error(self, error: GatewayError) -> None:
+        """Answer C{error} as a status or, once streaming, as an error event; stop the call."""
+        if self._phase is _Phase.DONE:
+            return
+        self._host.metrics.observe_request(self._endpoint.name, error.code)
+        call, self._call = self._call, None
+        if self._phase is _Phase.STREAMING:
+            self._request.write(self._answer.stream_error(error))
+            self._finish()
+        else:
+            self._finish(write_error(self._request, error, self._door))
+        if call is not None:
+            call.cancel()
+
+    def _client_gone(self, reason: Failure) -> None:
+        """The client left: count it and cancel the call (which gives its lease back)."""
+        if self._phase is _Phase.DONE:
+            return
+        self._phase = _Phase.DONE
+        self._host.in_flight.discard(self)
+        self._host.metrics.observe_request(self._endpoint.name, "client_gone")
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
+
+    def _finish(self, body: bytes = b"") -> None:
+        """End the response, with C{body} when given; the producer goes before the end."""
+        self._phase = _Phase.DONE
+        self._host.in_flight.discard(self)
+        if self._flow is not None:
+            self._request.unregisterProducer()
+        if body:
+            self._request.write(body)
+        self._request.finish()
