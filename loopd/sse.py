@@ -37,8 +37,9 @@ Decisions where the standard leaves room or where loopd needs more:
   failing `SSEDecoder.feed` call had decoded before the error, so nothing is lost.
   A decoder that raised stays failed: every later call raises `SSEError`.
 
-The encoder functions build the two frames loopd's gateway writes: `encode_data`
-and `encode_comment`.
+The encoder functions build the frames loopd's gateway writes: `encode_data`,
+`encode_event` (a named event, as the Anthropic and Responses streams send them) and
+`encode_comment`.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ __all__ = [
     "SSELineTooLong",
     "encode_comment",
     "encode_data",
+    "encode_event",
 ]
 
 DONE = "[DONE]"
@@ -435,6 +437,21 @@ def encode_data(payload: str) -> bytes:
     if "\n" in payload:
         payload = payload.replace("\n", "\ndata: ")
     return ("data: " + payload + "\n\n").encode()
+
+
+def encode_event(name: str, payload: str) -> bytes:
+    """
+    Frame ``payload`` as one event of type ``name``: an ``event: `` line, then the
+    data lines as `encode_data` writes them.
+
+    @param name: the event's type (``message_start``, ``response.created`` ...).
+    @param payload: as for `encode_data`.
+    @raise ValueError: if ``name`` is empty or has a line break, or ``payload`` has a
+        carriage return.
+    """
+    if not name or "\n" in name or "\r" in name:
+        raise ValueError("an SSE event name is one non-empty line: no CR or LF")
+    return b"event: " + name.encode() + b"\n" + encode_data(payload)
 
 
 def encode_comment(text: str) -> bytes:

@@ -25,6 +25,7 @@ from loopd.sse import (
     SSELineTooLong,
     encode_comment,
     encode_data,
+    encode_event,
 )
 
 FIXTURES = Path(loopd.__file__).resolve().parent.parent / "fixtures" / "sse"
@@ -405,6 +406,20 @@ class EncoderTests(SynchronousTestCase):
     def test_encode_data_refuses_cr(self) -> None:
         """A carriage return cannot travel in SSE data."""
         self.assertRaises(ValueError, encode_data, "a\rb")
+
+    def test_encode_event(self) -> None:
+        """A named event is an event line, its data lines and a blank line."""
+        frame = encode_event("response.created", '{"a":1}')
+        self.assertEqual(frame, b'event: response.created\ndata: {"a":1}\n\n')
+        self.assertEqual(decode([frame]), [SSEEvent('{"a":1}', "response.created")])
+        self.assertEqual(encode_event("e", "a\nb"), b"event: e\ndata: a\ndata: b\n\n")
+
+    def test_encode_event_refuses_bad_names(self) -> None:
+        """An empty name, a line break in the name and a CR in the data are refused."""
+        self.assertRaises(ValueError, encode_event, "", "{}")
+        self.assertRaises(ValueError, encode_event, "a\nb", "{}")
+        self.assertRaises(ValueError, encode_event, "a\rb", "{}")
+        self.assertRaises(ValueError, encode_event, "e", "a\rb")
 
     def test_encode_comment(self) -> None:
         """A comment is one colon-prefixed line and a blank line."""
