@@ -34,6 +34,10 @@ from loopd.unixsocket import UnixSocketError, check_peer_socket
 
 __all__ = ["ChatSession", "restore_blocking", "stream_turn", "terminal_chat"]
 
+#: How Twisted's log lines name C{loopd chat}'s terminal (the C{logPrefix} of its protocols and
+#: factories), instead of a private class name.
+LOG_PREFIX = "loopd.chat"
+
 Write = Callable[[str], None]
 
 CHAT_PATH = "/v1/chat/completions"
@@ -240,6 +244,10 @@ class _TerminalLines(LineReceiver):
     delimiter = b"\n"
     #: A pasted line may be long; a longer one ends the chat (LineReceiver's default).
     MAX_LENGTH = 1 << 20
+
+    def logPrefix(self) -> str:
+        """The component that Twisted's log lines of this connection name: L{LOG_PREFIX}."""
+        return LOG_PREFIX
 
     def __init__(self, make_session: Callable[[Write], ChatSession]) -> None:
         """

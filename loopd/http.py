@@ -83,6 +83,10 @@ from loopd.errors import Connect, InferError, Protocol, ProxyRefused, StreamClos
 
 __all__ = ["HOST", "HttpCaps", "HttpResponse", "Opener", "opener", "request"]
 
+#: How Twisted's log lines name loopd's HTTP client (the C{logPrefix} of its protocols and
+#: factories), instead of a private class name.
+LOG_PREFIX = "loopd.http"
+
 #: The Host header every request carries; llama-server does not look at it.
 HOST = "llama"
 
@@ -326,6 +330,10 @@ class _CappedClientProtocol(HTTP11ClientProtocol):
     request fails with C{Protocol}. After that, bytes pass through untouched.
     """
 
+    def logPrefix(self) -> str:
+        """The component that Twisted's log lines of this connection name: L{LOG_PREFIX}."""
+        return LOG_PREFIX
+
     def __init__(self, caps: HttpCaps, on_lost: Callable[[], None] = lambda: None) -> None:
         """
         @param caps: its C{header_bytes} caps the header block (L{HttpResponse} caps bodies).
@@ -421,6 +429,10 @@ class _ClientFactory(Factory):
     """Builds one L{_CappedClientProtocol}."""
 
     noisy = False
+
+    def logPrefix(self) -> str:
+        """The component that Twisted's log lines of this connection name: L{LOG_PREFIX}."""
+        return LOG_PREFIX
 
     def __init__(self, caps: HttpCaps, on_lost: Callable[[], None]) -> None:
         """
@@ -570,6 +582,10 @@ class _Exchange:
 
 class _BodyReceiver(_TwistedProtocol):
     """Receives a response body for L{HttpResponse.deliver} and fires C{finished} once."""
+
+    def logPrefix(self) -> str:
+        """The component that Twisted's log lines of this connection name: L{LOG_PREFIX}."""
+        return LOG_PREFIX
 
     def __init__(self, on_data: Callable[[bytes], None], owner: _CappedClientProtocol) -> None:
         """

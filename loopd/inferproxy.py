@@ -73,6 +73,10 @@ __all__ = [
     "upstream_endpoint",
 ]
 
+#: How Twisted's log lines name the forwarder (the C{logPrefix} of its protocols and
+#: factories), instead of a private class name.
+LOG_PREFIX = "inferproxy"
+
 _log = Logger(namespace="loopd.inferproxy")
 
 
@@ -227,6 +231,10 @@ class _Refusal(Protocol):
     this side. With too many lingering already the connection is closed at once.
     """
 
+    def logPrefix(self) -> str:
+        """The component that Twisted's log lines of this connection name: L{LOG_PREFIX}."""
+        return LOG_PREFIX
+
     def __init__(self, response: bytes, clock: IReactorTime, lingering: _Lingering) -> None:
         """
         @param response: the bytes of L{refusal_response}.
@@ -319,6 +327,10 @@ class _Relay(Protocol):
     _read_closed = False
     _write_closed = False
     _lost = False
+
+    def logPrefix(self) -> str:
+        """The component that Twisted's log lines of this connection name: L{LOG_PREFIX}."""
+        return LOG_PREFIX
 
     def dataReceived(self, data: bytes) -> None:
         """
@@ -431,6 +443,10 @@ class _UpstreamFactory(Factory):
 
     noisy = False
 
+    def logPrefix(self) -> str:
+        """The component that Twisted's log lines of this connection name: L{LOG_PREFIX}."""
+        return LOG_PREFIX
+
     def __init__(self, pair: _Pair) -> None:
         """
         @param pair: the pair the upstream side joins.
@@ -537,6 +553,10 @@ class InferProxyFactory(Factory):
 
     # Twisted would log every start and stop of the factory: that is traffic.
     noisy = False
+
+    def logPrefix(self) -> str:
+        """The component that Twisted's log lines of this connection name: L{LOG_PREFIX}."""
+        return LOG_PREFIX
 
     def __init__(
         self,

@@ -43,6 +43,10 @@ from loopd.settings import Server
 
 __all__ = ["GatewayChannel", "GatewaySite", "error_response"]
 
+#: How Twisted's log lines name the gateway's HTTP listener (the C{logPrefix} of its protocols and
+#: factories), instead of a private class name.
+LOG_PREFIX = "loopd.gateway"
+
 _DIGITS = re.compile(rb"[0-9]+")
 #: Reason phrases twisted.web's table lacks.
 _REASONS = {431: b"Request Header Fields Too Large"}
@@ -84,6 +88,10 @@ class GatewayChannel(HTTPChannel):
     _parsing = "the request line"
 
     # --- refusals ---
+
+    def logPrefix(self) -> str:
+        """The component that Twisted's log lines of this connection name: L{LOG_PREFIX}."""
+        return LOG_PREFIX
 
     def _refuse(self, error: GatewayError) -> bool:
         """
@@ -367,6 +375,10 @@ class GatewaySite(Site):
 
     protocol = GatewayChannel  # type: ignore[assignment]
 
+    def logPrefix(self) -> str:
+        """The component that Twisted's log lines of this connection name: L{LOG_PREFIX}."""
+        return LOG_PREFIX
+
     def __init__(
         self,
         root: Resource,
@@ -399,6 +411,10 @@ class GatewaySite(Site):
 
 class _Overloaded(Protocol):
     """A connection past the listener's cap: answered 503 at once, then closed."""
+
+    def logPrefix(self) -> str:
+        """The component that Twisted's log lines of this connection name: L{LOG_PREFIX}."""
+        return LOG_PREFIX
 
     def __init__(self, cap: int, on_refusal: Callable[[GatewayError], None]) -> None:
         """

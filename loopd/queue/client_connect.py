@@ -34,6 +34,10 @@ from loopd.unixsocket import UnixSocketError, check_peer_socket
 
 __all__ = ["LeaseWire", "connect_daemon", "no_daemon", "spawn_daemon"]
 
+#: How Twisted's log lines name the lease client's connections (the C{logPrefix} of
+#: its protocols and factories), instead of a private class name.
+LOG_PREFIX = "llmqueue.client"
+
 # Run by the spawned interpreter: leave our session (the daemon must outlive a terminal's
 # Ctrl-C and its parent, as a detached spawn does), then become the daemon itself.
 _DETACH = "import os, sys; os.setsid(); os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
@@ -48,6 +52,10 @@ class LeaseWire(LineReceiver):
     delimiter = b"\n"
     # A status reply lists every holder and waiter: it may be long, but is never unbounded.
     MAX_LENGTH = 64 * 1024 * 1024
+
+    def logPrefix(self) -> str:
+        """The component that Twisted's log lines of this connection name: L{LOG_PREFIX}."""
+        return LOG_PREFIX
 
     def __init__(
         self,
@@ -101,6 +109,10 @@ class _WireFactory(ClientFactory):
     """
 
     noisy = False
+
+    def logPrefix(self) -> str:
+        """The component that Twisted's log lines of this connection name: L{LOG_PREFIX}."""
+        return LOG_PREFIX
 
     def __init__(self, build: Callable[[], LeaseWire]) -> None:
         """Build wires with C{build}."""

@@ -56,6 +56,10 @@ __all__ = [
     "is_text",
 ]
 
+#: How Twisted's log lines name the lease protocol's server side (the C{logPrefix} of
+#: its protocols and factories), instead of a private class name.
+LOG_PREFIX = "llmqueue"
+
 #: The longest line a peer may send, in bytes without its newline ("100 KB", DESIGN §11).
 MAX_LINE_BYTES = 102_400
 
@@ -152,6 +156,10 @@ class LeaseProtocol(Protocol):
     # A real socket transport (IUNIXTransport plus IConsumer and IPushProducer), or a test's
     # StringTransport: ITransport alone does not name the producer methods used here.
     transport: Any
+
+    def logPrefix(self) -> str:
+        """The component that Twisted's log lines of this connection name: L{LOG_PREFIX}."""
+        return LOG_PREFIX
 
     def __init__(self) -> None:
         """
@@ -400,6 +408,10 @@ class LeaseFactory(Factory[LeaseProtocol]):
 
     # Twisted would log every start and stop of the factory: that is traffic.
     noisy = False
+
+    def logPrefix(self) -> str:
+        """The component that Twisted's log lines of this connection name: L{LOG_PREFIX}."""
+        return LOG_PREFIX
 
     def __init__(
         self,

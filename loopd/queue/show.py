@@ -38,6 +38,10 @@ __all__ = [
     "render_status",
 ]
 
+#: How Twisted's log lines name C{loopd queue status} (the C{logPrefix} of its protocols and
+#: factories), instead of a private class name.
+LOG_PREFIX = "loopd.queue.status"
+
 
 class QueueStatusError(Exception):
     """
@@ -106,6 +110,10 @@ class _StatusAsker(LineOnlyReceiver):
 
     delimiter = b"\n"
     MAX_LENGTH = MAX_LINE_BYTES * 64
+
+    def logPrefix(self) -> str:
+        """The component that Twisted's log lines of this connection name: L{LOG_PREFIX}."""
+        return LOG_PREFIX
 
     def __init__(self, answer: Deferred[list[dict[str, Any]]]) -> None:
         """@param answer: fires with the queues, or fails with L{QueueStatusError}."""
