@@ -101,6 +101,7 @@ class Gateway:
         self.sessions = sessions if sessions is not None else Sessions()
         self.wall_clock = wall_clock
         self.in_flight: set[Exchange] = set()
+        self._sites: list[GatewaySite] = []
         self.leases = leases
         if leases is not None and leases.scheduler is not None:
             self.metrics.watch_scheduler(leases.scheduler)
@@ -174,9 +175,13 @@ class Gateway:
         """How many requests wait at endpoint C{name}'s gate, over all its slots."""
         return lambda: sum(waiting(slot) for slot in range(self.upstreams.slot_count(name)))
 
-    def site(self) -> Site:
+    def site(self, guard: Callable[[Resource], Resource] | None = None) -> Site:
         """
-        The twisted.web site serving this gateway.
+        A twisted.web site serving this gateway; each listener has its own (its own
+        connection cap), and C{loopd_http_connections_open} counts them all.
+
+        @param guard: wraps the root resource, such as the TCP listener's token check
+            (L{loopd.gateway.token_guard.TokenGuard}); None: the routes as they are.
         """
         routes: dict[bytes, Resource] = {
             b"/v1/chat/completions": DoorRoute(self, ChatDoor()),
@@ -190,13 +195,16 @@ class Gateway:
                 lambda: (200, {**queue_status(scheduler), "endpoints": self._states()})
             )
         items = {b"/v1/models/": lambda model_id: JsonRoute(lambda: self._model(model_id))}
+        root: Resource = Root(routes, items)
         site = GatewaySite(
-            Root(routes, items),
+            root if guard is None else guard(root),
             self.config.server,
             on_refusal=self.metrics.observe_refusal,
             reactor=self.reactor,
         )
-        self.metrics.watch_connections(lambda: len(site.open_channels))
+        self._sites.append(site)
+        sites = self._sites
+        self.metrics.watch_connections(lambda: sum(len(s.open_channels) for s in sites))
         return site
 
     def start(self) -> None:
