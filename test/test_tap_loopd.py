@@ -1,24 +1,28 @@
 """
 C{twist loopd}: the plugin is found, C{--config} and its default path, a bad configuration
-as a usage error, the service it builds, and where the gateway listens by default.
+as its errors alone (no usage block after them), the service it builds, and where the gateway
+listens by default.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
+import sys
 import tempfile
 
 from twisted.application.service import IServiceMaker
 from twisted.internet.testing import MemoryReactorClock
+from twisted.internet.utils import getProcessOutputAndValue
 from twisted.plugin import getPlugins
-from twisted.python.usage import UsageError
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from loopd.config import parse_config
 from loopd.service import LoopdService, default_socket_path, listen_path
-from loopd.tap.loopd import Options, default_config_path, makeService
+from loopd.tap.loopd import EX_USAGE, Options, default_config_path, makeService
+from loopd.test.support.twist import ROOT
 
 TOML = '[[endpoint]]\nname = "tiny"\nsocket = "/tmp/ld/infer.sock"\n'
 
@@ -72,19 +76,70 @@ class OptionsTests(SynchronousTestCase):
         options.parseOptions([])
         self.assertEqual(options["loaded"].endpoints[0].name, "tiny")
 
+    def refused(self, *argv: str) -> str:
+        """
+        Parse C{argv}, which must fail with the exit status L{EX_USAGE}; what the options
+        wrote to their stderr.
+        """
+        options = Options()
+        options.stderr = io.StringIO()
+        error = self.assertRaises(SystemExit, options.parseOptions, list(argv))
+        self.assertEqual(error.code, EX_USAGE)
+        return options.stderr.getvalue()
+
     def test_invalid_config(self) -> None:
-        """A config with a wrong key is a usage error naming the key's dotted path."""
+        """
+        A config with a wrong key is refused with its errors on stderr, naming the key's dotted
+        path, and nothing else: no usage block.
+        """
         path = self.write(TOML + "[limits]\npoll = 5\n", "loopd.toml")
-        error = self.assertRaises(UsageError, Options().parseOptions, ["--config", path])
-        self.assertIn("invalid configuration", str(error))
-        self.assertIn("limits.poll", str(error))
+        errors = self.refused("--config", path)
+        self.assertIn("invalid configuration", errors)
+        self.assertIn("limits.poll", errors)
+        self.assertNotIn("Usage:", errors)
+        self.assertNotIn("--config", errors)
 
     def test_missing_config(self) -> None:
-        """A config file that is not there is a usage error naming the file."""
+        """A config file that is not there is refused naming the file."""
         path = os.path.join(self.directory, "absent.toml")
-        error = self.assertRaises(UsageError, Options().parseOptions, ["--config", path])
-        self.assertIn("absent.toml", str(error))
-        self.assertIn("cannot read the file", str(error))
+        errors = self.refused("--config", path)
+        self.assertIn("absent.toml", errors)
+        self.assertIn("cannot read the file", errors)
+
+
+class TwistBadConfigTests(TestCase):
+    """
+    C{twist loopd} as a process, with a bad config: it exits with L{EX_USAGE} and prints the
+    config's errors, and no usage block after them.
+    """
+
+    def test_errors_only(self) -> None:
+        """C{twist loopd --config BAD} writes the errors and not C{twist}'s usage text."""
+        directory = tempfile.mkdtemp(prefix="ld", dir="/tmp")
+        self.addCleanup(shutil.rmtree, directory, True)
+        path = os.path.join(directory, "loopd.toml")
+        with open(path, "w") as f:
+            f.write(TOML + "[limits]\npoll = 5\n")
+        from twisted.internet import reactor
+
+        running = getProcessOutputAndValue(
+            sys.executable,
+            ["-m", "twisted", "loopd", "--config", path],
+            env=dict(os.environ),
+            path=str(ROOT),
+            reactor=reactor,
+        )
+
+        def ended(result: tuple[bytes, bytes, int]) -> None:
+            out, err, status = result
+            self.assertEqual(status, EX_USAGE, (out, err))
+            text = (out + err).decode()
+            self.assertIn("invalid configuration", text)
+            self.assertIn("limits.poll", text)
+            self.assertNotIn("Usage:", text)
+            self.assertNotIn("--reactor", text)
+
+        return running.addCallback(ended)
 
 
 class DefaultPathTests(SynchronousTestCase):

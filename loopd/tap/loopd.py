@@ -6,7 +6,8 @@ C{twist loopd}: command-line options and the service they build.
 from __future__ import annotations
 
 import os
-from typing import Any
+import sys
+from typing import IO, Any
 
 from twisted.application.service import IService
 from twisted.python import usage
@@ -14,7 +15,11 @@ from twisted.python import usage
 from loopd.config import ConfigError, load_config
 from loopd.service import LoopdService
 
-__all__ = ["Options", "default_config_path", "makeService"]
+__all__ = ["EX_USAGE", "Options", "default_config_path", "makeService"]
+
+#: The exit status of a config that cannot be used (C{sysexits.h}'s C{EX_USAGE}, as C{twist}
+#: exits for a usage error).
+EX_USAGE = 64
 
 
 def default_config_path(environ: dict[str, str] | None = None) -> str:
@@ -29,7 +34,12 @@ def default_config_path(environ: dict[str, str] | None = None) -> str:
 class Options(usage.Options):
     """
     Options of C{twist loopd}.
+
+    @ivar stderr: where an invalid configuration's errors are written (C{sys.stderr} unless
+        set).
     """
+
+    stderr: IO[str] | None = None
 
     synopsis = "[--config PATH]"
     longdesc = (
@@ -42,13 +52,20 @@ class Options(usage.Options):
 
     def postOptions(self) -> None:
         """
-        Read and validate the configuration now, so a bad one is a usage error.
+        Read and validate the configuration now, before anything starts.
+
+        @raise SystemExit: with L{EX_USAGE}, the configuration is invalid; its errors have been
+            written to C{stderr}, and only they: not a C{UsageError}, after which C{twist}
+            would print the whole usage block and bury the errors above it.
         """
         path = self["config"] or default_config_path()
         try:
             self["loaded"] = load_config(path)
         except ConfigError as e:
-            raise usage.UsageError(f"invalid configuration:\n{e}") from None
+            out = self.stderr if self.stderr is not None else sys.stderr
+            out.write(f"twist loopd: invalid configuration:\n{e}\n")
+            out.flush()
+            raise SystemExit(EX_USAGE) from None
 
 
 def makeService(options: Options, reactor: Any = None) -> IService:
