@@ -1,0 +1,967 @@
+# -*- test-case-name: loopd.test.test_gateway_anthropic -*-
+"""
+The Anthropic Messages front door, C{POST /v1/messages} (issue 14, DESIGN §3 decision 40):
+L{MessagesDoor} reads a Messages body into the gateway's one request model and writes the
+answer as Anthropic's C{message} object or its event stream, errors in Anthropic's shape
+(L{anthropic_error}). C{POST /v1/messages/count_tokens} reads its body with
+L{MessagesDoor.read_count}; its I/O is L{loopd.gateway.token_count}'s.
+
+What is read, and how:
+
+  - C{system}, a string or text blocks (joined with a blank line), becomes the first,
+    L{System}, message. Claude Code's attribution line (C{x-anthropic-billing-header: ...},
+    whose C{cch} changes every request) is removed from it first, wherever a system text
+    line starts with it, so that two turns of one session share their cached prefix.
+  - C{messages}: C{user} and C{assistant} turns, content a string or blocks. A user turn's
+    C{text} and C{image} blocks (C{base64} and C{url} sources, as OpenAI C{image_url}
+    parts) make one L{User}; each of its C{tool_result} blocks becomes a L{Tool} message
+    before it, its content a string or text blocks (joined), C{is_error: true} noted by
+    the prefix L{TOOL_ERROR_PREFIX}; images in a tool result follow it as a L{User} turn
+    of those images (a L{Tool} message carries text only). An assistant turn's C{text}
+    blocks are its content (joined), its C{thinking} blocks its C{reasoning_content}
+    (joined; the signature is not checked: no local model can), its C{tool_use} blocks its
+    tool calls, the input JSON-encoded as the arguments (C{json.dumps}' default spacing,
+    the way models write it, so that the prefix stays cacheable).
+  - C{tools} (C{name}, C{description}, C{input_schema}); C{tool_choice} C{auto}, C{any}
+    (C{required}), C{tool} (C{required}, the tools narrowed to the one named), C{none};
+    C{disable_parallel_tool_use: true} sends C{parallel_tool_calls: false}.
+  - C{max_tokens} (required, a positive integer; optional for C{count_tokens}),
+    C{stop_sequences}, C{temperature} and C{top_p} (0 to 1), C{top_k} (sent as llama.cpp's
+    C{top_k}), C{stream}.
+  - C{thinking}: C{enabled} turns thinking on with C{budget_tokens} as this request's
+    thinking cap; C{adaptive} turns it on; C{disabled} turns it off; absent, the server's
+    default (on).
+  - C{output_config.format} (C{json_schema}) as llama-server's C{response_format}.
+  - C{metadata.user_id}: the session id after the headers (decision 36).
+
+Accepted and ignored, because they are hints that change nothing loopd can honour or not:
+C{cache_control} everywhere (llama-server caches every prompt prefix by itself),
+C{context_management} (server-side context editing; loopd never edits the context, the
+client's own compaction still works), C{output_config.effort}, C{service_tier} C{auto} or
+C{standard_only}, C{speed} C{standard}, a custom tool's C{eager_input_streaming}. Anything
+else is a 400 C{invalid_request_error} naming it, as Anthropic's API answers fields it does
+not know: the top-level fields loopd cannot honour (C{container}, C{mcp_servers}, ...),
+server tools (C{tools[0].type}), blocks loopd does not translate
+(C{messages[2].content[1].type}: C{document}, C{search_result}, C{server_tool_use},
+C{redacted_thinking}, whose encrypted thinking no local model can read), C{file} image
+sources. Nothing is dropped silently. Any field whose value is C{null} reads as absent.
+
+What is written: a non-streaming answer is a C{message} with a C{thinking} block (its
+C{signature} C{""}), a C{text} block, C{tool_use} blocks, C{stop_reason} C{max_tokens}
+(the answer hit the token bound), C{tool_use} (it calls tools) or C{end_turn}, and C{usage}
+in Anthropic's sense: C{input_tokens} are the prompt tokens the server evaluated,
+C{cache_read_input_tokens} the ones it reused (their sum is the prompt). loopd's completion
+does not say which stop string ended it, so a stop sequence reads as C{end_turn} with
+C{stop_sequence} C{null}. A stream is C{message_start}, then per block
+C{content_block_start}, its deltas (C{thinking_delta} then a C{signature_delta},
+C{text_delta}, C{input_json_delta}) and C{content_block_stop}, a new block each time the
+kind of piece changes, then C{message_delta} (stop reason and the whole usage) and
+C{message_stop}; loopd's own events go as C{: loopd} comment lines, and C{queued} and
+C{waiting} also as C{ping} events, which the SDK skips.
+
+Pure: no I/O, no reactor, no twisted.web.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, NoReturn
+
+from loopd import strict_json
+from loopd.gateway.door import Answer, Header
+from loopd.gateway.errors import GatewayError
+from loopd.gateway.render import loopd_comment
+from loopd.gateway.request import (
+    NO_SESSION,
+    GatewayRequest,
+    SessionRef,
+    ThinkingSwitch,
+    read_session,
+)
+from loopd.gateway.web import comment_line
+from loopd.llama.types import (
+    Assistant,
+    ChatEvent,
+    ChatMessage,
+    Completion,
+    Content,
+    FinishReason,
+    Queued,
+    Reasoning,
+    System,
+    Timings,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolSchema,
+    User,
+    Waiting,
+)
+from loopd.sse import encode_data
+
+__all__ = [
+    "ATTRIBUTION_PREFIX",
+    "TOOL_ERROR_PREFIX",
+    "MessagesAnswer",
+    "MessagesDoor",
+    "anthropic_error",
+    "new_message_id",
+    "parse_messages",
+    "tool_input",
+    "without_attribution",
+]
+
+ATTRIBUTION_PREFIX: Final = "x-anthropic-billing-header:"
+"""How Claude Code's per-request attribution line starts (removed from the system prompt)."""
+
+TOOL_ERROR_PREFIX: Final = "Error: "
+"""What a tool result with C{is_error: true} starts with in the model's prompt."""
+
+_MSG = "invalid_message"
+_PARAM = "invalid_parameter"
+_TOOLS = "invalid_tools"
+_UNSUPPORTED = "unsupported_content"
+_UNKNOWN = "unsupported_parameter"
+
+#: The top-level fields the reader models.
+_MODELLED: Final = frozenset(
+    {
+        "model",
+        "messages",
+        "system",
+        "max_tokens",
+        "metadata",
+        "stop_sequences",
+        "stream",
+        "temperature",
+        "top_p",
+        "top_k",
+        "thinking",
+        "tool_choice",
+        "tools",
+        "output_config",
+    }
+)
+#: Top-level hints accepted and ignored (the module docstring says why), with the values
+#: each may have (C{None}: any value).
+_HINTS: Final[Mapping[str, frozenset[str] | None]] = {
+    "cache_control": None,
+    "context_management": None,
+    "service_tier": frozenset({"auto", "standard_only"}),
+    "speed": frozenset({"standard"}),
+}
+#: The fields of each block kind, by where it may appear; other kinds are refused.
+_USER_BLOCKS: Final = {
+    "text": frozenset({"text", "cache_control", "citations"}),
+    "image": frozenset({"source", "cache_control"}),
+    "tool_result": frozenset({"tool_use_id", "content", "is_error", "cache_control"}),
+}
+_ASSISTANT_BLOCKS: Final = {
+    "text": frozenset({"text", "cache_control", "citations"}),
+    "thinking": frozenset({"thinking", "signature", "cache_control"}),
+    "tool_use": frozenset({"id", "name", "input", "cache_control"}),
+}
+_RESULT_BLOCKS: Final = {
+    "text": frozenset({"text", "cache_control", "citations"}),
+    "image": frozenset({"source", "cache_control"}),
+}
+_SYSTEM_BLOCKS: Final = {"text": frozenset({"text", "cache_control", "citations"})}
+_WHY_REFUSED: Final = {
+    "redacted_thinking": "redacted_thinking blocks hold Anthropic's encrypted thinking, which "
+    "no local model can read; remove them",
+    "document": "document blocks are not translated; send the text as a text block",
+}
+_IMAGE_TYPES: Final = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
+_TOOL_FIELDS: Final = frozenset(
+    {"name", "description", "input_schema", "type", "cache_control", "eager_input_streaming"}
+)
+
+
+def parse_messages(
+    body: bytes, session: SessionRef = NO_SESSION, *, counting: bool = False
+) -> GatewayRequest:
+    """
+    Decode, check and translate a C{POST /v1/messages} body (the module docstring says
+    how), for C{session}. C{metadata} is kept in C{extras}.
+
+    @param counting: the body is a C{count_tokens} one: C{max_tokens} is optional.
+    @raise GatewayError: 400 C{invalid_request_error}, the message naming the field; codes
+        C{invalid_json}, C{not_an_object}, C{missing_messages}, C{missing_max_tokens},
+        C{invalid_message}, C{unsupported_content}, C{invalid_tools}, C{invalid_parameter},
+        C{unsupported_parameter}.
+    """
+    document = {key: value for key, value in _decode(body).items() if value is not None}
+    _check_top_level(document)
+    model = document.get("model")
+    if model is not None and not isinstance(model, str):
+        _fail(_PARAM, "model", "expected a string")
+    messages = (*_system(document.get("system")), *_messages(document.get("messages")))
+    tools = _tools(document.get("tools"))
+    tool_choice, tools, parallel = _tool_choice(document.get("tool_choice"), tools)
+    max_tokens = _max_tokens(document.get("max_tokens"), required=not counting)
+    switches, cap = _thinking(document.get("thinking"))
+    fields: dict[str, Any] = {}
+    top_k = document.get("top_k")
+    if top_k is not None:
+        fields["top_k"] = _count(top_k, "top_k", low=0)
+    if parallel is False:
+        fields["parallel_tool_calls"] = False
+    fields.update(_output_config(document.get("output_config")))
+    _metadata(document.get("metadata"))
+    return GatewayRequest(
+        model=model,
+        messages=messages,
+        tools=tools,
+        tool_choice=tool_choice,
+        max_tokens=max_tokens,
+        temperature=_unit(document.get("temperature"), "temperature"),
+        top_p=_unit(document.get("top_p"), "top_p"),
+        stop=_stop_sequences(document.get("stop_sequences")),
+        thinking_switches=switches,
+        stream=_flag(document.get("stream"), "stream"),
+        session=session,
+        thinking_cap=cap,
+        fields=fields,
+        extras={key: document[key] for key in ("metadata",) if key in document},
+    )
+
+
+def without_attribution(text: str) -> str:
+    """
+    C{text} without its lines that start (after spaces) with L{ATTRIBUTION_PREFIX}, each
+    with its line break: Claude Code's per-request attribution, which would change every
+    request's prompt prefix.
+    """
+    if ATTRIBUTION_PREFIX not in text:
+        return text
+    lines = text.splitlines(keepends=True)
+    return "".join(line for line in lines if not line.lstrip().startswith(ATTRIBUTION_PREFIX))
+
+
+def _decode(body: bytes) -> dict[str, Any]:
+    """
+    The body's JSON object.
+
+    @raise GatewayError: 400 C{invalid_json} or C{not_an_object}.
+    """
+    try:
+        document = strict_json.decode(body, interoperable=True)
+    except strict_json.JSONError as error:
+        raise GatewayError(
+            400, f"body: not valid UTF-8 JSON ({error})", "invalid_request_error", "invalid_json"
+        ) from None
+    if not isinstance(document, dict):
+        raise GatewayError(
+            400, "body: expected a JSON object", "invalid_request_error", "not_an_object"
+        )
+    return document
+
+
+def _fail(code: str, path: str, problem: str) -> NoReturn:
+    """Raise the 400 for the field at C{path}."""
+    raise GatewayError(400, f"{path}: {problem}", "invalid_request_error", code)
+
+
+def _show(value: str) -> str:
+    """A client's string quoted for a message, shortened when long."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 60 else text[:56] + '..."'
+
+
+def _asks_nothing(value: object) -> bool:
+    """Whether a field's value asks for nothing: C{null}, C{false} or empty."""
+    return value is None or value is False or value == [] or value == {}
+
+
+def _check_top_level(document: dict[str, Any]) -> None:
+    """
+    Refuse the top-level fields loopd neither models nor accepts as hints, and a hint's
+    value that asks for more than it can be ignored for.
+    """
+    for key, value in document.items():
+        if key in _MODELLED:
+            continue
+        if key not in _HINTS:
+            _fail(_UNKNOWN, key, "not supported by loopd")
+        allowed = _HINTS[key]
+        if allowed is not None and value not in allowed:
+            choices = " or ".join(_show(choice) for choice in sorted(allowed))
+            _fail(_UNKNOWN, key, f"only {choices} is supported by loopd")
+
+
+def _only(block: dict[str, Any], allowed: frozenset[str], path: str) -> None:
+    """Refuse the fields of C{block} other than C{type} and C{allowed} that ask for something."""
+    for key, value in block.items():
+        if key != "type" and key not in allowed and not _asks_nothing(value):
+            _fail(_UNKNOWN, f"{path}.{key}", "not supported by loopd")
+
+
+def _flag(value: object, path: str) -> bool:
+    """An optional boolean, false when absent."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        _fail(_PARAM, path, "expected true or false")
+    return value
+
+
+def _string(value: object, path: str, code: str = _MSG) -> str:
+    """A required string."""
+    if not isinstance(value, str):
+        _fail(code, path, "expected a string")
+    return value
+
+
+def _object(value: object, path: str, code: str = _MSG) -> dict[str, Any]:
+    """A JSON object."""
+    if not isinstance(value, dict):
+        _fail(code, path, "expected an object")
+    return value
+
+
+def _count(value: object, path: str, *, low: int) -> int:
+    """An integer of at least C{low}; an integral number such as C{2.0} is one."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        _fail(_PARAM, path, "expected a positive integer" if low else "expected an integer >= 0")
+    return value
+
+
+def _unit(value: object, path: str) -> float | None:
+    """An optional number from 0 to 1."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        _fail(_PARAM, path, "expected a number from 0 to 1")
+    return float(value)
+
+
+def _max_tokens(value: object, *, required: bool) -> int | None:
+    """C{max_tokens}: a positive integer, required unless counting."""
+    if value is None:
+        if required:
+            _fail("missing_max_tokens", "max_tokens", "required: a positive integer")
+        return None
+    return _count(value, "max_tokens", low=1)
+
+
+def _stop_sequences(value: object) -> tuple[str, ...]:
+    """C{stop_sequences}: an array of non-empty strings."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        _fail(_PARAM, "stop_sequences", "expected an array of strings")
+    for j, item in enumerate(value):
+        if not isinstance(item, str) or not item:
+            _fail(_PARAM, f"stop_sequences[{j}]", "expected a non-empty string")
+    return tuple(value)
+
+
+def _thinking(value: object) -> tuple[tuple[ThinkingSwitch, ...], int | None]:
+    """
+    C{thinking}: the switch it sets (as C{reasoning_effort}, the switch the plain path
+    honours) and the thinking cap of C{enabled}'s C{budget_tokens}.
+    """
+    if value is None:
+        return (), None
+    config = _object(value, "thinking", _PARAM)
+    kind = config.get("type")
+    if kind == "disabled":
+        _only(config, frozenset(), "thinking")
+        return (ThinkingSwitch("reasoning_effort", False),), None
+    if kind not in ("enabled", "adaptive"):
+        _fail(_PARAM, "thinking.type", 'expected "enabled", "adaptive" or "disabled"')
+    if config.get("display") not in (None, "summarized"):
+        _fail(_UNKNOWN, "thinking.display", 'only "summarized" is supported by loopd')
+    _only(config, frozenset({"budget_tokens", "display"}), "thinking")
+    cap = None
+    if kind == "enabled":
+        budget = config.get("budget_tokens")
+        if budget is None:
+            _fail(_PARAM, "thinking.budget_tokens", 'required when thinking.type is "enabled"')
+        cap = _count(budget, "thinking.budget_tokens", low=1)
+    return (ThinkingSwitch("reasoning_effort", True),), cap
+
+
+def _output_config(value: object) -> dict[str, Any]:
+    """
+    The server fields of C{output_config}: its C{format} (C{json_schema}) as
+    C{response_format}; C{effort} is accepted and ignored.
+    """
+    if value is None:
+        return {}
+    config = _object(value, "output_config", _PARAM)
+    _only(config, frozenset({"format", "effort"}), "output_config")
+    effort = config.get("effort")
+    if effort is not None:
+        _string(effort, "output_config.effort", _PARAM)
+    form = config.get("format")
+    if form is None:
+        return {}
+    form = _object(form, "output_config.format", _PARAM)
+    if form.get("type") != "json_schema":
+        _fail(_PARAM, "output_config.format.type", 'expected "json_schema"')
+    _only(form, frozenset({"schema"}), "output_config.format")
+    schema = _object(form.get("schema"), "output_config.format.schema", _PARAM)
+    return {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": schema},
+        }
+    }
+
+
+def _metadata(value: object) -> None:
+    """Check C{metadata}: an object whose only field is C{user_id}."""
+    if value is not None:
+        _only(_object(value, "metadata", _PARAM), frozenset({"user_id"}), "metadata")
+
+
+def _system(value: object) -> tuple[ChatMessage, ...]:
+    """C{system} as the first message, without Claude Code's attribution; none if empty."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        text = without_attribution(value)
+    elif isinstance(value, list):
+        texts = (
+            without_attribution(_block_text(block, f"system[{j}]", _SYSTEM_BLOCKS))
+            for j, block in enumerate(value)
+        )
+        text = "\n\n".join(text for text in texts if text)
+    else:
+        _fail(_MSG, "system", "expected a string or an array of text blocks")
+    return (System(text),) if text else ()
+
+
+def _block(value: object, path: str, kinds: Mapping[str, frozenset[str]]) -> dict[str, Any]:
+    """
+    One content block of one of C{kinds}, its fields checked against that kind's.
+
+    @raise GatewayError: 400 C{unsupported_content} naming C{<path>.type} for another kind.
+    """
+    block = _object(value, path)
+    kind = block.get("type")
+    if not isinstance(kind, str):
+        _fail(_MSG, f"{path}.type", "expected a string")
+    if kind not in kinds:
+        expected = ", ".join(sorted(kinds))
+        why = _WHY_REFUSED.get(kind, f"{_show(kind)} blocks are not translated by loopd")
+        _fail(_UNSUPPORTED, f"{path}.type", f"{why} (here: {expected})")
+    _only(block, kinds[kind], path)
+    return block
+
+
+def _block_text(value: object, path: str, kinds: Mapping[str, frozenset[str]]) -> str:
+    """The text of a block that must be a C{text} block."""
+    block = _block(value, path, kinds)
+    if block["type"] != "text":
+        _fail(_UNSUPPORTED, f"{path}.type", "expected a text block here")
+    return _string(block.get("text"), f"{path}.text")
+
+
+def _messages(value: object) -> tuple[ChatMessage, ...]:
+    """The C{messages} array, in order, each turn as one or more messages."""
+    if value is None or value == []:
+        _fail("missing_messages", "messages", "required: a non-empty array of messages")
+    if not isinstance(value, list):
+        _fail(_MSG, "messages", "expected a non-empty array of messages")
+    out: list[ChatMessage] = []
+    for i, item in enumerate(value):
+        path = f"messages[{i}]"
+        message = _object(item, path)
+        _only(message, frozenset({"role", "content"}), path)
+        role = message.get("role")
+        content = message.get("content")
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        elif not isinstance(content, list):
+            _fail(_MSG, f"{path}.content", "expected a string or an array of content blocks")
+        if role == "user":
+            out.extend(_user(content, f"{path}.content"))
+        elif role == "assistant":
+            out.append(_assistant(content, f"{path}.content"))
+        else:
+            _fail(_MSG, f"{path}.role", 'expected "user" or "assistant"')
+    return tuple(out)
+
+
+def _image_part(block: dict[str, Any], path: str) -> dict[str, Any]:
+    """An image block as the OpenAI C{image_url} part llama-server reads."""
+    source = _object(block.get("source"), f"{path}.source")
+    kind = source.get("type")
+    if kind == "base64":
+        _only(source, frozenset({"media_type", "data"}), f"{path}.source")
+        media = _string(source.get("media_type"), f"{path}.source.media_type")
+        if media not in _IMAGE_TYPES:
+            kinds = ", ".join(sorted(_IMAGE_TYPES))
+            _fail(_MSG, f"{path}.source.media_type", f"expected one of {kinds}")
+        data = _string(source.get("data"), f"{path}.source.data")
+        url = f"data:{media};base64,{data}"
+    elif kind == "url":
+        _only(source, frozenset({"url"}), f"{path}.source")
+        url = _string(source.get("url"), f"{path}.source.url")
+    else:
+        _fail(_UNSUPPORTED, f"{path}.source.type", 'expected "base64" or "url"')
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _user_turn(parts: list[dict[str, Any]]) -> User:
+    """A user turn of OpenAI parts: text only is plain content, with images it keeps parts."""
+    text = "".join(part["text"] for part in parts if part["type"] == "text")
+    if any(part["type"] == "image_url" for part in parts):
+        return User(text, tuple(parts))
+    return User(text)
+
+
+def _user(blocks: list[Any], path: str) -> list[ChatMessage]:
+    """
+    A user turn: its tool results first, as L{Tool} messages (each followed by a user turn
+    of its images, if it has any), then its text and images as one L{User}, if any.
+    """
+    results: list[ChatMessage] = []
+    parts: list[dict[str, Any]] = []
+    for j, value in enumerate(blocks):
+        where = f"{path}[{j}]"
+        block = _block(value, where, _USER_BLOCKS)
+        kind = block["type"]
+        if kind == "text":
+            parts.append({"type": "text", "text": _string(block.get("text"), f"{where}.text")})
+        elif kind == "image":
+            parts.append(_image_part(block, where))
+        else:
+            results.extend(_tool_result(block, where))
+    if parts or not results:
+        results.append(_user_turn(parts))
+    return results
+
+
+def _tool_result(block: dict[str, Any], path: str) -> list[ChatMessage]:
+    """A C{tool_result} block as a L{Tool} message, and a user turn of its images."""
+    call_id = _string(block.get("tool_use_id"), f"{path}.tool_use_id")
+    content = block.get("content")
+    texts: list[str] = []
+    images: list[dict[str, Any]] = []
+    if isinstance(content, str):
+        texts.append(content)
+    elif isinstance(content, list):
+        for k, value in enumerate(content):
+            where = f"{path}.content[{k}]"
+            item = _block(value, where, _RESULT_BLOCKS)
+            if item["type"] == "text":
+                texts.append(_string(item.get("text"), f"{where}.text"))
+            else:
+                images.append(_image_part(item, where))
+    elif content is not None:
+        _fail(_MSG, f"{path}.content", "expected a string or an array of text and image blocks")
+    text = "".join(texts)
+    if _flag(block.get("is_error"), f"{path}.is_error"):
+        text = TOOL_ERROR_PREFIX + text
+    out: list[ChatMessage] = [Tool(call_id, text)]
+    if images:
+        out.append(User("", tuple(images)))
+    return out
+
+
+def _assistant(blocks: list[Any], path: str) -> Assistant:
+    """An earlier assistant turn: its text, its thinking and its tool calls."""
+    texts: list[str] = []
+    thoughts: list[str] = []
+    calls: list[ToolCall] = []
+    for j, value in enumerate(blocks):
+        where = f"{path}[{j}]"
+        block = _block(value, where, _ASSISTANT_BLOCKS)
+        kind = block["type"]
+        if kind == "text":
+            texts.append(_string(block.get("text"), f"{where}.text"))
+        elif kind == "thinking":
+            thoughts.append(_string(block.get("thinking"), f"{where}.thinking"))
+            signature = block.get("signature")
+            if signature is not None:
+                _string(signature, f"{where}.signature")
+        else:
+            arguments = _object(block.get("input"), f"{where}.input")
+            calls.append(
+                ToolCall(
+                    _string(block.get("id"), f"{where}.id"),
+                    _string(block.get("name"), f"{where}.name"),
+                    json.dumps(arguments, ensure_ascii=False),
+                )
+            )
+    content = "".join(texts) if texts or not calls else None
+    return Assistant(content, "".join(thoughts) if thoughts else None, tuple(calls))
+
+
+def _tools(value: object) -> tuple[ToolSchema, ...]:
+    """The C{tools}: custom tools C{{name, description?, input_schema}}."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        _fail(_TOOLS, "tools", "expected an array of tools")
+    tools: list[ToolSchema] = []
+    for i, item in enumerate(value):
+        path = f"tools[{i}]"
+        tool = _object(item, path, _TOOLS)
+        kind = tool.get("type")
+        if kind not in (None, "custom"):
+            shown = _show(kind) if isinstance(kind, str) else "this type"
+            _fail(_TOOLS, f"{path}.type", f"{shown}: only custom tools are supported by loopd")
+        _only(tool, _TOOL_FIELDS, path)
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            _fail(_TOOLS, f"{path}.name", "expected a non-empty string")
+        if any(offered.name == name for offered in tools):
+            _fail(_TOOLS, f"{path}.name", f"{_show(name)} is offered twice")
+        description = tool.get("description")
+        if description is not None:
+            description = _string(description, f"{path}.description", _TOOLS)
+        schema = tool.get("input_schema")
+        if schema is None:
+            _fail(_TOOLS, f"{path}.input_schema", "required: a JSON schema object")
+        schema = _object(schema, f"{path}.input_schema", _TOOLS)
+        tools.append(ToolSchema(name, description or "", schema))
+    return tuple(tools)
+
+
+def _tool_choice(
+    value: object, tools: tuple[ToolSchema, ...]
+) -> tuple[str | None, tuple[ToolSchema, ...], bool | None]:
+    """
+    C{tool_choice}: the OpenAI choice, the tools it leaves on offer, and C{False} when
+    C{disable_parallel_tool_use} is set (else C{None}: the server's default).
+    """
+    if value is None:
+        return None, tools, None
+    choice = _object(value, "tool_choice", _PARAM)
+    kind = choice.get("type")
+    if kind == "none":
+        _only(choice, frozenset(), "tool_choice")
+        return "none", tools, None
+    if kind not in _CHOICES:
+        _fail(_PARAM, "tool_choice.type", 'expected "auto", "any", "tool" or "none"')
+    allowed = (
+        {"disable_parallel_tool_use", "name"} if kind == "tool" else {"disable_parallel_tool_use"}
+    )
+    _only(choice, frozenset(allowed), "tool_choice")
+    path = "tool_choice.disable_parallel_tool_use"
+    parallel = False if _flag(choice.get("disable_parallel_tool_use"), path) else None
+    if kind == "tool":
+        name = _string(choice.get("name"), "tool_choice.name", _PARAM)
+        tools = tuple(tool for tool in tools if tool.name == name)
+        if not tools:
+            _fail(_PARAM, "tool_choice.name", f"{_show(name)} is not in tools")
+    return _CHOICES[kind], tools, parallel
+
+
+#: The OpenAI C{tool_choice} of each Anthropic one that offers tools.
+_CHOICES: Final = {"auto": "auto", "any": "required", "tool": "required"}
+
+
+# ---------------------------------------------------------------------------------------
+# The door
+
+
+#: The body field that names a request's session, after the headers (decision 36).
+_BODY_SESSION_ID = "metadata.user_id"
+
+
+class MessagesDoor:
+    """
+    The Anthropic Messages door: Anthropic's request, Anthropic's answers and error shape.
+    """
+
+    name = "messages"
+
+    def read(self, body: bytes, header: Header, anonymous: Callable[[], str]) -> GatewayRequest:
+        """
+        The request (L{parse_messages}) and its session: the headers of decision 36, then
+        the body's C{metadata.user_id}. C{anthropic-version}, C{anthropic-beta} and the
+        query string (C{?beta=true}) change nothing.
+
+        @raise GatewayError: 400 naming the field.
+        """
+        document = parse_messages(body)
+        return _with_session(document, header, anonymous)
+
+    def read_count(self, body: bytes, header: Header) -> GatewayRequest:
+        """
+        A C{POST /v1/messages/count_tokens} body: a Messages request whose C{max_tokens}
+        is optional. Its session (for the router's placement) is the one its headers or
+        C{metadata.user_id} name, else an anonymous one with an empty id.
+
+        @raise GatewayError: 400 naming the field.
+        """
+        document = parse_messages(body, counting=True)
+        return _with_session(document, header, lambda: "")
+
+    def answer(self, request: GatewayRequest, model: str, created: int) -> Answer:
+        """A fresh message id's answer for C{model}; Anthropic's message has no C{created}."""
+        return MessagesAnswer(new_message_id(), model)
+
+    def error(self, error: GatewayError) -> tuple[int, object]:
+        """Anthropic's error shape and status (L{anthropic_error})."""
+        return anthropic_error(error)
+
+
+def _with_session(
+    request: GatewayRequest, header: Header, anonymous: Callable[[], str]
+) -> GatewayRequest:
+    """C{request} with the session its headers, then its C{metadata.user_id}, name."""
+    metadata = request.extras.get("metadata") or {}
+    session = read_session(header, anonymous, [(_BODY_SESSION_ID, metadata.get("user_id"))])
+    return dataclasses.replace(request, session=session)
+
+
+def new_message_id() -> str:
+    """A fresh message id: C{msg_} and 24 random hex digits."""
+    return "msg_" + os.urandom(12).hex()
+
+
+# ---------------------------------------------------------------------------------------
+# Errors
+
+#: The Anthropic error type of each status loopd answers; any other 4xx is an
+#: C{invalid_request_error}, any other 5xx an C{api_error}.
+_ERROR_TYPES: Final = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+#: How Claude Code recognises a prompt over the context (it then compacts the conversation).
+_TOO_LONG = "prompt is too long: "
+
+
+def anthropic_error(error: GatewayError) -> tuple[int, dict[str, Any]]:
+    """
+    The status and Anthropic error body, C{{"type": "error", "error": {"type",
+    "message"}}}, of C{error}: its status with the type Anthropic gives it (400
+    C{invalid_request_error}, 401 C{authentication_error}, 403 C{permission_error}, 404
+    C{not_found_error}, 413 C{request_too_large}, 429 C{rate_limit_error}, 503
+    C{overloaded_error} (an endpoint unavailable or loading: try again later), 504
+    C{timeout_error}, another 4xx C{invalid_request_error}, another 5xx C{api_error}), but
+    loopd's Busy (code C{busy}), which is 529 C{overloaded_error} as Anthropic answers
+    overload. A prompt over the context (C{context_exceeded}) says C{prompt is too long:}
+    first, as Anthropic's does.
+    """
+    status = 529 if error.code == "busy" else error.status
+    kind = _ERROR_TYPES.get(status) or (
+        "invalid_request_error" if 400 <= status < 500 else "api_error"
+    )
+    message = error.message
+    if error.code == "context_exceeded" and not message.startswith(_TOO_LONG):
+        message = _TOO_LONG + message
+    return status, {"type": "error", "error": {"type": kind, "message": message}}
+
+
+# ---------------------------------------------------------------------------------------
+# The answer
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    """One Anthropic stream event: C{event: <type>} and C{payload} as compact JSON."""
+    data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return b"event: " + str(payload["type"]).encode() + b"\n" + encode_data(data)
+
+
+def _usage(timings: Timings) -> dict[str, int]:
+    """Anthropic's C{usage}: evaluated and reused prompt tokens apart, generated tokens."""
+    return {
+        "input_tokens": timings.prompt_n,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": timings.cache_n,
+        "output_tokens": timings.predicted_n,
+    }
+
+
+def _stop_reason(completion: Completion) -> str:
+    """C{max_tokens}, C{tool_use} or C{end_turn}."""
+    if completion.finish_reason is FinishReason.LENGTH:
+        return "max_tokens"
+    if completion.finish_reason is FinishReason.TOOL_CALLS or completion.tool_calls:
+        return "tool_use"
+    return "end_turn"
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """
+    A tool call's input from the arguments the model wrote: their JSON object; C{{}} for
+    none (empty or blank text); C{{"_raw_arguments": <text>}} when they are not a JSON
+    object, so that the client sees what the model wrote (a tool then refuses the input,
+    and the model sees why) rather than losing it.
+    """
+    if not arguments.strip():
+        return {}
+    try:
+        value = strict_json.decode(arguments)
+    except strict_json.JSONError:
+        value = None
+    return value if isinstance(value, dict) else {"_raw_arguments": arguments}
+
+
+def _blocks(completion: Completion) -> list[dict[str, Any]]:
+    """The content blocks of a finished answer: thinking, text, tool uses."""
+    blocks: list[dict[str, Any]] = []
+    if completion.reasoning_content:
+        blocks.append(
+            {"type": "thinking", "thinking": completion.reasoning_content, "signature": ""}
+        )
+    if completion.content:
+        blocks.append({"type": "text", "text": completion.content})
+    blocks.extend(
+        {"type": "tool_use", "id": call.id, "name": call.name, "input": tool_input(call.arguments)}
+        for call in completion.tool_calls
+    )
+    return blocks
+
+
+@dataclass
+class _Pending:
+    """A tool call seen before its name: its id and the argument text so far."""
+
+    id: str | None
+    arguments: str
+
+
+class MessagesAnswer:
+    """
+    One Messages answer (the module docstring gives its shapes): the C{message} object, or
+    the event stream, which this object follows block by block.
+
+    @ivar message_id: the message's id.
+    @ivar model: the model named in the message.
+    """
+
+    def __init__(self, message_id: str, model: str) -> None:
+        """@param message_id: the message's id. @param model: the endpoint's name."""
+        self.message_id = message_id
+        self.model = model
+        self._blocks = 0
+        self._open: tuple[str, int] | None = None
+        self._pending: dict[int, _Pending] = {}
+
+    def _message(
+        self, content: list[dict[str, Any]], completion: Completion | None
+    ) -> dict[str, Any]:
+        """The C{message} object; before the completion, with no stop reason and no usage."""
+        return {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": None if completion is None else _stop_reason(completion),
+            "stop_sequence": None,
+            "usage": _usage(Timings() if completion is None else completion.timings),
+        }
+
+    def opening(self) -> bytes:
+        """C{message_start}: the message without content, its usage all zero so far."""
+        return _event({"type": "message_start", "message": self._message([], None)})
+
+    def during(self, event: ChatEvent) -> bytes:
+        """
+        The events of one piece: a block's deltas (with the stop of the block before and
+        the start of this one when the kind of piece changes); loopd's own events as a
+        comment, and C{queued} and C{waiting} also as a C{ping}.
+        """
+        if isinstance(event, Reasoning) and event.text:
+            return self._switch(
+                "thinking", 0, {"type": "thinking", "thinking": "", "signature": ""}
+            ) + (self._delta({"type": "thinking_delta", "thinking": event.text}))
+        if isinstance(event, Content) and event.text:
+            return self._switch("text", 0, {"type": "text", "text": ""}) + self._delta(
+                {"type": "text_delta", "text": event.text}
+            )
+        if isinstance(event, ToolCallDelta):
+            return self._tool(event)
+        comment = loopd_comment(event)
+        if comment is None:
+            return b""
+        ping = _event({"type": "ping"}) if isinstance(event, (Queued, Waiting)) else b""
+        return comment_line(comment) + ping
+
+    def _switch(self, kind: str, key: int, start: dict[str, Any]) -> bytes:
+        """Nothing if block C{(kind, key)} is open; else stop the open one and start it."""
+        if self._open == (kind, key):
+            return b""
+        out = self._stop()
+        self._open = (kind, key)
+        out += _event(
+            {"type": "content_block_start", "index": self._blocks, "content_block": start}
+        )
+        self._blocks += 1
+        return out
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        """A delta of the open block."""
+        return _event({"type": "content_block_delta", "index": self._blocks - 1, "delta": delta})
+
+    def _stop(self) -> bytes:
+        """The stop of the open block (a thinking block's signature first), if one is open."""
+        if self._open is None:
+            return b""
+        out = b""
+        if self._open[0] == "thinking":
+            out = self._delta({"type": "signature_delta", "signature": ""})
+        self._open = None
+        return out + _event({"type": "content_block_stop", "index": self._blocks - 1})
+
+    def _tool(self, event: ToolCallDelta) -> bytes:
+        """
+        A piece of a tool call: its block starts once its name is known (with its id and an
+        empty input), and its argument text goes as C{input_json_delta}s.
+        """
+        if self._open == ("tool", event.index):
+            return self._arguments(event.arguments)
+        pending = self._pending.setdefault(event.index, _Pending(None, ""))
+        pending.id = pending.id or event.id
+        pending.arguments += event.arguments
+        if event.name is None:
+            return b""
+        return self._start_tool(event.index, event.name)
+
+    def _start_tool(self, index: int, name: str) -> bytes:
+        """Start the block of pending tool call C{index}, with its arguments so far."""
+        pending = self._pending.pop(index)
+        call_id = pending.id or "toolu_" + os.urandom(12).hex()
+        start = {"type": "tool_use", "id": call_id, "name": name, "input": {}}
+        return self._switch("tool", index, start) + self._arguments(pending.arguments)
+
+    def _arguments(self, text: str) -> bytes:
+        """An C{input_json_delta} of C{text}, nothing for none."""
+        if not text:
+            return b""
+        return self._delta({"type": "input_json_delta", "partial_json": text})
+
+    def closing(self, completion: Completion) -> bytes:
+        """
+        The stop of the open block (a tool call still without a name starts first, named
+        C{""}), C{message_delta} with the stop reason and the whole usage, C{message_stop}.
+        """
+        out = b"".join(self._start_tool(index, "") for index in sorted(self._pending))
+        out += self._stop()
+        delta = {"stop_reason": _stop_reason(completion), "stop_sequence": None}
+        out += _event(
+            {"type": "message_delta", "delta": delta, "usage": _usage(completion.timings)}
+        )
+        return out + _event({"type": "message_stop"})
+
+    def stream_error(self, error: GatewayError) -> bytes:
+        """An C{error} event in Anthropic's error shape (the SDK raises it)."""
+        return _event(anthropic_error(error)[1])
+
+    def body(self, completion: Completion) -> object:
+        """The C{message} object of a non-streaming answer."""
+        return self._message(_blocks(completion), completion)
