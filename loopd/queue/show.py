@@ -12,6 +12,12 @@ field, so C{twist llmqueue} is printed as before.
 
 L{render_status} and L{render_endpoints} are pure; L{fetch_status} and L{fetch_endpoints}
 each do one round trip.
+
+A socket that speaks HTTP (loopd's gateway, given by mistake) is told at once
+(L{NotLeaseSocketError}) instead of after the timeout: the C{status} line ends in C{\r\n}, which
+the lease protocol reads as JSON whitespace before its newline and an HTTP server as the end
+of a request line it answers with a 400 at once, and an answer starting C{HTTP/} is not
+taken for a lease reply.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from loopd.queue.protocol import MAX_LINE_BYTES, encode_message
 from loopd.unixsocket import UnixSocketError, check_peer_socket
 
 __all__ = [
+    "NotLeaseSocketError",
     "QueueStatusError",
     "fetch_endpoints",
     "fetch_status",
@@ -46,6 +53,13 @@ LOG_PREFIX = "loopd.queue.status"
 class QueueStatusError(Exception):
     """
     The lease socket could not be asked: unreachable, silent, or it answered nonsense.
+    """
+
+
+class NotLeaseSocketError(QueueStatusError):
+    """
+    The socket answered HTTP: it is an HTTP server (loopd's gateway, most likely), not a
+    lease socket.
     """
 
 
@@ -115,17 +129,35 @@ class _StatusAsker(LineOnlyReceiver):
         """The component that Twisted's log lines of this connection name: L{LOG_PREFIX}."""
         return LOG_PREFIX
 
-    def __init__(self, answer: Deferred[list[dict[str, Any]]]) -> None:
-        """@param answer: fires with the queues, or fails with L{QueueStatusError}."""
+    def __init__(self, answer: Deferred[list[dict[str, Any]]], socket_path: str = "") -> None:
+        """
+        @param answer: fires with the queues, or fails with L{QueueStatusError}.
+        @param socket_path: the socket asked, named by the errors.
+        """
         self._answer = answer
+        self._socket = socket_path
 
     def connectionMade(self) -> None:
-        """Ask."""
+        """
+        Ask, in a line ending in C{\r\n}: the same message to the lease protocol (the
+        C{\r} is JSON whitespace), and one that an HTTP server refuses at once.
+        """
         assert self.transport is not None
-        self.transport.write(encode_message({"op": "status"}))
+        self.transport.write(encode_message({"op": "status"})[:-1] + b"\r\n")
 
     def lineReceived(self, line: bytes) -> None:
-        """Take the first line as the reply."""
+        """Take the first line as the reply; an HTTP status line is L{NotLeaseSocketError}."""
+        if line.startswith(b"HTTP/"):
+            status = line.rstrip(b"\r")[:80].decode("ascii", "replace")
+            error = NotLeaseSocketError(
+                f"{self._socket} is an HTTP socket (it answered {status!r}), not a lease "
+                "socket: it is loopd's gateway, or another HTTP server"
+            )
+            if not self._answer.called:
+                self._answer.errback(error)
+            if self.transport is not None:
+                self.transport.loseConnection()
+            return
         try:
             message = strict_json.decode(line)
         except ValueError:
@@ -182,7 +214,7 @@ def fetch_status(
         answer.errback(QueueStatusError(f"not connecting: {e}"))
         return answer
     endpoint = UNIXClientEndpoint(reactor, socket_path, timeout=timeout)
-    connecting = endpoint.connect(Factory.forProtocol(lambda: _StatusAsker(answer)))
+    connecting = endpoint.connect(Factory.forProtocol(lambda: _StatusAsker(answer, socket_path)))
 
     def unreachable(reason: Failure) -> None:
         """
@@ -256,6 +288,7 @@ def queue_status_command(
     write: Callable[[str], None],
     err: Callable[[str], None],
     gateway_path: str | None = None,
+    lease_socket: str | None = None,
 ) -> Deferred[int]:
     """
     C{loopd queue status}: print the status of the lease socket at C{socket_path}; fire
@@ -264,6 +297,8 @@ def queue_status_command(
     @param gateway_path: loopd's gateway socket, when the lease socket is loopd's own: each
         endpoint's health state is printed after the queues (a gateway that cannot be asked
         is said on C{err}, and the exit status stays 0).
+    @param lease_socket: the lease socket to name when C{socket_path} turns out to be an
+        HTTP socket (L{NotLeaseSocketError}): the one C{loopd queue status} asks by default.
     """
 
     def show(queues: list[dict[str, Any]]) -> int | Deferred[int]:
@@ -293,6 +328,8 @@ def queue_status_command(
         """
         reason.trap(QueueStatusError)
         err(f"loopd queue status: {reason.getErrorMessage()}\n")
+        if reason.check(NotLeaseSocketError) and lease_socket and lease_socket != socket_path:
+            err(f"loopd queue status: the lease socket is {lease_socket}; ask it with --socket\n")
         return 1
 
     return fetch_status(reactor, socket_path).addCallbacks(show, failed)

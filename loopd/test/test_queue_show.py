@@ -22,10 +22,12 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
 from loopd import cli
+from loopd.gateway.channel import GatewaySite
 from loopd.queue.protocol import LeaseFactory, LeaseProtocol, deliver_grant
 from loopd.queue.scheduler import Scheduler
 from loopd.queue.scheduler_types import QueuePolicy, StaticRouter
 from loopd.queue.show import (
+    NotLeaseSocketError,
     QueueStatusError,
     fetch_endpoints,
     fetch_status,
@@ -33,6 +35,7 @@ from loopd.queue.show import (
     render_endpoints,
     render_status,
 )
+from loopd.settings import Server
 from loopd.test.support.peers import Peer, real_reactor
 from loopd.unixsocket import listen_unix
 
@@ -223,6 +226,48 @@ class FetchTests(TestCase):
         self.assertIn(gateway, str(error))
 
     @inlineCallbacks
+    def test_gateway_socket_is_told_at_once(self) -> Any:
+        """
+        Asked for C{status}, loopd's real gateway channel (on a real socket) answers HTTP at
+        once, and that is a L{NotLeaseSocketError} naming the socket: no timer ran (every
+        timer, the 5 s timeout and the gateway's own deadlines, is on a C{Clock} that never
+        advances).
+        """
+        clock = Clock()
+        reactor = _RealSocketsClockTime(real_reactor(), clock)
+        path = os.path.join(self.directory, "loopd.sock")
+        site = GatewaySite(Resource(), Server(), reactor=reactor)
+        port = listen_unix(real_reactor(), path, site)
+        self.addCleanup(port.stopListening)
+        asking = fetch_status(reactor, path)
+        error = yield self.assertFailure(asking, NotLeaseSocketError)
+        self.assertIn(path, str(error))
+        self.assertIn("HTTP/1.1 400", str(error))
+        self.assertIn("not a lease socket", str(error))
+        self.assertEqual(clock.seconds(), 0)
+
+    @inlineCallbacks
+    def test_command_names_the_lease_socket(self) -> Any:
+        """
+        C{loopd queue status --socket GATEWAY} exits 1 saying it is an HTTP socket, and names
+        the lease socket to ask instead.
+        """
+        clock = Clock()
+        reactor = _RealSocketsClockTime(real_reactor(), clock)
+        path = os.path.join(self.directory, "loopd.sock")
+        port = listen_unix(real_reactor(), path, GatewaySite(Resource(), Server(), reactor=reactor))
+        self.addCleanup(port.stopListening)
+        out: list[str] = []
+        err: list[str] = []
+        status = yield queue_status_command(
+            reactor, path, out.append, err.append, lease_socket=self.path
+        )
+        self.assertEqual((status, out), (1, []))
+        text = "".join(err)
+        self.assertIn(f"{path} is an HTTP socket", text)
+        self.assertIn(f"the lease socket is {self.path}", text)
+
+    @inlineCallbacks
     def test_no_socket(self) -> Any:
         """A socket nobody listens on is a QueueStatusError naming the path."""
         error = yield self.assertFailure(fetch_status(real_reactor(), self.path), QueueStatusError)
@@ -277,6 +322,29 @@ class CommandLineTests(SynchronousTestCase):
 
         self.assertEqual(cli.main(["queue", "status", "--socket", path], run=run), 1)
         self.assertIn("cannot reach " + path, "".join(errors))
+
+
+class _RealSocketsClockTime:
+    """
+    A reactor whose sockets are the real reactor's and whose timers are a C{Clock}'s: a
+    test over real sockets in which no timeout can fire.
+    """
+
+    def __init__(self, real: Any, clock: Clock) -> None:
+        self._real = real
+        self._clock = clock
+
+    def callLater(self, *args: Any, **kwargs: Any) -> Any:
+        """Schedule on the clock."""
+        return self._clock.callLater(*args, **kwargs)
+
+    def seconds(self) -> float:
+        """The clock's time."""
+        return self._clock.seconds()
+
+    def __getattr__(self, name: str) -> Any:
+        """Everything else (C{connectUNIX}, C{listenUNIX}, ...) from the real reactor."""
+        return getattr(self._real, name)
 
 
 class _NoUnix:
