@@ -1,0 +1,879 @@
+"""
+Tests for L{loopd.gateway.responses}: the reader against the issue's list, and the writer
+against the C{openai} SDK's own models and stream accumulator.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx2
+import openai
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+
+from loopd.gateway.errors import GatewayError
+from loopd.gateway.request import GatewayRequest, SessionRef, ThinkingSwitch
+from loopd.gateway.response_store import ResponseStore, StoredResponse
+from loopd.gateway.responses import EFFORT_CAPS, ResponsesDoor
+from loopd.llama.types import (
+    Assistant,
+    Completion,
+    Content,
+    FinishReason,
+    Queued,
+    Reasoning,
+    System,
+    Timings,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolSchema,
+    User,
+)
+from loopd.sse import SSEComment, SSEDecoder, SSEEvent
+
+_EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+_NO_HEADERS: dict[bytes, bytes] = {}
+
+
+def completion(
+    content: str | None = "hello",
+    reasoning: str | None = None,
+    calls: tuple[ToolCall, ...] = (),
+    finish: FinishReason = FinishReason.STOP,
+) -> Completion:
+    """A finished completion with 3 cached, 4 evaluated and 5 generated tokens."""
+    return Completion("c", content, reasoning, calls, finish, Timings(3, 4, 5), 2)
+
+
+class DoorCase(SynchronousTestCase):
+    """A door over a store on a fake clock."""
+
+    def setUp(self) -> None:
+        """A fresh store and door."""
+        self.clock = Clock()
+        self.store = ResponseStore(self.clock.seconds)
+        self.door = ResponsesDoor(self.store)
+
+    def read(
+        self, body: dict[str, Any] | bytes, headers: dict[bytes, bytes] = _NO_HEADERS
+    ) -> GatewayRequest:
+        """Read C{body} (a dict is encoded) with C{headers}."""
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return self.door.read(raw, headers.get, lambda: "conn-1")
+
+    def refused(self, body: dict[str, Any] | bytes, code: str, *fragments: str) -> GatewayError:
+        """Assert C{body} is a 400 with C{code} whose message has every fragment."""
+        error: GatewayError = self.assertRaises(GatewayError, self.read, body)
+        self.assertEqual((error.status, error.code), (400, code), error.message)
+        for fragment in fragments:
+            self.assertIn(fragment, error.message)
+        return error
+
+
+class ReadInputTests(DoorCase):
+    """C{input}, C{instructions} and C{previous_response_id}."""
+
+    def test_string_input(self) -> None:
+        """A string is one user message; the model is kept."""
+        request = self.read({"model": "m", "input": "hi"})
+        self.assertEqual((request.model, request.messages), ("m", (User("hi"),)))
+        self.assertFalse(request.stream)
+
+    def test_instructions_first(self) -> None:
+        """C{instructions} is a system message before the input."""
+        request = self.read({"instructions": "be brief", "input": "hi"})
+        self.assertEqual(request.messages, (System("be brief"), User("hi")))
+
+    def test_message_items(self) -> None:
+        """Message items by role, content as a string or text parts; type may be absent."""
+        request = self.read(
+            {
+                "input": [
+                    {"type": "message", "role": "developer", "content": "dev"},
+                    {"role": "system", "content": [{"type": "input_text", "text": "sys"}]},
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "input_text", "text": "a"},
+                            {"type": "input_text", "text": "b"},
+                        ],
+                    },
+                    {
+                        "type": "message",
+                        "role": "assistant",
+                        "id": "msg_1",
+                        "status": "completed",
+                        "content": [{"type": "output_text", "text": "ok", "annotations": []}],
+                    },
+                ]
+            }
+        )
+        self.assertEqual(
+            request.messages, (System("dev"), System("sys"), User("ab"), Assistant("ok"))
+        )
+
+    def test_image_part(self) -> None:
+        """An image part stays on the user turn as a chat-completions C{image_url} part."""
+        request = self.read(
+            {
+                "input": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "input_text", "text": "what is it?"},
+                            {"type": "input_image", "image_url": "data:x", "detail": "low"},
+                        ],
+                    }
+                ]
+            }
+        )
+        parts = (
+            {"type": "text", "text": "what is it?"},
+            {"type": "image_url", "image_url": {"url": "data:x", "detail": "low"}},
+        )
+        self.assertEqual(request.messages, (User("what is it?", parts),))
+        self.assertEqual(request.modalities, frozenset({"vision"}))
+
+    def test_bad_parts(self) -> None:
+        """Refusals, files, file ids and images outside a user turn are 400s naming the path."""
+        user = {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}
+        self.refused(
+            {"input": [user]}, "unsupported_content", "input[0].content[0].type", "refusal"
+        )
+        user = {"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}
+        self.refused({"input": [user]}, "unsupported_content", "input[0].content[0].type")
+        image = {"type": "input_image", "file_id": "file_1"}
+        self.refused(
+            {"input": [{"role": "user", "content": [image]}]},
+            "unsupported_content",
+            "input[0].content[0].file_id",
+        )
+        image = {"type": "input_image", "image_url": "data:x"}
+        self.refused(
+            {"input": [{"role": "assistant", "content": [image]}]},
+            "unsupported_content",
+            "input[0].content[0].type",
+            "input_image",
+        )
+        self.refused(
+            {"input": [{"role": "tool", "content": "x"}]}, "invalid_input", "input[0].role"
+        )
+
+    def test_function_calls_join_the_assistant_turn(self) -> None:
+        """An assistant message and the function calls after it are one assistant turn."""
+        request = self.read(
+            {
+                "input": [
+                    {"role": "user", "content": "go"},
+                    {"role": "assistant", "content": "calling"},
+                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                    {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "[]"},
+                    {"type": "function_call_output", "call_id": "c1", "output": "one"},
+                    {
+                        "type": "function_call_output",
+                        "call_id": "c2",
+                        "output": [{"type": "input_text", "text": "two"}],
+                    },
+                    {"type": "function_call", "call_id": "c3", "name": "f", "arguments": "{}"},
+                ]
+            }
+        )
+        self.assertEqual(
+            request.messages,
+            (
+                User("go"),
+                Assistant("calling", None, (ToolCall("c1", "f", "{}"), ToolCall("c2", "g", "[]"))),
+                Tool("c1", "one"),
+                Tool("c2", "two"),
+                Assistant(None, None, (ToolCall("c3", "f", "{}"),)),
+            ),
+        )
+
+    def test_function_call_output_parts(self) -> None:
+        """A function call's output takes text parts only."""
+        output = {
+            "type": "function_call_output",
+            "call_id": "c",
+            "output": [{"type": "input_image", "image_url": "data:x"}],
+        }
+        self.refused({"input": [output]}, "unsupported_content", "input[0].output[0].type")
+        self.refused(
+            {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+            "invalid_input",
+            "input[0].call_id",
+        )
+
+    def test_reasoning_items(self) -> None:
+        """
+        A reasoning item's content (else summary) is the next assistant turn's reasoning;
+        with no assistant turn after it, it is one of its own.
+        """
+        request = self.read(
+            {
+                "input": [
+                    {"role": "user", "content": "q"},
+                    {
+                        "type": "reasoning",
+                        "id": "rs_1",
+                        "summary": [],
+                        "content": [{"type": "reasoning_text", "text": "hmm"}],
+                        "encrypted_content": "opaque",
+                    },
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c", "output": "r"},
+                    {
+                        "type": "reasoning",
+                        "summary": [{"type": "summary_text", "text": "sum"}],
+                    },
+                    {"role": "assistant", "content": "done"},
+                    {"type": "reasoning", "summary": [{"type": "summary_text", "text": "late"}]},
+                ]
+            }
+        )
+        self.assertEqual(
+            request.messages,
+            (
+                User("q"),
+                Assistant(None, "hmm", (ToolCall("c", "f", "{}"),)),
+                Tool("c", "r"),
+                Assistant("done", "sum"),
+                Assistant(None, "late"),
+            ),
+        )
+
+    def test_bad_items(self) -> None:
+        """Other item types and malformed items are 400s naming the item."""
+        self.refused(
+            {"input": [{"type": "item_reference", "id": "x"}]},
+            "invalid_input",
+            "input[0].type",
+            "item_reference",
+        )
+        self.refused({"input": [{"content": "x"}]}, "invalid_input", "input[0].type")
+        self.refused({"input": [3]}, "invalid_input", "input[0]")
+        self.refused({"input": []}, "invalid_input", "input")
+        reasoning = {"type": "reasoning", "summary": [{"type": "reasoning_text", "text": "x"}]}
+        self.refused({"input": [reasoning]}, "unsupported_content", "input[0].summary[0].type")
+
+    def test_missing_input(self) -> None:
+        """A body without input (or with instructions only) is a 400."""
+        self.refused({"model": "m"}, "missing_input", "input")
+        self.refused(
+            {"instructions": "x", "input": [{"role": "system", "content": "y"}]}, "missing_input"
+        )
+
+    def test_bad_body(self) -> None:
+        """Bad JSON and a body that is not an object are 400s."""
+        self.refused(b"{", "invalid_json", "body")
+        self.refused(b"[]", "not_an_object", "body")
+
+    def test_previous_response(self) -> None:
+        """
+        C{previous_response_id} puts the stored conversation and its answer before the
+        input; the stored instructions are not carried over.
+        """
+        first = self.read({"instructions": "old", "input": "one"})
+        answer = self.door.answer(first, "m", 1)
+        answer.body(completion("first answer"))
+        request = self.read(
+            {"instructions": "new", "previous_response_id": answer.response_id, "input": "two"}
+        )
+        self.assertEqual(
+            request.messages,
+            (System("new"), User("one"), Assistant("first answer"), User("two")),
+        )
+        alone = self.read({"previous_response_id": answer.response_id})
+        self.assertEqual(alone.messages, (User("one"), Assistant("first answer")))
+
+    def test_unknown_previous_response(self) -> None:
+        """An unknown or expired id is a 400 that says so."""
+        self.refused(
+            {"previous_response_id": "resp_nope", "input": "x"},
+            "previous_response_not_found",
+            "previous_response_id",
+            "resp_nope",
+        )
+        self.store.put("resp_old", StoredResponse((User("a"),), Assistant("b")))
+        self.clock.advance(3601)
+        self.refused(
+            {"previous_response_id": "resp_old", "input": "x"}, "previous_response_not_found"
+        )
+
+    def test_store_false_is_not_kept(self) -> None:
+        """A response whose request said C{store: false} is not stored."""
+        request = self.read({"input": "x", "store": False})
+        answer = self.door.answer(request, "m", 1)
+        self.assertFalse(answer.body(completion())["store"])  # type: ignore[index]
+        self.assertEqual(len(self.store), 0)
+        self.refused(
+            {"previous_response_id": answer.response_id, "input": "y"},
+            "previous_response_not_found",
+        )
+
+
+class ReadParameterTests(DoorCase):
+    """Tools, sampling, reasoning, text format and the accepted fields."""
+
+    def test_tools(self) -> None:
+        """Function tools with their description, parameters and strict."""
+        request = self.read(
+            {
+                "input": "x",
+                "tools": [
+                    {
+                        "type": "function",
+                        "name": "f",
+                        "description": "does f",
+                        "parameters": {"type": "object", "properties": {}},
+                        "strict": True,
+                    },
+                    {"type": "function", "name": "g", "parameters": None},
+                ],
+            }
+        )
+        self.assertEqual(
+            request.tools,
+            (
+                ToolSchema("f", "does f", {"type": "object", "properties": {}}),
+                ToolSchema("g", "", {"type": "object"}),
+            ),
+        )
+
+    def test_other_tool_types(self) -> None:
+        """Built-in, MCP and custom tools are 400s naming them."""
+        for kind in ("web_search", "file_search", "computer_use_preview", "mcp", "custom"):
+            self.refused(
+                {"input": "x", "tools": [{"type": kind, "name": "t"}]},
+                "invalid_tools",
+                "tools[0].type",
+                kind,
+            )
+        function = {"type": "function", "name": "f"}
+        self.refused(
+            {"input": "x", "tools": [function, function]}, "invalid_tools", "tools[1].name"
+        )
+        self.refused(
+            {"input": "x", "tools": [{**function, "defer_loading": True}]},
+            "unsupported_parameter",
+            "tools[0].defer_loading",
+        )
+
+    def test_tool_choice(self) -> None:
+        """The strings pass; a function names one tool, which becomes C{required}."""
+        tools = [{"type": "function", "name": "f"}, {"type": "function", "name": "g"}]
+        for choice in ("auto", "none", "required"):
+            request = self.read({"input": "x", "tools": tools, "tool_choice": choice})
+            self.assertEqual(request.tool_choice, choice)
+        request = self.read(
+            {"input": "x", "tools": tools, "tool_choice": {"type": "function", "name": "g"}}
+        )
+        self.assertEqual((request.tool_choice, request.tools), ("required", (ToolSchema("g", ""),)))
+        self.refused(
+            {"input": "x", "tools": tools, "tool_choice": {"type": "function", "name": "h"}},
+            "invalid_parameter",
+            "tool_choice.name",
+        )
+        self.refused(
+            {"input": "x", "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}},
+            "unsupported_parameter",
+            "tool_choice.type",
+            "allowed_tools",
+        )
+        self.refused({"input": "x", "tool_choice": "any"}, "invalid_parameter", "tool_choice")
+
+    def test_sampling(self) -> None:
+        """C{max_output_tokens}, C{temperature} and C{top_p}, checked."""
+        request = self.read(
+            {
+                "input": "x",
+                "max_output_tokens": 100.0,
+                "temperature": 0.5,
+                "top_p": 1,
+                "stream": True,
+            }
+        )
+        self.assertEqual(
+            (request.max_tokens, request.temperature, request.top_p, request.stream),
+            (100, 0.5, 1.0, True),
+        )
+        self.refused(
+            {"input": "x", "max_output_tokens": 0}, "invalid_parameter", "max_output_tokens"
+        )
+        self.refused({"input": "x", "temperature": 3}, "invalid_parameter", "temperature")
+        self.refused({"input": "x", "top_p": True}, "invalid_parameter", "top_p")
+        self.refused({"input": "x", "stream": "yes"}, "invalid_parameter", "stream")
+
+    def test_reasoning_effort(self) -> None:
+        """C{none} and C{minimal} turn thinking off; the others map onto L{EFFORT_CAPS}."""
+        self.assertEqual(
+            dict(EFFORT_CAPS),
+            {"low": 1024, "medium": 4096, "high": None, "xhigh": None, "max": None},
+        )
+        for effort in ("none", "minimal"):
+            request = self.read({"input": "x", "reasoning": {"effort": effort}})
+            self.assertEqual(
+                request.thinking_switches, (ThinkingSwitch("reasoning_effort", False),)
+            )
+            self.assertFalse(request.thinking)
+        for effort, cap in EFFORT_CAPS.items():
+            request = self.read({"input": "x", "reasoning": {"effort": effort, "summary": "auto"}})
+            self.assertEqual(request.thinking_switches, (ThinkingSwitch("reasoning_effort", True),))
+            self.assertEqual((request.thinking, request.thinking_cap), (True, cap))
+        request = self.read({"input": "x", "reasoning": {"summary": "detailed"}})
+        self.assertEqual((request.thinking_switches, request.thinking_cap), ((), None))
+        self.refused(
+            {"input": "x", "reasoning": {"effort": "huge"}}, "invalid_parameter", "reasoning.effort"
+        )
+        self.refused(
+            {"input": "x", "reasoning": {"summary": "long"}},
+            "invalid_parameter",
+            "reasoning.summary",
+        )
+        self.refused(
+            {"input": "x", "reasoning": {"budget": 1}}, "unsupported_parameter", "reasoning.budget"
+        )
+
+    def test_text_format(self) -> None:
+        """JSON mode and structured outputs become llama-server's C{response_format}."""
+        self.assertEqual(self.read({"input": "x", "text": {"format": {"type": "text"}}}).fields, {})
+        request = self.read({"input": "x", "text": {"format": {"type": "json_object"}}})
+        self.assertEqual(request.fields, {"response_format": {"type": "json_object"}})
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+        request = self.read(
+            {
+                "input": "x",
+                "text": {
+                    "format": {
+                        "type": "json_schema",
+                        "name": "s",
+                        "schema": schema,
+                        "strict": True,
+                    },
+                    "verbosity": "medium",
+                },
+            }
+        )
+        self.assertEqual(
+            request.fields,
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "s", "schema": schema, "strict": True},
+                }
+            },
+        )
+        self.refused(
+            {"input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}},
+            "invalid_parameter",
+            "text.format.schema",
+        )
+        self.refused(
+            {"input": "x", "text": {"format": {"type": "grammar"}}},
+            "invalid_parameter",
+            "text.format.type",
+        )
+        self.refused(
+            {"input": "x", "text": {"verbosity": "low"}}, "unsupported_parameter", "text.verbosity"
+        )
+
+    def test_parallel_tool_calls(self) -> None:
+        """C{true} is the default; C{false} goes to the server."""
+        self.assertEqual(self.read({"input": "x", "parallel_tool_calls": True}).fields, {})
+        request = self.read({"input": "x", "parallel_tool_calls": False})
+        self.assertEqual(request.fields, {"parallel_tool_calls": False})
+
+    def test_accepted_fields(self) -> None:
+        """The fields Codex and the SDK send are accepted and kept in C{extras}."""
+        body = {
+            "input": "x",
+            "store": False,
+            "include": ["reasoning.encrypted_content"],
+            "metadata": {"k": "v"},
+            "user": "u",
+            "safety_identifier": "s",
+            "service_tier": "auto",
+            "truncation": "disabled",
+            "background": False,
+            "stream_options": {"include_obfuscation": False},
+            "prompt_cache_key": "pck",
+        }
+        request = self.read(body)
+        self.assertEqual(dict(request.extras), {k: v for k, v in body.items() if k != "input"})
+
+    def test_refused_fields(self) -> None:
+        """Each field loopd cannot honour is a 400 naming it."""
+        cases: list[tuple[dict[str, Any], str, str]] = [
+            ({"include": ["message.output_text.logprobs"]}, "unsupported_parameter", "include[0]"),
+            ({"include": "x"}, "invalid_parameter", "include"),
+            ({"service_tier": "flex"}, "unsupported_parameter", "service_tier"),
+            ({"truncation": "auto"}, "unsupported_parameter", "truncation"),
+            ({"background": True}, "unsupported_parameter", "background"),
+            ({"metadata": {"k": 1}}, "invalid_parameter", "metadata.k"),
+            ({"user": 3}, "invalid_parameter", "user"),
+            ({"store": "no"}, "invalid_parameter", "store"),
+            ({"conversation": "conv_1"}, "unsupported_parameter", "conversation"),
+            ({"prompt": {"id": "p"}}, "unsupported_parameter", "prompt"),
+            ({"max_tool_calls": 3}, "unsupported_parameter", "max_tool_calls"),
+            ({"top_logprobs": 2}, "unsupported_parameter", "top_logprobs"),
+            ({"instructions": ["x"]}, "invalid_parameter", "instructions"),
+            ({"model": 3}, "invalid_parameter", "model"),
+            ({"stream_options": {"x": 1}}, "unsupported_parameter", "stream_options.x"),
+        ]
+        for extra, code, path in cases:
+            self.refused({"input": "x", **extra}, code, path)
+        self.assertEqual(self.read({"input": "x", "top_logprobs": None}).messages, (User("x"),))
+
+    def test_session(self) -> None:
+        """Codex's C{session-id} header names the session; else C{prompt_cache_key}."""
+        request = self.read({"input": "x", "prompt_cache_key": "pck"}, {b"session-id": b"s1"})
+        self.assertEqual(request.session, SessionRef("s1"))
+        self.assertEqual(
+            self.read({"input": "x", "prompt_cache_key": "pck"}).session, SessionRef("pck")
+        )
+        self.assertEqual(self.read({"input": "x"}).session, SessionRef("conn-1", anonymous=True))
+        self.refused(
+            {"input": "x", "prompt_cache_key": 3}, "invalid_session_id", "prompt_cache_key"
+        )
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.sampled_from(["", "x", "function", "user"]),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "type",
+                    "role",
+                    "content",
+                    "text",
+                    "name",
+                    "call_id",
+                    "arguments",
+                    "output",
+                    "effort",
+                    "format",
+                    "summary",
+                    "image_url",
+                    "schema",
+                ]
+            ),
+            inner,
+            max_size=4,
+        )
+    ),
+    max_leaves=12,
+)
+_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        key: _json
+        for key in (
+            "model",
+            "input",
+            "instructions",
+            "tools",
+            "tool_choice",
+            "reasoning",
+            "text",
+            "max_output_tokens",
+            "temperature",
+            "store",
+            "include",
+            "metadata",
+            "previous_response_id",
+        )
+    },
+)
+
+
+class ReadPropertyTests(DoorCase):
+    """Any body is a request or a 400, never another exception."""
+
+    @settings(max_examples=300, deadline=None)
+    @given(_bodies)
+    def test_any_body(self, body: dict[str, Any]) -> None:
+        """Reading gives a L{GatewayRequest} or raises a 400 L{GatewayError}."""
+        try:
+            request = self.read(body)
+        except GatewayError as error:
+            self.assertEqual(error.status, 400)
+        else:
+            self.assertIsInstance(request, GatewayRequest)
+
+
+def events_of(data: bytes) -> list[dict[str, Any]]:
+    """The events of a stream, each checked: data type = event name, SDK-valid."""
+    found = []
+    for item in SSEDecoder().feed(data):
+        if isinstance(item, SSEComment):
+            continue
+        assert isinstance(item, SSEEvent)
+        payload = json.loads(item.data)
+        assert payload["type"] == item.event, (payload["type"], item.event)
+        _EVENTS.validate_python(payload)
+        found.append(payload)
+    return found
+
+
+def sdk_stream(data: bytes) -> tuple[list[str], Any]:
+    """Run the SDK's own stream accumulator over C{data}: its event types, final response."""
+
+    def handler(request: httpx2.Request) -> httpx2.Response:
+        return httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=data)
+
+    client = openai.OpenAI(
+        api_key="k",
+        base_url="http://loopd/v1",
+        http_client=httpx2.Client(transport=httpx2.MockTransport(handler)),
+    )
+    with client.responses.stream(model="m", input="hi") as stream:
+        types: list[str] = [event.type for event in stream]
+        return types, stream.get_final_response()
+
+
+class AnswerBodyTests(DoorCase):
+    """The non-streaming C{response} object."""
+
+    def test_text(self) -> None:
+        """A text answer: one message item, usage with cached and reasoning tokens."""
+        request = self.read({"input": "x", "metadata": {"k": "v"}, "temperature": 0.2})
+        answer = self.door.answer(request, "qwen", 1700)
+        body = answer.body(completion("hello", "thought"))
+        response = Response.model_validate(body)
+        self.assertEqual(response.id, answer.response_id)
+        self.assertTrue(response.id.startswith("resp_"))
+        self.assertEqual(
+            (response.status, response.model, response.created_at), ("completed", "qwen", 1700)
+        )
+        self.assertEqual(response.output_text, "hello")
+        self.assertEqual([item.type for item in response.output], ["reasoning", "message"])
+        reasoning = response.output[0]
+        assert reasoning.type == "reasoning" and reasoning.content is not None
+        self.assertEqual((reasoning.content[0].text, reasoning.summary), ("thought", []))
+        usage = response.usage
+        assert usage is not None
+        self.assertEqual(
+            (usage.input_tokens, usage.input_tokens_details.cached_tokens, usage.output_tokens),
+            (7, 3, 5),
+        )
+        self.assertEqual(
+            (usage.output_tokens_details.reasoning_tokens, usage.total_tokens), (2, 12)
+        )
+        self.assertEqual((response.metadata, response.temperature), ({"k": "v"}, 0.2))
+
+    def test_function_calls(self) -> None:
+        """Tool calls are function call items; a tool-call-only answer has no message."""
+        request = self.read({"input": "x", "tools": [{"type": "function", "name": "f"}]})
+        calls = (ToolCall("call_1", "f", '{"a":1}'), ToolCall("call_2", "f", "{}"))
+        body = self.door.answer(request, "m", 1).body(
+            completion(None, None, calls, FinishReason.TOOL_CALLS)
+        )
+        response = Response.model_validate(body)
+        self.assertEqual(
+            [(item.type, getattr(item, "call_id", None)) for item in response.output],
+            [("function_call", "call_1"), ("function_call", "call_2")],
+        )
+        self.assertEqual([tool.type for tool in response.tools], ["function"])
+
+    def test_length(self) -> None:
+        """An answer cut at its token bound is C{incomplete}, reason C{max_output_tokens}."""
+        request = self.read({"input": "x", "max_output_tokens": 5})
+        body = self.door.answer(request, "m", 1).body(completion(finish=FinishReason.LENGTH))
+        response = Response.model_validate(body)
+        self.assertEqual(response.status, "incomplete")
+        assert response.incomplete_details is not None
+        self.assertEqual(response.incomplete_details.reason, "max_output_tokens")
+        self.assertEqual(response.max_output_tokens, 5)
+
+    def test_echo(self) -> None:
+        """The response echoes instructions, text format, reasoning and tool choice."""
+        request = self.read(
+            {
+                "input": "x",
+                "instructions": "be",
+                "text": {"format": {"type": "json_object"}},
+                "reasoning": {"effort": "low", "summary": "auto"},
+                "tools": [{"type": "function", "name": "f"}],
+                "tool_choice": "required",
+                "parallel_tool_calls": False,
+            }
+        )
+        response = Response.model_validate(self.door.answer(request, "m", 1).body(completion()))
+        self.assertEqual(response.instructions, "be")
+        assert response.text is not None and response.text.format is not None
+        assert response.reasoning is not None
+        self.assertEqual(response.text.format.type, "json_object")
+        self.assertEqual((response.reasoning.effort, response.reasoning.summary), ("low", "auto"))
+        self.assertEqual((response.tool_choice, response.parallel_tool_calls), ("required", False))
+
+    def test_error(self) -> None:
+        """Errors in OpenAI's shape, with the error's status."""
+        error = GatewayError(429, "busy now", "rate_limit_error", "busy")
+        self.assertEqual(
+            self.door.error(error),
+            (
+                429,
+                {
+                    "error": {
+                        "message": "busy now",
+                        "type": "rate_limit_error",
+                        "code": "busy",
+                        "param": None,
+                    }
+                },
+            ),
+        )
+        context = GatewayError(400, "too long", "invalid_request_error", "context_exceeded")
+        status, body = self.door.error(context)
+        self.assertEqual((status, body["error"]["code"]), (400, "context_length_exceeded"))  # type: ignore[index]
+
+
+class AnswerStreamTests(DoorCase):
+    """The event stream, against the SDK's event models and its accumulator."""
+
+    def stream(
+        self, events: list[Any], done: Completion, body: dict[str, Any] | None = None
+    ) -> bytes:
+        """The bytes of a whole stream of C{events} ending with C{done}."""
+        request = self.read(body or {"input": "x", "stream": True})
+        self.answer = self.door.answer(request, "m", 1)
+        data = self.answer.opening()
+        for event in events:
+            data += self.answer.during(event)
+        return data + self.answer.closing(done)
+
+    def test_text_thinking_and_calls(self) -> None:
+        """Thinking, text and two tool calls: items in order, sequence numbers from 0."""
+        calls = (ToolCall("call_1", "f", '{"a":1}'), ToolCall("call_2", "g", "{}"))
+        data = self.stream(
+            [
+                Reasoning("thi"),
+                Reasoning("nk"),
+                Queued(2),
+                Content("hel"),
+                Content(""),
+                Content("lo"),
+                ToolCallDelta(0, "call_1", "f", '{"a"'),
+                ToolCallDelta(0, None, None, ":1}"),
+                ToolCallDelta(1, "call_2", "g", "{}"),
+            ],
+            completion("hello", "think", calls, FinishReason.TOOL_CALLS),
+        )
+        events = events_of(data)
+        self.assertEqual([e["sequence_number"] for e in events], list(range(len(events))))
+        self.assertEqual(
+            [e["type"] for e in events],
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "response.completed",
+            ],
+        )
+        self.assertIn(b': loopd {"event":"queued","ahead":2}\n\n', data)
+        types, final = sdk_stream(data)
+        self.assertEqual(types[-1], "response.completed")
+        self.assertEqual(final.id, self.answer.response_id)
+        self.assertEqual(final.output_text, "hello")
+        self.assertEqual(
+            [(o.call_id, o.name, o.arguments) for o in final.output if o.type == "function_call"],
+            [("call_1", "f", '{"a":1}'), ("call_2", "g", "{}")],
+        )
+        reasoning = final.output[0]
+        self.assertEqual((reasoning.type, reasoning.content[0].text), ("reasoning", "think"))
+        self.assertEqual(final.usage.input_tokens_details.cached_tokens, 3)
+
+    def test_stored_when_streamed(self) -> None:
+        """A streamed response is stored at its end, for a follow-up."""
+        self.stream([Content("hi there")], completion("hi there"))
+        request = self.read({"previous_response_id": self.answer.response_id, "input": "more"})
+        self.assertEqual(request.messages, (User("x"), Assistant("hi there"), User("more")))
+
+    def test_incomplete(self) -> None:
+        """An answer cut at its bound ends with C{response.incomplete}, as OpenAI's does."""
+        events = events_of(
+            self.stream([Content("abc")], completion("abc", finish=FinishReason.LENGTH))
+        )
+        last = events[-1]
+        self.assertEqual(last["type"], "response.incomplete")
+        self.assertEqual(last["response"]["incomplete_details"], {"reason": "max_output_tokens"})
+        self.assertEqual(last["response"]["output"][0]["status"], "incomplete")
+
+    def test_completion_not_streamed(self) -> None:
+        """What the stream did not carry of the completion is sent before the end."""
+        data = self.stream(
+            [], completion("whole", None, (ToolCall("c", "f", "{}"),), FinishReason.TOOL_CALLS)
+        )
+        events_of(data)
+        _, final = sdk_stream(data)
+        self.assertEqual(final.output_text, "whole")
+        self.assertEqual([o.type for o in final.output], ["message", "function_call"])
+
+    def test_empty_answer(self) -> None:
+        """An answer with nothing in it still completes, with no output items."""
+        _, final = sdk_stream(self.stream([], completion(None)))
+        self.assertEqual((final.status, final.output), ("completed", []))
+
+    def test_stream_error(self) -> None:
+        """A failure after the opening: an C{error} event, then C{response.failed}."""
+        request = self.read({"input": "x", "stream": True})
+        answer = self.door.answer(request, "m", 1)
+        data = answer.opening() + answer.during(Content("par"))
+        data += answer.stream_error(GatewayError(504, "went silent", "timeout", "stalled"))
+        events = events_of(data)
+        error, failed = events[-2:]
+        self.assertEqual(
+            (error["type"], error["code"], error["message"]), ("error", "stalled", "went silent")
+        )
+        self.assertEqual(failed["type"], "response.failed")
+        self.assertEqual(failed["response"]["status"], "failed")
+        self.assertEqual(failed["response"]["error"]["code"], "server_error")
+        self.assertEqual(failed["response"]["output"][0]["content"][0]["text"], "par")
+        busy = self.door.answer(request, "m", 1)
+        busy.opening()
+        failed = events_of(busy.stream_error(GatewayError(429, "b", "rate_limit_error", "busy")))[
+            -1
+        ]
+        self.assertEqual(failed["response"]["error"]["code"], "rate_limit_exceeded")
+        self.assertEqual(failed["sequence_number"], 3)
+
+    def test_stream_error_context(self) -> None:
+        """A context overflow fails with C{context_length_exceeded}, the code Codex acts on."""
+        answer = self.door.answer(self.read({"input": "x"}), "m", 1)
+        answer.opening()
+        error = GatewayError(400, "too long", "invalid_request_error", "context_exceeded")
+        data = answer.stream_error(error)
+        last = [item for item in SSEDecoder().feed(data) if isinstance(item, SSEEvent)][-1]
+        self.assertEqual(
+            json.loads(last.data)["response"]["error"]["code"], "context_length_exceeded"
+        )
