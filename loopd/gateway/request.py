@@ -46,11 +46,13 @@ SESSION_ID_HEADERS: Final = (
     (b"session_id", "session_id"),
     (b"x-session-affinity", "x-session-affinity"),
     (b"x-litellm-session-id", "x-litellm-session-id"),
+    (b"agent-session-id", "agent-session-id"),
 )
 """
 The headers that name a request's session, in the order they are read (decision 36), each
 by its lower-case name and as error messages show it: loopd's own, Claude Code's, Codex CLI's
-and pi's, OpenCode's and pi's affinity, LiteLLM's.
+and pi's, OpenCode's and pi's affinity, LiteLLM's, Goose's (C{agent-session-id}, after
+decision 36's list: Goose sends no other).
 """
 MAX_SESSION_ID_BYTES: Final = 256
 """The longest session id loopd takes, in bytes of UTF-8."""
@@ -131,7 +133,10 @@ class GatewayRequest:
         C{thinking.budget_tokens}, a Responses C{reasoning.effort}), below the config's;
         C{None} for the config's.
     @ivar fields: the body fields the front door passes to the server as they are
-        (L{ChatRequest.fields}).
+        (L{ChatRequest.fields}; L{loopd.gateway.params}).
+    @ivar return_progress: a streamed answer carries the server's C{prompt_progress}
+        chunks, as llama-server's own stream does when asked (loopd always asks the
+        server for them; its own C{progress} comments go out either way).
     @ivar extras: the body's top-level fields loopd does not model, as sent, so that no
         later stage has to read the body again.
     """
@@ -150,6 +155,7 @@ class GatewayRequest:
     session: SessionRef = NO_SESSION
     thinking_cap: int | None = None
     fields: Mapping[str, Any] = field(default_factory=dict)
+    return_progress: bool = False
     extras: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     @property

@@ -262,6 +262,7 @@ ORDER = [
     b"session_id",
     b"x-session-affinity",
     b"x-litellm-session-id",
+    b"agent-session-id",
 ]
 
 
