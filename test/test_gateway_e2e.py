@@ -7,11 +7,15 @@ over that socket (an HTTP transport with `uds=`), `curl --unix-socket`, and raw 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import re
 import shutil
 import signal
 import stat
+from pathlib import Path
 from typing import Any
 
 from twisted.internet.defer import inlineCallbacks
@@ -24,7 +28,7 @@ from twisted.trial.unittest import SkipTest, TestCase
 
 from loopd.digest import sha256_hex
 from loopd.test.support.peers import real_reactor
-from loopd.test.support.twist import TwistProcess, spawn_twist, stop_twist
+from loopd.test.support.twist import ROOT, TwistProcess, spawn_twist, stop_twist
 
 try:
     import openai
@@ -41,6 +45,24 @@ try:
     )
 except ImportError as e:  # pragma: no cover - the test extra is not installed
     raise SkipTest(f"the gateway end-to-end tests need the test extra: {e}") from None
+
+#: The README's recipe for the openai SDK over the Unix socket: its one Python block that
+#: builds a client with C{HTTPTransport(uds=SOCKET)}.
+RECIPE = re.compile(r"```python\n(import httpx2\b.*?uds=SOCKET.*?)```", re.DOTALL)
+
+
+def readme_recipe(socket: str) -> str:
+    """
+    The README's SDK recipe, its C{SOCKET} line pointed at C{socket}; with an SDK built on
+    C{httpx} (1.x, 2.x) rather than C{httpx2}, its import as the recipe's comment says.
+    """
+    found = RECIPE.search(Path(ROOT, "README.md").read_text(encoding="utf-8"))
+    if found is None:
+        raise AssertionError("README.md has no openai SDK recipe over the Unix socket")
+    code = re.sub(r"^SOCKET = .*$", f"SOCKET = {socket!r}", found.group(1), flags=re.M)
+    if httpx.__name__ != "httpx2":
+        code = re.sub(r"^import httpx2\b.*$", "import httpx as httpx2", code, flags=re.M)
+    return code
 
 
 class GatewayEndToEndTests(TestCase):
@@ -136,6 +158,25 @@ class GatewayEndToEndTests(TestCase):
         usage = chunks[-1].usage
         self.assertEqual(usage.total_tokens, usage.prompt_tokens + usage.completion_tokens)
         self.assertGreater(usage.completion_tokens, 0)
+
+    @inlineCallbacks
+    def test_readme_sdk_recipe(self) -> Any:
+        """
+        The README's openai SDK recipe, run as it is written (only its socket path changed),
+        prints the model's answer: the README cannot drift from the SDK the extras install.
+        """
+        yield self.start()
+        yield self.loopd.ready
+        code = readme_recipe(self.socket)
+
+        def run() -> str:
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                exec(compile(code, "README.md", "exec"), {"__name__": "recipe"})
+            return printed.getvalue()
+
+        printed = yield deferToThread(run)
+        self.assertEqual(printed, ANSWER + "\n")
 
     @inlineCallbacks
     def test_openai_non_stream(self) -> Any:
