@@ -156,20 +156,20 @@ _HINTS: Final[Mapping[str, frozenset[str] | None]] = {
 }
 #: The fields of each block kind, by where it may appear; other kinds are refused.
 _USER_BLOCKS: Final = {
-    "text": frozenset({"text", "cache_control", "citations"}),
+    "text": frozenset({"text", "cache_control"}),
     "image": frozenset({"source", "cache_control"}),
     "tool_result": frozenset({"tool_use_id", "content", "is_error", "cache_control"}),
 }
 _ASSISTANT_BLOCKS: Final = {
-    "text": frozenset({"text", "cache_control", "citations"}),
+    "text": frozenset({"text", "cache_control"}),
     "thinking": frozenset({"thinking", "signature", "cache_control"}),
     "tool_use": frozenset({"id", "name", "input", "cache_control"}),
 }
 _RESULT_BLOCKS: Final = {
-    "text": frozenset({"text", "cache_control", "citations"}),
+    "text": frozenset({"text", "cache_control"}),
     "image": frozenset({"source", "cache_control"}),
 }
-_SYSTEM_BLOCKS: Final = {"text": frozenset({"text", "cache_control", "citations"})}
+_SYSTEM_BLOCKS: Final = {"text": frozenset({"text", "cache_control"})}
 _WHY_REFUSED: Final = {
     "redacted_thinking": "redacted_thinking blocks hold Anthropic's encrypted thinking, which "
     "no local model can read; remove them",
@@ -288,7 +288,7 @@ def _check_top_level(document: dict[str, Any]) -> None:
         if key not in _HINTS:
             _fail(_UNKNOWN, key, "not supported by loopd")
         allowed = _HINTS[key]
-        if allowed is not None and value not in allowed:
+        if allowed is not None and (not isinstance(value, str) or value not in allowed):
             choices = " or ".join(_show(choice) for choice in sorted(allowed))
             _fail(_UNKNOWN, key, f"only {choices} is supported by loopd")
 
