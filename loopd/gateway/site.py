@@ -3,7 +3,8 @@
 The gateway's wiring and its small routes: L{Gateway} holds what one gateway serves with (a
 llama client per endpoint behind the leased upstream calls, the sessions, the router, the
 endpoints' health and its probes, the metrics) and builds its twisted.web site:
-C{/v1/chat/completions}, C{/v1/models}, C{/health}, C{/metrics} and, with leases,
+C{/v1/chat/completions}, C{/v1/messages}, C{/v1/responses}, C{/v1/models}, C{/health},
+C{/metrics} and, with leases,
 C{/v1/queue}.
 """
 
@@ -17,6 +18,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
+from loopd.gateway.anthropic import MessagesDoor
 from loopd.gateway.channel import GatewaySite
 from loopd.gateway.chat import ChatDoor
 from loopd.gateway.errors import GatewayError
@@ -26,6 +28,8 @@ from loopd.gateway.leases import GatewayLeases, queue_status
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.probe import HealthProbes
 from loopd.gateway.request import GatewayRequest
+from loopd.gateway.response_store import ResponseStore
+from loopd.gateway.responses import ResponsesDoor
 from loopd.gateway.router import AUTO_MODEL, AutoRouter, RandomSource, place
 from loopd.gateway.sessions import Sessions
 from loopd.gateway.upstream import Upstreams
@@ -125,6 +129,8 @@ class Gateway:
             health=self.health,
         )
         self.metrics.watch_slot_files(self.upstreams.slot_swap.counts)
+        # One store for every listener: a follow-up may come on another socket.
+        self._responses = ResponsesDoor(ResponseStore(reactor.seconds))
         self.metrics.watch_router(self.router, reactor.seconds)
         self.metrics.watch_health(self.health)
         self.metrics.watch_pacing({name: client.pacer for name, client in self.clients.items()})
@@ -185,6 +191,8 @@ class Gateway:
         """
         routes: dict[bytes, Resource] = {
             b"/v1/chat/completions": DoorRoute(self, ChatDoor()),
+            b"/v1/messages": DoorRoute(self, MessagesDoor()),
+            b"/v1/responses": DoorRoute(self, self._responses),
             b"/v1/models": JsonRoute(self._models),
             b"/health": JsonRoute(self._health),
             b"/metrics": _Metrics(self.metrics),

@@ -1,0 +1,300 @@
+"""
+The Anthropic Messages and OpenAI Responses front doors end to end, with the real SDKs as
+clients: a real llama.cpp server (xllamacpp) with the project's tiny models, `twist
+inferproxy` in front of it, and `twist loopd --config` serving on its Unix socket. The
+C{anthropic} SDK's C{messages.create} (whole and streamed, a tool-use round trip),
+C{messages.count_tokens} and the thinking cap through C{budget_tokens}; the C{openai} SDK's
+C{responses.create} (whole, streamed, a function-call round trip).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from twisted.internet.defer import inlineCallbacks
+from twisted.internet.threads import deferToThread
+from twisted.trial.unittest import SkipTest, TestCase
+
+from loopd.test.support.peers import real_reactor
+from loopd.test.support.twist import TwistProcess, spawn_twist, stop_twist
+
+try:
+    import anthropic
+    import openai
+
+    from loopd.demo.tiny_model import ANSWER, THOUGHT
+    from loopd.test.support.gateway_stack import SLOTS, httpx, loopd_toml, serve_behind_proxy
+except ImportError as e:  # pragma: no cover - the test extra is not installed
+    raise SkipTest(f"the front-door end-to-end tests need the test extra: {e}") from None
+
+#: The tiny model's tool, in Anthropic's and in the Responses API's shape.
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+}
+ANTHROPIC_WEATHER = {
+    "name": "get_weather",
+    "description": "Get the weather for a city.",
+    "input_schema": WEATHER_SCHEMA,
+}
+RESPONSES_WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Get the weather for a city.",
+    "parameters": WEATHER_SCHEMA,
+}
+
+
+class _Stack(TestCase):
+    """A real server, an inferproxy and twist loopd, started per test."""
+
+    timeout = 180
+
+    @inlineCallbacks
+    def start(self, model: str = "tiny.gguf", extra: str = "") -> Any:
+        """
+        Start the server with C{model}, an inferproxy and C{twist loopd} (no self-test, so
+        the thinking model may think long), with C{extra} lines appended to loopd.toml.
+        """
+        reactor = real_reactor()
+        self.directory, self.server, infer = yield serve_behind_proxy(self, model, SLOTS)
+        self.socket = os.path.join(self.directory, "loopd.sock")
+        config = os.path.join(self.directory, "loopd.toml")
+        with open(config, "w") as f:
+            f.write(loopd_toml(self.socket, infer, None, long=model != "tiny.gguf") + extra)
+        self.loopd: TwistProcess = spawn_twist(
+            reactor, b"loopd serving", "loopd", "--config", config
+        )
+        self.addCleanup(stop_twist, self.loopd)
+        yield self.loopd.ready
+
+    def http_client(self) -> Any:
+        """An HTTP client of the SDKs' own transport library, over loopd's Unix socket."""
+        return httpx.Client(transport=httpx.HTTPTransport(uds=self.socket), timeout=60)
+
+
+class AnthropicEndToEndTests(_Stack):
+    """The C{anthropic} SDK against loopd's C{/v1/messages}."""
+
+    def client(self) -> Any:
+        """An Anthropic client that reaches loopd through its Unix socket."""
+        return anthropic.Anthropic(
+            base_url="http://loopd", api_key="x", max_retries=0, http_client=self.http_client()
+        )
+
+    @inlineCallbacks
+    def test_create(self) -> Any:
+        """A whole answer: thinking and text blocks, end_turn, usage with cache reads."""
+        yield self.start()
+
+        def ask() -> Any:
+            with self.client() as client:
+                return client.messages.create(
+                    model="tiny", max_tokens=200, messages=[{"role": "user", "content": "Hi"}]
+                )
+
+        message = yield deferToThread(ask)
+        kinds = [block.type for block in message.content]
+        self.assertEqual(kinds, ["thinking", "text"])
+        self.assertEqual(message.content[0].thinking, THOUGHT)
+        self.assertEqual(message.content[1].text, ANSWER)
+        self.assertEqual(message.stop_reason, "end_turn")
+        self.assertEqual(message.role, "assistant")
+        self.assertGreater(message.usage.input_tokens + message.usage.cache_read_input_tokens, 0)
+        self.assertGreater(message.usage.output_tokens, 0)
+
+    @inlineCallbacks
+    def test_stream(self) -> Any:
+        """The SDK's stream helper assembles the same message from the events."""
+        yield self.start()
+
+        def ask() -> tuple[list[str], Any, str]:
+            with self.client() as client:
+                with client.messages.stream(
+                    model="tiny",
+                    max_tokens=200,
+                    system="You are terse.",
+                    messages=[{"role": "user", "content": "Hi"}],
+                    thinking={"type": "disabled"},
+                ) as stream:
+                    types = [event.type for event in stream]
+                    return types, stream.get_final_message(), stream.get_final_text()
+
+        types, message, text = yield deferToThread(ask)
+        self.assertEqual(types[0], "message_start")
+        self.assertEqual(types[-1], "message_stop")
+        self.assertIn("content_block_delta", types)
+        self.assertEqual(text, ANSWER)
+        self.assertEqual([block.type for block in message.content], ["text"])
+        self.assertEqual(message.stop_reason, "end_turn")
+
+    @inlineCallbacks
+    def test_tool_use_round_trip(self) -> Any:
+        """A tool_use block, its tool_result sent back, and an answer after it."""
+        yield self.start()
+
+        def ask() -> tuple[Any, Any]:
+            with self.client() as client:
+                messages: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+                first = client.messages.create(
+                    model="tiny",
+                    max_tokens=200,
+                    messages=messages,
+                    tools=[ANTHROPIC_WEATHER],
+                    tool_choice={"type": "any"},
+                    thinking={"type": "disabled"},
+                )
+                use = [block for block in first.content if block.type == "tool_use"][0]
+                messages += [
+                    {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}
+                        ],
+                    },
+                ]
+                second = client.messages.create(
+                    model="tiny",
+                    max_tokens=200,
+                    messages=messages,
+                    tools=[ANTHROPIC_WEATHER],
+                    thinking={"type": "disabled"},
+                )
+                return first, second
+
+        first, second = yield deferToThread(ask)
+        self.assertEqual(first.stop_reason, "tool_use")
+        use = [block for block in first.content if block.type == "tool_use"][0]
+        self.assertEqual(use.name, "get_weather")
+        self.assertEqual(use.input, {"city": "test"})
+        self.assertEqual(second.stop_reason, "end_turn")
+        self.assertEqual([block.text for block in second.content], [ANSWER])
+
+    @inlineCallbacks
+    def test_count_tokens(self) -> Any:
+        """count_tokens counts with the server's own template: more text, more tokens."""
+        yield self.start()
+
+        def ask() -> tuple[int, int]:
+            with self.client() as client:
+                short = client.messages.count_tokens(
+                    model="tiny", messages=[{"role": "user", "content": "Hi"}]
+                )
+                longer = client.messages.count_tokens(
+                    model="tiny",
+                    system="You are a helpful assistant.",
+                    messages=[{"role": "user", "content": "Hi there, how are you today?"}],
+                )
+                return short.input_tokens, longer.input_tokens
+
+        short, longer = yield deferToThread(ask)
+        self.assertGreater(short, 0)
+        self.assertGreater(longer, short)
+
+    @inlineCallbacks
+    def test_thinking_budget_caps_thinking(self) -> Any:
+        """
+        On the model that would think forever, C{budget_tokens} ends the thinking through
+        the server's reasoning-end control, and the answer follows.
+        """
+        yield self.start("tiny-think.gguf")
+
+        def ask() -> Any:
+            with self.client() as client:
+                return client.messages.create(
+                    model="tiny",
+                    max_tokens=2000,
+                    messages=[{"role": "user", "content": "Hi"}],
+                    thinking={"type": "enabled", "budget_tokens": 64},
+                )
+
+        message = yield deferToThread(ask)
+        thinking = [block for block in message.content if block.type == "thinking"]
+        text = [block for block in message.content if block.type == "text"]
+        self.assertEqual(len(thinking), 1)
+        self.assertEqual(text[0].text, ANSWER)
+        self.assertEqual(message.stop_reason, "end_turn")
+        self.assertLess(message.usage.output_tokens, 2000)
+
+
+class ResponsesEndToEndTests(_Stack):
+    """The C{openai} SDK's Responses API against loopd's C{/v1/responses}."""
+
+    def client(self) -> Any:
+        """An OpenAI client that reaches loopd through its Unix socket."""
+        return openai.OpenAI(
+            base_url="http://loopd/v1", api_key="x", max_retries=0, http_client=self.http_client()
+        )
+
+    @inlineCallbacks
+    def test_create(self) -> Any:
+        """A whole response: reasoning and a message, completed, usage with cached tokens."""
+        yield self.start()
+
+        def ask() -> Any:
+            with self.client() as client:
+                return client.responses.create(model="tiny", input="Hi", instructions="Be brief.")
+
+        response = yield deferToThread(ask)
+        self.assertEqual(response.status, "completed")
+        self.assertEqual(response.output_text, ANSWER)
+        self.assertEqual([item.type for item in response.output], ["reasoning", "message"])
+        self.assertGreater(response.usage.input_tokens, 0)
+        self.assertIsNotNone(response.usage.input_tokens_details.cached_tokens)
+
+    @inlineCallbacks
+    def test_stream(self) -> Any:
+        """The event stream, assembled by the SDK's stream helper, ends completed."""
+        yield self.start()
+
+        def ask() -> tuple[list[str], Any]:
+            with self.client() as client:
+                with client.responses.stream(
+                    model="tiny", input="Hi", reasoning={"effort": "none"}
+                ) as stream:
+                    types = [event.type for event in stream]
+                    return types, stream.get_final_response()
+
+        types, response = yield deferToThread(ask)
+        self.assertEqual(types[:2], ["response.created", "response.in_progress"])
+        self.assertEqual(types[-1], "response.completed")
+        self.assertIn("response.output_text.delta", types)
+        self.assertEqual(response.output_text, ANSWER)
+
+    @inlineCallbacks
+    def test_function_call_round_trip(self) -> Any:
+        """A function_call item, its function_call_output sent back, and a message after."""
+        yield self.start()
+
+        def ask() -> tuple[Any, Any]:
+            with self.client() as client:
+                first = client.responses.create(
+                    model="tiny",
+                    input="Weather in Paris?",
+                    tools=[RESPONSES_WEATHER],
+                    tool_choice="required",
+                    reasoning={"effort": "none"},
+                )
+                call = [item for item in first.output if item.type == "function_call"][0]
+                second = client.responses.create(
+                    model="tiny",
+                    input=[
+                        {"role": "user", "content": "Weather in Paris?"},
+                        *[item.model_dump(exclude_none=True) for item in first.output],
+                        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+                    ],
+                    tools=[RESPONSES_WEATHER],
+                    reasoning={"effort": "none"},
+                )
+                return first, second
+
+        first, second = yield deferToThread(ask)
+        call = [item for item in first.output if item.type == "function_call"][0]
+        self.assertEqual(call.name, "get_weather")
+        self.assertEqual(json.loads(call.arguments), {"city": "test"})
+        self.assertEqual(second.status, "completed")
+        self.assertEqual(second.output_text, ANSWER)
