@@ -9,6 +9,7 @@ Pure: no I/O, no twisted.web.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, TypeGuard
 
 from loopd import strict_json
@@ -37,23 +38,37 @@ class GatewayError(Exception):
     @ivar message: what went wrong, for a person.
     @ivar type: the OpenAI error type (C{invalid_request_error}, C{rate_limit_error}, ...).
     @ivar code: a stable code for programs (C{busy}, C{missing_messages}, ...).
+    @ivar details: more fields of the error object, after those three (the server's own
+        C{n_prompt_tokens} and C{n_ctx} of a prompt that does not fit).
     """
 
-    def __init__(self, status: int, message: str, type: str, code: str) -> None:
-        """Record the status and the three fields of the error body."""
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str,
+        code: str,
+        details: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Record the status, the three fields of the error body and any more."""
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.code = code
+        self.details: Mapping[str, Any] = details or {}
 
     def __repr__(self) -> str:
         """Show every field."""
-        return f"GatewayError({self.status!r}, {self.message!r}, {self.type!r}, {self.code!r})"
+        more = f", {dict(self.details)!r}" if self.details else ""
+        return (
+            f"GatewayError({self.status!r}, {self.message!r}, {self.type!r}, {self.code!r}{more})"
+        )
 
     def body(self) -> dict[str, Any]:
-        """The JSON error body: C{{"error": {"message", "type", "code"}}}."""
-        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+        """The JSON error body: C{{"error": {"message", "type", "code", ...details}}}."""
+        error = {"message": self.message, "type": self.type, "code": self.code}
+        return {"error": {**error, **self.details}}
 
 
 _FIXED: tuple[tuple[type[InferError], int, str, str, str], ...] = (
@@ -106,7 +121,8 @@ def error_for(error: BaseException) -> GatewayError:
       - L{Http} with a 4xx status: the same status and the upstream's own message (its
         C{error.message}, else the body's text), type the upstream's C{error.type} (else
         C{invalid_request_error}), code C{http}; a prompt that does not fit the context
-        is 400 C{invalid_request_error}/C{context_exceeded}.
+        is 400 with the server's own type (C{exceed_context_size_error}) and its
+        C{n_prompt_tokens} and C{n_ctx}, code C{context_exceeded}.
       - any other L{InferError} (L{Http} with another status, C{StreamClosedEarly},
         C{ThinkingOverrun}, C{Protocol}): 502 C{upstream_error},
         the code the kind's name in snake_case (C{stream_closed_early}).
@@ -146,7 +162,9 @@ def _from_http(error: Http) -> GatewayError:
     message, upstream_type = _upstream_error(error.body)
     if 400 <= error.status < 500:
         if error.context_exceeded:
-            return GatewayError(400, message, "invalid_request_error", "context_exceeded")
+            kind = upstream_type or "exceed_context_size_error"
+            details = _context_details(error.body)
+            return GatewayError(400, message, kind, "context_exceeded", details)
         return GatewayError(error.status, message, upstream_type or "invalid_request_error", "http")
     return GatewayError(
         502,
@@ -179,6 +197,18 @@ def _upstream_error(body: str) -> tuple[str, str | None]:
             return parsed["message"], None
     text = body.strip()
     return (text or "(no message)"), None
+
+
+def _context_details(body: str) -> dict[str, Any]:
+    """The server's C{n_prompt_tokens} and C{n_ctx} of a context error, those it sent."""
+    try:
+        parsed = strict_json.decode(body)
+    except strict_json.JSONError:
+        return {}
+    inner = parsed.get("error") if isinstance(parsed, dict) else None
+    if not isinstance(inner, dict):
+        return {}
+    return {key: inner[key] for key in ("n_prompt_tokens", "n_ctx") if key in inner}
 
 
 def _text(value: object) -> TypeGuard[str]:

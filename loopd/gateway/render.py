@@ -11,11 +11,14 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from loopd.gateway.request import GatewayRequest
 from loopd.llama.request import render_messages
 from loopd.llama.types import (
     ChatEvent,
+    Choice,
     Completion,
     Content,
+    Logprobs,
     Progress,
     Queued,
     Reasoning,
@@ -49,27 +52,43 @@ def completion_json(
     completion: Completion, *, completion_id: str, model: str, created: int
 ) -> dict[str, Any]:
     """
-    A finished completion as OpenAI's C{chat.completion} object: one choice whose message
-    has C{content}, C{reasoning_content} when set and C{tool_calls} when any, its
-    C{finish_reason}, C{usage} (with C{prompt_tokens_details.cached_tokens}) and the
-    upstream's C{timings} (C{cache_n}, C{prompt_n}, C{predicted_n} and, when known,
+    A finished completion as OpenAI's C{chat.completion} object: its choices (one, or
+    every choice of a request for C{n}, by index), each a message with C{content},
+    C{reasoning_content} when set and C{tool_calls} when any, its C{finish_reason}, and
+    C{logprobs} (C{{"content": [...]}}, the server's entries) when the server sent them;
+    then C{usage} (with C{prompt_tokens_details.cached_tokens}) and the upstream's
+    C{timings} (C{cache_n}, C{prompt_n}, C{predicted_n} and, when known,
     C{predicted_per_second}).
     """
+    first = Choice(
+        0,
+        completion.content,
+        completion.reasoning_content,
+        completion.tool_calls,
+        completion.finish_reason,
+        completion.logprobs,
+    )
     return {
         "id": completion_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": render_messages([completion.as_message()])[0],
-                "finish_reason": completion.finish_reason.value,
-            }
-        ],
+        "choices": [_choice_json(choice) for choice in (first, *completion.choices)],
         "usage": _usage(completion.timings),
         "timings": {k: v for k, v in asdict(completion.timings).items() if v is not None},
     }
+
+
+def _choice_json(choice: Choice) -> dict[str, Any]:
+    """One choice of a C{chat.completion}."""
+    rendered: dict[str, Any] = {
+        "index": choice.index,
+        "message": render_messages([choice.as_message()])[0],
+        "finish_reason": choice.finish_reason.value,
+    }
+    if choice.logprobs is not None:
+        rendered["logprobs"] = {"content": list(choice.logprobs)}
+    return rendered
 
 
 @dataclass(frozen=True)
@@ -80,12 +99,23 @@ class ChunkStream:
     C{choices: []} as in OpenAI's API).
 
     @ivar include_usage: L{finish_chunks} ends with a usage chunk.
+    @ivar return_progress: a L{Progress} event is also a chunk with the server's
+        C{prompt_progress}, as llama-server's own stream has when the client asked for
+        C{return_progress}.
     """
 
     completion_id: str
     model: str
     created: int
     include_usage: bool
+    return_progress: bool = False
+
+    @classmethod
+    def for_request(
+        cls, request: GatewayRequest, completion_id: str, model: str, created: int
+    ) -> ChunkStream:
+        """The chunks of C{request}'s answer: its C{include_usage} and C{return_progress}."""
+        return cls(completion_id, model, created, request.include_usage, request.return_progress)
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         """The envelope every chunk shares."""
@@ -97,40 +127,68 @@ class ChunkStream:
             "choices": choices,
         }
 
-    def _delta(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-        """A chunk whose C{choices[0]} carries C{delta}."""
-        return self._chunk([{"index": 0, "delta": delta, "finish_reason": finish_reason}])
+    def _delta(
+        self,
+        delta: dict[str, Any],
+        finish_reason: str | None = None,
+        *,
+        index: int = 0,
+        logprobs: tuple[Any, ...] = (),
+    ) -> dict[str, Any]:
+        """A chunk whose C{choices[0]} carries C{delta} (and C{logprobs} when any)."""
+        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish_reason}
+        if logprobs:
+            choice["logprobs"] = {"content": list(logprobs)}
+        return self._chunk([choice])
 
     def role_chunk(self) -> dict[str, Any]:
-        """The first chunk: the assistant role, with empty content."""
-        return self._delta({"role": "assistant", "content": ""})
+        """The first chunk: the assistant role, with C{content} null as llama-server's."""
+        return self._delta({"role": "assistant", "content": None})
 
     def chunks_for(self, event: ChatEvent) -> list[dict[str, Any]]:
         """
         The chunks for one event: thinking text as a C{reasoning_content} delta, answer
         text as a C{content} delta, a piece of a tool call as a C{tool_calls} delta (with
-        C{id} and C{type} when the id first shows, C{name} when the name does). Empty
+        C{id} and C{type} when the id first shows, C{name} when the name does), each with
+        its choice's index and its chunk's C{logprobs} when the server sent them; token
+        entries without a piece (L{Logprobs}) as an empty delta with them; with
+        L{return_progress}, prompt progress as the server's C{prompt_progress} chunk (a
+        role delta, C{prompt_progress} C{{total, cache, processed, time_ms}}). Empty
         pieces and every other event give none.
         """
         if isinstance(event, Reasoning) and event.text:
-            return [self._delta({"reasoning_content": event.text})]
+            delta: dict[str, Any] = {"reasoning_content": event.text}
+            return [self._delta(delta, index=event.choice, logprobs=event.logprobs)]
         if isinstance(event, Content) and event.text:
-            return [self._delta({"content": event.text})]
+            delta = {"content": event.text}
+            return [self._delta(delta, index=event.choice, logprobs=event.logprobs)]
         if isinstance(event, ToolCallDelta) and (event.id or event.name or event.arguments):
             call: dict[str, Any] = {"index": event.index}
             if event.id is not None:
                 call.update(id=event.id, type="function")
             name = {} if event.name is None else {"name": event.name}
             call["function"] = {**name, "arguments": event.arguments}
-            return [self._delta({"tool_calls": [call]})]
+            delta = {"tool_calls": [call]}
+            return [self._delta(delta, index=event.choice, logprobs=event.logprobs)]
+        if isinstance(event, Logprobs) and event.entries:
+            return [self._delta({}, index=event.choice, logprobs=event.entries)]
+        if isinstance(event, Progress) and self.return_progress:
+            progress = {"total": event.total, "cache": event.cache, "processed": event.processed}
+            if event.time_ms is not None:
+                progress["time_ms"] = event.time_ms
+            return [{**self.role_chunk(), "prompt_progress": progress}]
         return []
 
     def finish_chunks(self, completion: Completion) -> list[dict[str, Any]]:
         """
-        The closing chunks: the finish chunk (an empty delta and the C{finish_reason}), then
-        the usage chunk when the client asked for it.
+        The closing chunks: a finish chunk (an empty delta and the C{finish_reason}) for
+        each choice, by index, then the usage chunk when the client asked for it.
         """
         chunks = [self._delta({}, completion.finish_reason.value)]
+        chunks += [
+            self._delta({}, choice.finish_reason.value, index=choice.index)
+            for choice in completion.choices
+        ]
         if self.include_usage:
             chunks.append({**self._chunk([]), "usage": _usage(completion.timings)})
         return chunks
@@ -146,10 +204,14 @@ def loopd_comment(event: ChatEvent) -> dict[str, Any] | None:
     name = _COMMENTS.get(type(event))
     if name is None:
         return None
-    return {"event": name, **asdict(event)}
+    fields = asdict(event)
+    if isinstance(event, Progress):
+        del fields["time_ms"]
+    return {"event": name, **fields}
 
 
-# The comment's fields are exactly the event's, in the same order.
+# The comment's fields are exactly the event's, in the same order (Progress's time_ms
+# excepted, which the server's own prompt_progress chunk carries).
 _COMMENTS: dict[type[ChatEvent], str] = {
     Queued: "queued",
     Waiting: "waiting",

@@ -13,6 +13,7 @@ from typing import Any, Final, NoReturn
 
 from loopd import strict_json
 from loopd.gateway.errors import GatewayError
+from loopd.gateway.params import split_fields
 from loopd.gateway.request import NO_SESSION, GatewayRequest, SessionRef, ThinkingSwitch
 from loopd.llama.types import (
     Assistant,
@@ -54,7 +55,8 @@ THINKING_ALIASES: Final = (
 )
 """The boolean spellings of "thinking on", in the order they are read (reference §1.6)."""
 
-#: The top-level fields this reader models; every other one is kept in C{extras}.
+#: The top-level fields this reader models; every other one goes through
+#: L{loopd.gateway.params.split_fields}.
 _MODELLED: Final = frozenset(
     {
         "model",
@@ -68,7 +70,6 @@ _MODELLED: Final = frozenset(
         "stop",
         "stream",
         "stream_options",
-        "n",
         "reasoning",
         "reasoning_effort",
         "thinking_budget",
@@ -84,7 +85,10 @@ def parse_request(body: bytes, session: SessionRef = NO_SESSION) -> GatewayReque
 
     The body is UTF-8 JSON in the interoperable profile of L{loopd.strict_json} (no
     C{NaN}, no number too large for a double, no lone surrogate) and an object. Unknown keys
-    are kept in C{extras} and otherwise ignored; C{null} reads as absent. C{developer}
+    are L{loopd.gateway.params.split_fields}'s: the fields for the server become
+    C{fields}, the ones loopd reads itself or ignores stay in C{extras}
+    (C{return_progress} is read from them), and any other is a 400 naming it; C{null}
+    reads as absent. C{developer}
     messages are system messages; content may be a string or an array of text parts
     (joined); a user turn may also carry C{image_url} and C{input_audio} parts, kept as
     sent; an assistant's content may be C{null} when it has C{tool_calls} or
@@ -98,12 +102,9 @@ def parse_request(body: bytes, session: SessionRef = NO_SESSION) -> GatewayReque
     @raise GatewayError: 400 C{invalid_request_error}, the message naming the field; codes
         C{invalid_json}, C{not_an_object}, C{missing_messages}, C{invalid_message},
         C{unsupported_content}, C{invalid_tools}, C{invalid_parameter},
-        C{unsupported_parameter} (C{n} other than 1).
+        C{unsupported_parameter} (a field loopd does not pass, L{split_fields}).
     """
     document = _decode(body)
-    n = document.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        _fail("unsupported_parameter", "n", "only 1 choice is supported")
     messages = _messages(document.get("messages"))
     tool_choice, tools = _tool_choice(document.get("tool_choice"), _tools(document.get("tools")))
     # Checked in this order, so that of two bad fields the same one is named as ever.
@@ -116,6 +117,9 @@ def parse_request(body: bytes, session: SessionRef = NO_SESSION) -> GatewayReque
     if model is not None and not isinstance(model, str):
         _fail(_PARAM, "model", "expected a string")
     options = _object(document.get("stream_options"), "stream_options", _PARAM, optional=True)
+    fields, extras = split_fields(
+        {key: value for key, value in document.items() if key not in _MODELLED}
+    )
     return GatewayRequest(
         model=model,
         messages=messages,
@@ -129,7 +133,9 @@ def parse_request(body: bytes, session: SessionRef = NO_SESSION) -> GatewayReque
         stream=_flag(document.get("stream"), "stream"),
         include_usage=_flag(options.get("include_usage"), "stream_options.include_usage"),
         session=session,
-        extras={key: value for key, value in document.items() if key not in _MODELLED},
+        fields=fields,
+        return_progress=extras.get("return_progress") is True,
+        extras=extras,
     )
 
 

@@ -23,6 +23,7 @@ L{continuation} and L{merge} are functions of its L{Partial}.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from loopd.llama.types import (
     Assistant,
@@ -30,6 +31,7 @@ from loopd.llama.types import (
     ChatRequest,
     Completion,
     Content,
+    Logprobs,
     Reasoning,
     ThinkingCapped,
     Timings,
@@ -53,6 +55,8 @@ class Partial:
     @ivar reasoning_tokens: of those, the ones generated while the answer was still thinking
         (up to the last reasoning piece before any content).
     @ivar thinking_capped: the thinking cap fired in an attempt that delivered.
+    @ivar logprobs: the C{logprobs} entries of what was delivered, in order.
+    @ivar several_choices: a piece of a second choice (a request for C{n}) was delivered.
     """
 
     reasoning: str = ""
@@ -61,6 +65,8 @@ class Partial:
     generated: int = 0
     reasoning_tokens: int = 0
     thinking_capped: bool = False
+    logprobs: tuple[Any, ...] = ()
+    several_choices: bool = False
 
     @property
     def empty(self) -> bool:
@@ -92,6 +98,8 @@ class Delivered:
         self._reported = 0
         self._reasoning_tokens = 0
         self._capped = False
+        self._logprobs: list[Any] = []
+        self._several = False
 
     @property
     def prefix(self) -> Partial:
@@ -103,6 +111,11 @@ class Delivered:
         if isinstance(event, ThinkingCapped):
             self._capped = True
             return
+        if isinstance(event, (Reasoning, Content, ToolCallDelta, Logprobs)):
+            if event.choice != 0:
+                self._several = True
+                return
+            self._logprobs.extend(event.entries if isinstance(event, Logprobs) else event.logprobs)
         if isinstance(event, ToolCallDelta):
             self._tool_call = True
             return
@@ -136,13 +149,16 @@ class Delivered:
             reasoning_tokens=prefix.reasoning_tokens
             + (self._reasoning_tokens if thinking_before else 0),
             thinking_capped=prefix.thinking_capped or self._capped,
+            logprobs=prefix.logprobs + tuple(self._logprobs),
+            several_choices=prefix.several_choices or self._several,
         )
 
     def next_attempt(self) -> None:
         """Another attempt starts: it continues everything delivered so far."""
         self._prefix = self.partial()
         self._reasoning, self._content = [], []
-        self._tool_call = self._capped = False
+        self._tool_call = self._capped = self._several = False
+        self._logprobs = []
         self._pieces = self._reported = self._reasoning_tokens = 0
 
 
@@ -154,8 +170,10 @@ def resume_refusal(partial: Partial, kind: str, max_tokens: int) -> str | None:
     @param kind: the endpoint's kind; only a C{llama-server} continues a prefill.
     @param max_tokens: the answer's limit on generated tokens.
     """
-    if partial.empty:
+    if partial.empty and not partial.several_choices:
         return None
+    if partial.several_choices:
+        return "the answer has several choices (n)"
     if kind != "llama-server":
         return f"an endpoint of kind {kind} cannot continue a partial answer"
     if partial.tool_call:
@@ -197,7 +215,8 @@ def merge(prefix: Partial, completion: Completion) -> Completion:
     tokens of both parts, and the prompt counts are the continuation's less the partial
     answer it was given back (that is answer, not prompt; it is taken from the evaluated
     tokens first, as it ends the prompt), so that the total is still the context the turn
-    left in the slot. The reasoning tokens add up while the prefix was still thinking.
+    left in the slot. The reasoning tokens add up while the prefix was still thinking; the
+    C{logprobs} entries are the prefix's, then the continuation's.
     """
     if prefix.empty:
         return completion
@@ -221,4 +240,12 @@ def merge(prefix: Partial, completion: Completion) -> Completion:
         timings=merged,
         reasoning_tokens=reasoning_tokens,
         thinking_capped=prefix.thinking_capped or completion.thinking_capped,
+        logprobs=_joined(prefix.logprobs, completion.logprobs),
     )
+
+
+def _joined(prefix: tuple[Any, ...], entries: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+    """The logprobs entries of the whole answer; None when neither part had any."""
+    if not prefix:
+        return entries
+    return prefix + (entries or ())

@@ -21,9 +21,11 @@ __all__ = [
     "ChatEvent",
     "ChatMessage",
     "ChatRequest",
+    "Choice",
     "Completion",
     "Content",
     "FinishReason",
+    "Logprobs",
     "Progress",
     "Queued",
     "Reasoning",
@@ -210,11 +212,15 @@ class Waiting(ChatEvent):
 class Progress(ChatEvent):
     """
     Prompt processing: C{processed} of C{total} tokens, C{cache} of them reused.
+
+    @ivar time_ms: the milliseconds since the server started the prompt (its
+        C{prompt_progress.time_ms}), when it said; not part of the equality.
     """
 
     total: int
     cache: int
     processed: int
+    time_ms: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -225,10 +231,15 @@ class Reasoning(ChatEvent):
     @ivar generated: the tokens generated so far, this piece's included, when the server
         said (its chunk's C{timings.predicted_n}); a resumed answer counts from it. Not part
         of the event's equality: it describes the piece, it is not the piece.
+    @ivar logprobs: the C{logprobs.content} entries of the piece's chunk, as the server
+        sent them (only when the request asked for C{logprobs}); not part of the equality.
+    @ivar choice: the index of the choice it belongs to (a request for C{n} choices).
     """
 
     text: str
     generated: int | None = field(default=None, compare=False)
+    logprobs: tuple[Any, ...] = field(default=(), compare=False)
+    choice: int = 0
 
 
 @dataclass(frozen=True)
@@ -237,22 +248,45 @@ class Content(ChatEvent):
     A piece of the answer.
 
     @ivar generated: as for L{Reasoning}.
+    @ivar logprobs: as for L{Reasoning}.
+    @ivar choice: as for L{Reasoning}.
     """
 
     text: str
     generated: int | None = field(default=None, compare=False)
+    logprobs: tuple[Any, ...] = field(default=(), compare=False)
+    choice: int = 0
 
 
 @dataclass(frozen=True)
 class ToolCallDelta(ChatEvent):
     """
     A piece of tool call C{index}: the id and name on first sight, then argument text.
+
+    @ivar logprobs: as for L{Reasoning}.
+    @ivar choice: as for L{Reasoning}.
     """
 
     index: int
     id: str | None
     name: str | None
     arguments: str
+    logprobs: tuple[Any, ...] = field(default=(), compare=False)
+    choice: int = 0
+
+
+@dataclass(frozen=True)
+class Logprobs(ChatEvent):
+    """
+    The C{logprobs.content} entries of a chunk that carried no piece of text (the role
+    chunk's C{<think>} token, a token of markup the server's parser holds back), as the
+    server sent them.
+
+    @ivar choice: the index of the choice they belong to.
+    """
+
+    entries: tuple[Any, ...]
+    choice: int = 0
 
 
 @dataclass(frozen=True)
@@ -312,9 +346,39 @@ class Timings:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """
+    One more choice of a finished turn that asked for C{n} choices (the first is the
+    L{Completion} itself).
+
+    @ivar index: its index in the answer's C{choices}.
+    @ivar logprobs: its C{logprobs.content} entries, C{None} when none were sent.
+    """
+
+    index: int
+    content: str | None
+    reasoning_content: str | None
+    tool_calls: tuple[ToolCall, ...]
+    finish_reason: FinishReason
+    logprobs: tuple[Any, ...] | None = None
+
+    def as_message(self) -> Assistant:
+        """
+        This choice as an assistant message.
+        """
+        return Assistant(self.content, self.reasoning_content, self.tool_calls)
+
+
+@dataclass(frozen=True)
 class Completion:
     """
     A finished assistant turn. Nothing is final before this exists.
+
+    @ivar logprobs: the C{logprobs.content} entries of the answer, in order, as the server
+        sent them; C{None} when the server sent none (the request did not ask). Not part
+        of the equality.
+    @ivar choices: the further choices of a request for C{n} choices, by index (the first
+        is this completion's own content); empty for one. Not part of the equality.
     """
 
     id: str
@@ -325,6 +389,8 @@ class Completion:
     timings: Timings
     reasoning_tokens: int = 0
     thinking_capped: bool = False
+    logprobs: tuple[Any, ...] | None = field(default=None, compare=False)
+    choices: tuple[Choice, ...] = field(default=(), compare=False)
 
     def as_message(self) -> Assistant:
         """

@@ -82,13 +82,19 @@ class ChatTestCase(SynchronousTestCase):
         """The C{id_slot} of each chat request the fake received, in order."""
         return [r.json["id_slot"] for r in self.fake.requests_to("POST", CHAT)]
 
-    def error_status(self, connection: ClientConnection, status: int, code: str) -> dict[str, Any]:
-        """Assert a whole JSON error answer with C{status} and C{code}; return the error."""
+    def error_status(
+        self, connection: ClientConnection, status: int, code: str, *more: str
+    ) -> dict[str, Any]:
+        """
+        Assert a whole JSON error answer with C{status} and C{code} (and the error fields
+        C{more}); return the error.
+        """
         response = connection.response()
         self.assertEqual((response.status, response.complete), (status, True))
         self.assertEqual(response.headers["content-type"], "application/json")
         error: dict[str, Any] = response.json()["error"]
-        self.assertEqual((sorted(error), error["code"]), (["code", "message", "type"], code))
+        keys = sorted(["code", "message", "type", *more])
+        self.assertEqual((sorted(error), error["code"]), (keys, code))
         return error
 
     def error_event(self, connection: ClientConnection, code: str) -> dict[str, Any]:
@@ -162,7 +168,7 @@ class AnswerTests(ChatTestCase):
                 [
                     {
                         "index": 0,
-                        "delta": {"role": "assistant", "content": ""},
+                        "delta": {"role": "assistant", "content": None},
                         "finish_reason": None,
                     }
                 ],
@@ -229,7 +235,7 @@ class LoopdEventTests(ChatTestCase):
         waiting = second.response()
         self.assertEqual((waiting.status, waiting.complete), (200, False))
         self.assertEqual(waiting.comments(), [{"event": "queued", "ahead": 1}])
-        self.assertEqual(deltas(waiting), [{"role": "assistant", "content": ""}])
+        self.assertEqual(deltas(waiting), [{"role": "assistant", "content": None}])
         self.assertEqual(len(self.fake.requests), 1)
         self.harness.advance(1)
         self.assertTrue(first.response().complete)
@@ -299,11 +305,18 @@ class ErrorTests(ChatTestCase):
         self.assertEqual(self.harness.scrape()[outcome("tiny", "busy")], 1.0)
 
     def test_context_exceeded(self) -> None:
-        """A prompt that does not fit is 400 context_exceeded with the server's message."""
+        """
+        A prompt that does not fit is 400 context_exceeded with the server's own message,
+        type and counts.
+        """
         text = "the request exceeds the available context size, try increasing it"
         self.script(error_reply(400, "exceed_context_size_error", text, n_prompt_tokens=9000))
-        error = self.error_status(self.harness.post(STREAM), 400, "context_exceeded")
-        self.assertEqual((error["type"], error["message"]), ("invalid_request_error", text))
+        connection = self.harness.post(STREAM)
+        error = self.error_status(connection, 400, "context_exceeded", "n_prompt_tokens")
+        self.assertEqual(
+            (error["type"], error["message"], error["n_prompt_tokens"]),
+            ("exceed_context_size_error", text, 9000),
+        )
 
     def test_load_timeout(self) -> None:
         """A server loading past load_wait_ms is 503 load_timeout; the request is closed."""
@@ -425,7 +438,7 @@ class InterruptedStreamTests(ChatTestCase):
         self.assertEqual(
             deltas(response),
             [
-                {"role": "assistant", "content": ""},
+                {"role": "assistant", "content": None},
                 {"reasoning_content": "Hmm"},
                 {"content": "Hel"},
                 {"content": "lo"},

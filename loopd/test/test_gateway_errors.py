@@ -107,10 +107,41 @@ class HttpMappingTests(SynchronousTestCase):
     """An upstream error status: 4xx passes through, the rest is a 502."""
 
     def test_context_exceeded(self) -> None:
-        """A prompt that does not fit is 400 code context_exceeded with the upstream message."""
+        """
+        A prompt that does not fit is 400 code context_exceeded with the server's own
+        message, type and counts.
+        """
+        error = error_for(Http(400, CONTEXT_BODY))
         self.assertEqual(
-            fields(error_for(Http(400, CONTEXT_BODY))),
-            (400, CONTEXT_MESSAGE, "invalid_request_error", "context_exceeded"),
+            fields(error), (400, CONTEXT_MESSAGE, "exceed_context_size_error", "context_exceeded")
+        )
+        self.assertEqual(
+            error.body(),
+            {
+                "error": {
+                    "message": CONTEXT_MESSAGE,
+                    "type": "exceed_context_size_error",
+                    "code": "context_exceeded",
+                    "n_prompt_tokens": 9000,
+                    "n_ctx": 8192,
+                }
+            },
+        )
+
+    def test_bad_grammar(self) -> None:
+        """The server's 400 for a grammar it cannot parse passes through as a 400."""
+        body = (
+            '{"error":{"code":400,"message":"Failed to initialize samplers: failed to parse '
+            'grammar","type":"invalid_request_error"}}'
+        )
+        self.assertEqual(
+            fields(error_for(Http(400, body))),
+            (
+                400,
+                "Failed to initialize samplers: failed to parse grammar",
+                "invalid_request_error",
+                "http",
+            ),
         )
 
     def test_4xx_llama_body(self) -> None:
@@ -448,12 +479,17 @@ class ParseRejectedTests(SynchronousTestCase):
         for key in ("max_tokens", "max_completion_tokens", "temperature", "top_p"):
             for value in (True, False):
                 self.assert_field_rejected("invalid_parameter", key, **{key: value})
-        self.assert_field_rejected("unsupported_parameter", "n", n=True)
+        for key in ("n", "seed", "top_k", "presence_penalty", "min_p"):
+            self.assert_field_rejected("invalid_parameter", key, **{key: True})
 
-    def test_n_other_than_one(self) -> None:
-        """More (or fewer) than one choice is unsupported_parameter."""
-        for n in (0, 2, "1"):
-            self.assert_field_rejected("unsupported_parameter", "n", n=n)
+    def test_n_not_an_integer(self) -> None:
+        """An n that is not an integer is invalid_parameter (its range is the server's)."""
+        for n in ("1", 1.5, [2]):
+            self.assert_field_rejected("invalid_parameter", "n", n=n)
+
+    def test_unknown_parameter(self) -> None:
+        """A field neither OpenAI's nor llama.cpp's is unsupported_parameter, named."""
+        self.assert_field_rejected("unsupported_parameter", "frobnicate", frobnicate=1)
 
 
 RICH: dict[str, Any] = {

@@ -215,9 +215,13 @@ class ExtrasTests(SynchronousTestCase):
     """C{extras}: what the front door does not model, kept as sent."""
 
     def test_unmodelled_kept(self) -> None:
-        """Unknown top-level fields are kept; modelled ones and thinking knobs are not."""
+        """
+        loopd's own and ignored fields are kept; modelled ones, thinking knobs and the
+        fields for the server are not.
+        """
         request = parse(user="u", seed=3, metadata={"a": "b"}, enable_thinking=True, n=1)
-        self.assertEqual(dict(request.extras), {"user": "u", "seed": 3, "metadata": {"a": "b"}})
+        self.assertEqual(dict(request.extras), {"user": "u", "metadata": {"a": "b"}})
+        self.assertEqual(dict(request.fields), {"seed": 3})
 
 
 class ReadSessionTests(SynchronousTestCase):

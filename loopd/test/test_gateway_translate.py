@@ -7,6 +7,7 @@ out.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from hypothesis import given, settings
@@ -21,9 +22,11 @@ from loopd.llama.types import (
     Assistant,
     ChatMessage,
     ChatRequest,
+    Choice,
     Completion,
     Content,
     FinishReason,
+    Logprobs,
     Progress,
     Queued,
     Reasoning,
@@ -204,10 +207,25 @@ class ParseAcceptedTests(SynchronousTestCase):
         self.assertEqual(parse(**dict.fromkeys(names.split())), parse())
         self.assertEqual(parse(stream_options={"include_usage": None}), parse())
 
-    def test_unknown_keys_ignored(self) -> None:
-        """Keys that loopd does not use are ignored, n=1 included."""
+    def test_passed_fields(self) -> None:
+        """
+        The server's fields go to C{fields} (and on to the upstream request); loopd's own
+        and the ignored ones stay in C{extras}; n=1 is dropped.
+        """
         extras = {"n": 1, "user": "u", "metadata": {"a": "b"}, "seed": 3, "logprobs": False}
-        self.assertEqual(parse(**extras), parse())
+        request = parse(**extras, top_k=40, response_format={"type": "json_object"})
+        passed: dict[str, Any] = {"seed": 3, "logprobs": False, "top_k": 40}
+        passed["response_format"] = {"type": "json_object"}
+        self.assertEqual(request.fields, passed)
+        self.assertEqual(request.chat_request().fields, passed)
+        self.assertEqual(request.extras, {"user": "u", "metadata": {"a": "b"}})
+        self.assertEqual(parse(n=2).fields, {"n": 2})
+
+    def test_return_progress(self) -> None:
+        """return_progress is loopd's own: read, never passed."""
+        request = parse(return_progress=True)
+        self.assertEqual((request.return_progress, request.fields), (True, {}))
+        self.assertFalse(parse(return_progress=False).return_progress)
 
 
 TIMINGS = Timings(cache_n=100, prompt_n=20, predicted_n=7, predicted_per_second=55.5)
@@ -268,10 +286,46 @@ class ChunkStreamTests(SynchronousTestCase):
         self.stream = ChunkStream("chatcmpl-1", "m", 1700, True)
 
     def test_role_chunk(self) -> None:
-        """The first chunk sets the role, with empty content."""
+        """The first chunk sets the role, with content null as llama-server's."""
         self.assertEqual(
-            self.stream.role_chunk(), delta_chunk({"role": "assistant", "content": ""})
+            self.stream.role_chunk(), delta_chunk({"role": "assistant", "content": None})
         )
+
+    def test_logprobs(self) -> None:
+        """A piece's logprobs ride on its chunk; entries without a piece get an empty delta."""
+        entry = {"token": "a", "logprob": -1.0}
+        logprobs = {"logprobs": {"content": [entry]}}
+        [piece] = self.stream.chunks_for(Content("a", logprobs=(entry,)))
+        self.assertEqual(
+            piece["choices"][0], {**delta_chunk({"content": "a"})["choices"][0], **logprobs}
+        )
+        [bare] = self.stream.chunks_for(Logprobs((entry,)))
+        self.assertEqual(bare["choices"][0], {**delta_chunk({})["choices"][0], **logprobs})
+
+    def test_progress(self) -> None:
+        """With return_progress, progress is the server's prompt_progress chunk."""
+        progress = Progress(10, 2, 5, time_ms=7)
+        self.assertEqual(self.stream.chunks_for(progress), [])
+        stream = ChunkStream("chatcmpl-1", "m", 1700, True, return_progress=True)
+        expected = delta_chunk({"role": "assistant", "content": None})
+        expected["prompt_progress"] = {"total": 10, "cache": 2, "processed": 5, "time_ms": 7}
+        self.assertEqual(stream.chunks_for(progress), [expected])
+
+    def test_choices(self) -> None:
+        """A piece of choice 1 has index 1; every choice gets its finish chunk."""
+        [piece] = self.stream.chunks_for(Content("b", choice=1))
+        self.assertEqual(piece["choices"][0]["index"], 1)
+        more = Choice(1, "b", None, (), FinishReason.LENGTH)
+        completion = replace(ANSWER, choices=(more,))
+        finishes = self.stream.finish_chunks(completion)
+        self.assertEqual(
+            [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in finishes[:2]],
+            [(0, "stop"), (1, "length")],
+        )
+        body = completion_json(completion, completion_id="c", model="m", created=1)
+        self.assertEqual([c["index"] for c in body["choices"]], [0, 1])
+        self.assertEqual(body["choices"][1]["message"]["content"], "b")
+        self.assertNotIn("logprobs", body["choices"][0])
 
     def test_reasoning(self) -> None:
         """Thinking text is a reasoning_content delta."""

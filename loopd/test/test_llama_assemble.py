@@ -23,9 +23,11 @@ from loopd.errors import Http, InferError, Protocol, StreamClosedEarly
 from loopd.llama.assemble import Assembler, parse_chunk
 from loopd.llama.types import (
     ChatEvent,
+    Choice,
     Completion,
     Content,
     FinishReason,
+    Logprobs,
     Progress,
     Reasoning,
     Timings,
@@ -345,6 +347,79 @@ class AssembleTests(SynchronousTestCase):
         self.assertEqual(assembler.completion().timings, Timings(3, 7, 5))
 
 
+def entry(token: str) -> dict[str, Any]:
+    """One logprobs entry as llama-server sends it."""
+    return {"id": 1, "token": token, "bytes": list(token.encode()), "logprob": -0.5}
+
+
+def choice(index: int, delta: dict[str, Any], finish: Any = None, **extra: Any) -> Any:
+    """A chunk whose one choice has C{index}."""
+    value = chunk(delta, finish)
+    value["choices"][0].update(index=index, **extra)
+    return value
+
+
+class LogprobsTests(SynchronousTestCase):
+    """The token entries of C{logprobs} ride on the events and the completion."""
+
+    def test_on_pieces_and_completion(self) -> None:
+        """
+        A chunk's entries go on its piece; a chunk without a piece gives a Logprobs event;
+        the completion has them all, in order.
+        """
+        think, hello = entry("<think>"), entry("Hello")
+        assembler, events = assemble(
+            [
+                choice(0, ROLE, logprobs={"content": [think]}),
+                choice(0, {"content": "Hello"}, logprobs={"content": [hello]}),
+                chunk(finish="stop"),
+            ]
+        )
+        self.assertEqual(events, [Logprobs((think,)), Content("Hello")])
+        assert isinstance(events[1], Content)
+        self.assertEqual(events[1].logprobs, (hello,))
+        self.assertEqual(assembler.completion().logprobs, (think, hello))
+
+    def test_not_asked(self) -> None:
+        """Without entries the events carry none and the completion's logprobs are None."""
+        assembler, events = assemble(THINKING)
+        self.assertTrue(all(getattr(e, "logprobs", ()) == () for e in events))
+        self.assertIsNone(assembler.completion().logprobs)
+
+
+class ChoicesTests(SynchronousTestCase):
+    """A request for n choices: every chunk's choice by its index."""
+
+    def test_two_choices(self) -> None:
+        """Both choices assemble; the events carry their choice; predicted_n adds up."""
+        assembler, events = assemble(
+            [
+                choice(1, ROLE),
+                choice(0, ROLE),
+                choice(1, {"content": "b"}) | timed(2),
+                choice(0, {"content": "a"}) | timed(3),
+                choice(1, {}, "length"),
+                choice(0, {}, "stop"),
+            ]
+        )
+        self.assertEqual(events, [Content("b", choice=1), Content("a")])
+        completion = assembler.completion()
+        self.assertEqual((completion.content, completion.finish_reason), ("a", FinishReason.STOP))
+        self.assertEqual(completion.choices, (Choice(1, "b", None, (), FinishReason.LENGTH),))
+        self.assertEqual(completion.timings.predicted_n, 5)
+
+    def test_waits_for_every_choice(self) -> None:
+        """A choice without its finish_reason is a stream closed early."""
+        assembler, _ = assemble([choice(1, {"content": "b"}), choice(0, {}, "stop")])
+        self.assertRaises(StreamClosedEarly, assembler.completion)
+
+    def test_after_its_finish(self) -> None:
+        """A choice's chunk after its own finish_reason is a Protocol error."""
+        assembler, _ = assemble([choice(1, {}, "stop")])
+        self.assertEqual(assembler.feed(choice(0, {"content": "a"})), [Content("a")])
+        self.assertRaises(Protocol, assembler.feed, choice(1, {"content": "late"}))
+
+
 class ToolCallTests(SynchronousTestCase):
     """Tool-call deltas reassemble by index."""
 
@@ -441,7 +516,9 @@ class BrokenStreamTests(SynchronousTestCase):
         deltas += [{"tool_calls": ["x"]}, {"tool_calls": [{"function": {"arguments": "{}"}}]}]
         deltas += [call(True, "{}"), call(-1, "{}"), call(0, 5), call(0, name=3)]
         deltas += [{"tool_calls": [{"index": 0, "function": "f"}]}]
-        choices: list[Any] = [{}, [None], [{"index": 1, "delta": {}}], [{"delta": "text"}]]
+        choices: list[Any] = [{}, [None], [{"index": -1, "delta": {}}], [{"delta": "text"}]]
+        choices += [[{"index": "1", "delta": {}}], [{"delta": {}, "logprobs": []}]]
+        choices += [[{"delta": {}, "logprobs": {"content": {}}}]]
         choices += [[{"delta": {}}, {"delta": {}}]]
         timings: list[Any] = ["fast", {"cache_n": -1}, {"predicted_n": 1.5}, {"predicted_n": True}]
         timings += [{"predicted_per_second": "fast"}, {"prompt_per_second": True}]

@@ -5,6 +5,8 @@ continuation request and the merged completion. Pure: values in, values out.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
@@ -16,6 +18,7 @@ from loopd.llama.types import (
     Completion,
     Content,
     FinishReason,
+    Logprobs,
     Progress,
     Reasoning,
     ThinkingCapped,
@@ -113,6 +116,31 @@ class RefusalTests(SynchronousTestCase):
         tool = Partial(content="a", tool_call=True, generated=3)
         self.assertIn("tool call", resume_refusal(tool, "llama-server", 10) or "")
         self.assertIn("max_tokens", resume_refusal(text, "llama-server", 3) or "")
+
+
+class ChoicesAndLogprobsTests(SynchronousTestCase):
+    """A request for n choices is not resumed; logprobs entries carry over a resume."""
+
+    def test_several_choices(self) -> None:
+        """A delivered piece of a second choice refuses the resume."""
+        delivered = Delivered()
+        delivered.observe(Content("a", choice=1))
+        partial = delivered.partial()
+        self.assertTrue(partial.several_choices)
+        self.assertEqual(
+            resume_refusal(partial, "llama-server", 100), "the answer has several choices (n)"
+        )
+
+    def test_logprobs(self) -> None:
+        """The delivered entries come before the continuation's in the merged completion."""
+        delivered = Delivered()
+        delivered.observe(Logprobs(("t",)))
+        delivered.observe(Content("Hel", logprobs=("h",)))
+        partial = delivered.partial()
+        self.assertEqual(partial.logprobs, ("t", "h"))
+        done = merge(partial, replace(completion("lo"), logprobs=("l",)))
+        self.assertEqual(done.logprobs, ("t", "h", "l"))
+        self.assertIsNone(merge(Partial(content="x"), completion("y")).logprobs)
 
 
 class ContinuationTests(SynchronousTestCase):
