@@ -293,6 +293,33 @@ class Client:
         answer.addCallback(tokens)
         return answer
 
+    def prompt_tokens(self, body: dict[str, Any]) -> Deferred[int]:
+        """
+        How many tokens the server's prompt for the chat-completions C{body} has: the
+        prompt its chat template makes (C{POST /apply-template}), tokenized as a completion
+        tokenizes it (C{POST /tokenize}, special tokens parsed and added). Fails as
+        L{tokenize} does, and with L{Protocol} for a template answer without a C{prompt}.
+        """
+        answer = self._get("POST", "/apply-template", body)
+
+        def tokenize(value: object) -> Deferred[Any]:
+            """Tokenize the answer's C{prompt}."""
+            prompt = _expect_object(value, "/apply-template").get("prompt")
+            if not isinstance(prompt, str):
+                raise Protocol("/apply-template did not answer a prompt")
+            return self._get("POST", "/tokenize", {"content": prompt, "add_special": True})
+
+        def count(value: object) -> int:
+            """The length of the answer's C{tokens} list."""
+            ids = _expect_object(value, "/tokenize").get("tokens")
+            if not isinstance(ids, list):
+                raise Protocol("/tokenize did not answer a list of token ids")
+            return len(ids)
+
+        answer.addCallback(tokenize)
+        answer.addCallback(count)
+        return answer
+
     def save_slot(self, slot: int, filename: str) -> Deferred[SlotFile]:
         """
         Write C{slot}'s KV cache to C{filename} under the server's C{--slot-save-path}
