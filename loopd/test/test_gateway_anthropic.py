@@ -47,6 +47,9 @@ from loopd.llama.types import (
     User,
     Waiting,
 )
+from loopd.testing.fake_llama import CHAT
+from loopd.testing.gateway import GatewayHarness, Response
+from loopd.testing.llama_replies import answer
 
 USER = {"role": "user", "content": "Hi"}
 TOOL = {"name": "read", "description": "Read a file.", "input_schema": {"type": "object"}}
@@ -909,3 +912,72 @@ class ErrorTests(SynchronousTestCase):
                 kind, client.messages.create, model="tiny", max_tokens=1, messages=[USER]
             )
             self.assertEqual(raised.body, body)
+
+
+class GatewayTests(SynchronousTestCase):
+    """The door behind the gateway's C{/v1/messages} route, over a fake llama-server."""
+
+    def post(self, document: object, *headers: str) -> Response:
+        """POST C{document} to C{/v1/messages?beta=true}; the response once all is said."""
+        connection = self.harness.connect()
+        lines = ["Content-Type: application/json", "anthropic-version: 2023-06-01", *headers]
+        connection.request("POST", "/v1/messages?beta=true", encode(document), lines)
+        self.harness.advance(1)
+        return connection.response()
+
+    def setUp(self) -> None:
+        """A gateway over one fake llama-server, C{tiny}."""
+        self.harness = GatewayHarness()
+
+    def test_stream(self) -> None:
+        """A streamed answer as the SDK reads it; the request's fields reach the server."""
+        self.harness.fake.script(
+            "POST", CHAT, answer({"reasoning_content": "Hm."}, {"content": "Hi"})
+        )
+        document = {
+            "model": "tiny",
+            "max_tokens": 50,
+            "top_k": 5,
+            "stream": True,
+            "system": "x-anthropic-billing-header: cch=1;\nBe brief.",
+            "messages": [USER],
+            "thinking": {"type": "enabled", "budget_tokens": 64},
+        }
+        response = self.post(document, "anthropic-beta: interleaved-thinking-2025-05-14")
+        self.assertEqual(response.status, 200)
+        message = sdk_stream(response.body)
+        self.assertEqual(
+            [block.to_dict() for block in message.content],
+            [
+                {"type": "thinking", "thinking": "Hm.", "signature": ""},
+                {"type": "text", "text": "Hi"},
+            ],
+        )
+        [sent] = self.harness.fake.requests_to("POST", CHAT)
+        assert sent.json is not None
+        self.assertEqual(sent.json["messages"][0], {"role": "system", "content": "Be brief."})
+        self.assertEqual((sent.json["top_k"], sent.json["max_tokens"]), (5, 50))
+
+    def test_message(self) -> None:
+        """A non-streaming answer is the message object."""
+        self.harness.fake.script("POST", CHAT, answer({"content": "Hello"}))
+        response = self.post({"model": "tiny", "max_tokens": 50, "messages": [USER]})
+        body = response.json()
+        self.assertEqual((response.status, body["type"]), (200, "message"))
+        self.assertEqual(body["content"], [{"type": "text", "text": "Hello"}])
+
+    def test_refusal(self) -> None:
+        """A refused request is a 400 in Anthropic's shape, and nothing reaches the server."""
+        response = self.post({"model": "tiny", "messages": [USER]})
+        self.assertEqual(response.status, 400)
+        self.assertEqual(
+            response.json(),
+            {
+                "type": "error",
+                "error": {
+                    "type": "invalid_request_error",
+                    "message": "max_tokens: required: a positive integer",
+                },
+            },
+        )
+        self.assertEqual(self.harness.fake.requests, [])
