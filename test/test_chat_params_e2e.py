@@ -136,7 +136,7 @@ class SideBySideTests(TestCase):
         self.assertEqual(answers[0], answers[1])
         self.assertIsInstance(json.loads(answers[1])["a"], int)
 
-        bad = [
+        bad: list[dict[str, Any]] = [
             {"messages": HI, "grammar": "root ::= ["},
             {"messages": HI, "response_format": {"type": "xml"}},
             {"messages": TOO_LONG, "max_tokens": 3},
