@@ -299,15 +299,18 @@ class Client:
         prompt its chat template makes (C{POST /apply-template}), tokenized as a completion
         tokenizes it (C{POST /tokenize}, special tokens parsed and added). Fails as
         L{tokenize} does, and with L{Protocol} for a template answer without a C{prompt}.
+        Both requests name C{endpoint.model} when it is set, as a router needs.
         """
-        answer = self._get("POST", "/apply-template", body)
+        model = {"model": self.endpoint.model} if self.endpoint.model else {}
+        answer = self._get("POST", "/apply-template", {**model, **body})
 
         def tokenize(value: object) -> Deferred[Any]:
             """Tokenize the answer's C{prompt}."""
             prompt = _expect_object(value, "/apply-template").get("prompt")
             if not isinstance(prompt, str):
                 raise Protocol("/apply-template did not answer a prompt")
-            return self._get("POST", "/tokenize", {"content": prompt, "add_special": True})
+            content = {"content": prompt, "add_special": True}
+            return self._get("POST", "/tokenize", {**model, **content})
 
         def count(value: object) -> int:
             """The length of the answer's C{tokens} list."""

@@ -121,6 +121,20 @@ class CountTokensTests(SynchronousTestCase):
             self.assertEqual(status, 200)
             self.assertEqual(body, {"input_tokens": 5})
 
+    def test_router_model(self) -> None:
+        """An endpoint behind a router names its model in both requests."""
+        config = make_config()
+        routed = dataclasses.replace(config.endpoints[0], model="qwen")
+        self.harness = GatewayHarness(dataclasses.replace(config, endpoints=(routed,)))
+        self.route = CountTokens(self.harness.gateway)
+        self.script()
+        self.assertEqual(self.post(model="tiny"), (200, {"input_tokens": 5}))
+        fake = self.harness.fake
+        for path in (TEMPLATE, TOKENIZE):
+            [sent] = fake.requests_to("POST", path)
+            assert sent.json is not None
+            self.assertEqual(sent.json["model"], "qwen")
+
     def test_bad_body(self) -> None:
         """A bad body is Anthropic's 400 naming the field; max_tokens is not required."""
         status, body = self.post(model="tiny", temperature=3)
