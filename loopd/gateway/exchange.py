@@ -1,4 +1,4 @@
-# -*- test-case-name: loopd.test.test_gateway_chat,loopd.test.test_gateway_mesh -*-
+# -*- test-case-name: loopd.test.test_gateway_exchange,loopd.test.test_gateway_chat -*-
 """
 One request through a front door (DESIGN.md §3, decisions 15 to 19 and 40): the door reads
 the body once into the gateway's request model, one leased upstream call serves it, and the
@@ -53,6 +53,7 @@ from loopd.gateway.door import Door
 from loopd.gateway.errors import GatewayError, error_for
 from loopd.gateway.health import EndpointUnavailableError, means_down
 from loopd.gateway.mesh import MeshExchange, MeshHost, mesh_pool
+from loopd.gateway.params import refusal, refused_fields
 from loopd.gateway.request import GatewayRequest
 from loopd.gateway.sessions import Sessions
 from loopd.gateway.upstream import CallKeys
@@ -123,7 +124,9 @@ class DoorRoute(Resource):
             if parsed.model == MESH_MODEL:
                 pool = mesh_pool(host, parsed)
                 if len(pool) >= 2:
-                    _refuse_fields(parsed, "on model mesh")
+                    refused = refused_fields(parsed.fields, "mesh")
+                    if refused:
+                        raise refusal(refused, "on model mesh")
                     # Chat completions keep the reference's own mesh shapes (§1.12).
                     door = None if isinstance(self._door, ChatDoor) else self._door
                     MeshExchange(host, request, parsed, pool, door).start()
@@ -131,6 +134,11 @@ class DoorRoute(Resource):
                 # Fewer than two workers: the one model serves the request alone (v2).
                 routed = (host.config.endpoint(pool[0].name),)
             first, *rest = routed or (host.endpoint_for(parsed.model),)
+            refused = refused_fields(parsed.fields, first.kind)
+            if refused:
+                raise refusal(refused, f"on endpoint {first.name!r}, an {first.kind} endpoint")
+            # A fail-over goes only where every field of the request applies.
+            rest = [e for e in rest if not refused_fields(parsed.fields, e.kind)]
             if not host.health.eligible(first.name):
                 raise host.health.unavailable([first.name], host.reactor.seconds())
         except GatewayError as e:
@@ -138,22 +146,6 @@ class DoorRoute(Resource):
             return write_error(request, e, self._door)
         _Exchange(host, self._door, request, parsed, first, rest).start()
         return NOT_DONE_YET
-
-
-def _refuse_fields(parsed: GatewayRequest, where: str) -> None:
-    """
-    Refuse the request's pass-through fields C{where} they cannot apply.
-
-    @raise GatewayError: 400 C{unsupported_parameter} naming them.
-    """
-    if parsed.fields:
-        names = ", ".join(sorted(parsed.fields))
-        raise GatewayError(
-            400,
-            f"{names}: not supported {where}",
-            "invalid_request_error",
-            "unsupported_parameter",
-        )
 
 
 def write_error(request: Request, error: GatewayError, door: Door) -> bytes:
