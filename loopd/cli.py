@@ -1,7 +1,7 @@
 # -*- test-case-name: loopd.test.test_cli -*-
 """
-The C{loopd} command: C{loopd selftest}, C{loopd chat}, C{loopd queue status} and
-C{loopd demo}.
+The C{loopd} command: C{loopd selftest}, C{loopd chat}, C{loopd queue status},
+C{loopd token} and C{loopd demo}.
 
 C{main} parses the arguments and runs one command on the global reactor, which this module
 (and C{twisted/plugins}) alone imports, inside L{run_on_reactor}. Each command is a function
@@ -23,9 +23,10 @@ from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.error import ReactorNotRunning
 from twisted.python.failure import Failure
 
+from loopd.access_token import TokenError, load_or_create_token, token_path
 from loopd.chatloop import restore_blocking, terminal_chat
 from loopd.chatui import Conversation
-from loopd.config import Config, ConfigError, load_config
+from loopd.config import Config, ConfigError, Server, load_config
 from loopd.selftest import SelftestFailed, SelftestReport, require_selftests
 from loopd.service import default_socket_path, listen_path, queue_socket_path
 from loopd.tap.loopd import default_config_path
@@ -39,6 +40,7 @@ __all__ = [
     "queue_socket",
     "run_on_reactor",
     "selftest_command",
+    "token_command",
 ]
 
 #: A command: given the reactor, fires with the exit status.
@@ -91,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
         "else the llmqueue daemon's in the agent dir)",
     )
     where.add_argument("--agent-dir", metavar="DIR", help="ask the llmqueue daemon of DIR")
+    token = commands.add_parser(
+        "token",
+        help="print the token of loopd's TCP listener ([server] tcp), made if there is none",
+    )
+    token.add_argument(
+        "--config", metavar="F", help=f"the loopd.toml (default: {default_config_path()})"
+    )
     demo = commands.add_parser(
         "demo", help="run a real llama.cpp server with a tiny model, an inferproxy and loopd"
     )
@@ -131,6 +140,8 @@ def main(argv: Sequence[str] | None = None, *, run: Runner | None = None) -> int
             return 1
         conversation = Conversation(model=args.model, thinking=not args.no_think)
         return runner(lambda reactor: terminal_chat(reactor, socket_path, conversation))
+    if args.command == "token":
+        return token_command(args.config, out, err)
     if args.command == "queue":
         from loopd.queue.show import queue_status_command
 
@@ -196,10 +207,35 @@ def chat_socket_path(explicit: str | None, config_path: str | None = None) -> st
     path = config_path or default_config_path()
     if not os.path.exists(path):
         return default_socket_path()
-    found = listen_path(load_config(path))
-    if found is None:
-        raise ValueError(f"{path}: [server] listen is not a Unix socket; pass --socket PATH")
-    return found
+    return listen_path(load_config(path))
+
+
+def token_command(config_path: str | None, write: Write, err: Write) -> int:
+    """
+    C{loopd token}: write the TCP listener's token (and nothing else) to C{write}, making
+    the token file first if there is none, so C{ANTHROPIC_API_KEY=$(loopd token)} works
+    before loopd's first start. The file is C{[server] token_file} of the config
+    (C{config_path}, else the default config when it exists), else the default one.
+
+    @return: 0; L{USAGE_ERROR} for an invalid config; 1 when the token file is unusable.
+    """
+    path = config_path or default_config_path()
+    server = Server()
+    if config_path is not None or os.path.exists(path):
+        try:
+            server = load_config(path).server
+        except ConfigError as e:
+            err(f"loopd token: invalid configuration:\n{e}\n")
+            return USAGE_ERROR
+    try:
+        token, _ = load_or_create_token(token_path(server))
+    except TokenError as e:
+        err(f"loopd token: {e}\n")
+        return 1
+    write(token + "\n")
+    if server.tcp is None:
+        err(f"loopd token: note: {path} has no [server] tcp, so no listener asks for it yet\n")
+    return 0
 
 
 def _writer(stream: Any) -> Write:

@@ -58,6 +58,7 @@ from loopd.settings import (
     Server,
     Thinking,
 )
+from loopd.tcp_address import parse_tcp_address
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -263,8 +264,63 @@ _ENDPOINT_RULES: Final[Mapping[str, Rule]] = {
 _OPENAI_ONLY: Final = ("affinity_header", "affinity_field", "affinity_priority")
 
 
+def _file_path(value: object) -> str:
+    """A file path, C{~} expanded."""
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise RuleError("a non-empty path string")
+    return os.path.expanduser(value)
+
+
+_UNIX_LISTEN: Final = 'a Unix socket, "unix:PATH"'
+
+
+def _tcp_suggestion(listen: str) -> str:
+    """
+    What to write instead of a strports TCP description (C{tcp:8080:interface=127.0.0.1}):
+    C{tcp = "127.0.0.1:8080"}, loopback unless the description named another interface.
+    """
+    parts = [part.replace("\\:", ":") for part in re.split(r"(?<!\\):", listen)[1:]]
+    options = dict(part.split("=", 1) for part in parts if "=" in part)
+    plain = [part for part in parts if "=" not in part]
+    port = options.get("port") or (plain[0] if plain else "8080")
+    host = options.get("interface", "::1" if listen.lower().startswith("tcp6") else "127.0.0.1")
+    host = f"[{host}]" if ":" in host else host
+    return f'tcp = "{host}:{port}"'
+
+
+def _listen(value: object) -> str:
+    """
+    C{[server] listen}: the gateway's Unix socket. A strports TCP description (what
+    C{listen} took before the token, DESIGN decision 41) is refused with what to write.
+    """
+    if not isinstance(value, str) or not value:
+        raise RuleError(_UNIX_LISTEN)
+    if value.startswith("unix:"):
+        return value
+    if re.match(r"(?i)(tcp6?|ssl|tls):", value):
+        raise RuleError(
+            f"{_UNIX_LISTEN}; a TCP listener is now {_tcp_suggestion(value)} in [server], "
+            "where every request carries loopd's token (printed by `loopd token`)"
+        )
+    raise RuleError(_UNIX_LISTEN)
+
+
+def _tcp(value: object) -> str:
+    """C{[server] tcp}: C{HOST:PORT} (L{parse_tcp_address}), kept as written."""
+    if not isinstance(value, str):
+        raise RuleError('HOST:PORT, such as "127.0.0.1:8080"')
+    try:
+        parse_tcp_address(value)
+    except ValueError as error:
+        raise RuleError(str(error)) from None
+    return value
+
+
 _SERVER_RULES: Final[Mapping[str, Rule]] = {
-    "listen": string(),
+    "listen": _listen,
+    "tcp": _tcp,
+    "allow_remote": boolean,
+    "token_file": _file_path,
     "body_bytes": integer(1),
     "header_timeout_ms": integer(1, INT32_MAX),
     "body_timeout_ms": integer(1, INT32_MAX),
@@ -272,13 +328,6 @@ _SERVER_RULES: Final[Mapping[str, Rule]] = {
     "max_connections": integer(1, INT32_MAX),
     "backlog": integer(1, INT32_MAX),
 }
-
-
-def _file_path(value: object) -> str:
-    """A file path, C{~} expanded."""
-    if not isinstance(value, str) or not value or "\0" in value:
-        raise RuleError("a non-empty path string")
-    return os.path.expanduser(value)
 
 
 _QUEUE_RULES: Final[Mapping[str, Rule]] = {
@@ -383,6 +432,26 @@ def _parse_endpoints(value: object, path: str, problems: Problems) -> Any:
     return tuple(endpoints)
 
 
+def _parse_server(value: object, path: str, problems: Problems) -> Any:
+    """
+    [server]: its keys by their rules, and a C{tcp} address that is not a loopback one
+    refused unless C{allow_remote} is true.
+    """
+    if value is ABSENT:
+        return ABSENT
+    values = read_fields(as_table(value, path, problems), path, _SERVER_RULES, problems)
+    tcp = values.get("tcp")
+    if tcp is not None and not values.get("allow_remote") and not parse_tcp_address(tcp).loopback:
+        problems.add(
+            key_path(path, "tcp"),
+            f"{render(tcp)} is not a loopback address (127.0.0.1, [::1], localhost); to listen "
+            f"there anyway, set {key_path(path, 'allow_remote')} = true (the token is still "
+            "required)",
+        )
+        del values["tcp"]
+    return Server(**values)
+
+
 @dataclass(frozen=True)
 class _Section:
     """A known top-level key: the L{Config} field it fills and its parser."""
@@ -400,7 +469,7 @@ _SECTIONS: Final[Mapping[str, _Section]] = {
     "caps": _Section("caps", table_parser(Caps, _CAPS_RULES)),
     "sampling": _Section("sampling", table_parser(Sampling, _SAMPLING_RULES)),
     "endpoint": _Section("endpoints", _parse_endpoints),
-    "server": _Section("server", table_parser(Server, _SERVER_RULES)),
+    "server": _Section("server", _parse_server),
     "queue": _Section("queue", table_parser(Queue, _QUEUE_RULES)),
     "mesh": _Section("mesh", table_parser(Mesh, {"strong_patience_ms": integer(0, INT32_MAX)})),
     "health": _Section("health", table_parser(HealthProbe, _HEALTH_RULES)),

@@ -18,13 +18,16 @@ from typing import Any
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, gatherResults, inlineCallbacks, succeed
-from twisted.internet.endpoints import serverFromString
+from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
 from twisted.internet.interfaces import IListeningPort
 from twisted.logger import Logger, LoggingFile
 from twisted.python.failure import Failure
 
+from loopd.access_token import load_or_create_token, token_path
+from loopd.gateway.anthropic import anthropic_error
 from loopd.gateway.leases import GatewayLeases
 from loopd.gateway.site import Gateway
+from loopd.gateway.token_guard import ErrorShape, TokenGuard
 from loopd.llama import Client
 from loopd.queue.eventlog import EventLog
 from loopd.queue.host import QueueHost
@@ -32,9 +35,16 @@ from loopd.queue.protocol import LeaseFactory
 from loopd.queue.watch import ConfigWatcher
 from loopd.selftest import SelftestFailed, require_selftests
 from loopd.settings import Config
+from loopd.tcp_address import TcpAddress, parse_tcp_address
 from loopd.unixsocket import listen_unix
 
-__all__ = ["LoopdService", "default_socket_path", "listen_path", "queue_socket_path"]
+__all__ = [
+    "LoopdService",
+    "default_socket_path",
+    "door_error_shapes",
+    "listen_path",
+    "queue_socket_path",
+]
 
 _log = Logger(namespace="loopd.service")
 
@@ -51,19 +61,17 @@ def default_socket_path(environ: dict[str, str] | None = None) -> str:
     return os.path.join(tempfile.gettempdir(), f"loopd-{os.getuid()}", "loopd.sock")
 
 
-def listen_path(config: Config) -> str | None:
+def listen_path(config: Config) -> str:
     """
-    The Unix socket path the gateway listens on, or C{None} for another kind of
-    listener (a strports description such as C{tcp:8080:interface=127.0.0.1}).
+    The Unix socket path the gateway listens on: C{[server] listen}'s C{unix:PATH} (the
+    config allows no other kind), else L{default_socket_path}.
     """
     listen = config.server.listen
     if listen is None:
         return default_socket_path()
-    if listen.startswith("unix:"):
-        # The path ends at the first unescaped colon (strports options follow it).
-        path = re.split(r"(?<!\\):", listen[len("unix:") :], maxsplit=1)[0]
-        return os.path.expanduser(path.replace("\\:", ":"))
-    return None
+    # The path ends at the first unescaped colon (strports options follow it).
+    path = re.split(r"(?<!\\):", listen[len("unix:") :], maxsplit=1)[0]
+    return os.path.expanduser(path.replace("\\:", ":"))
 
 
 def queue_socket_path(config: Config | None) -> str:
@@ -74,7 +82,7 @@ def queue_socket_path(config: Config | None) -> str:
     """
     if config is not None and config.queue.socket is not None:
         return config.queue.socket
-    beside = (listen_path(config) if config is not None else None) or default_socket_path()
+    beside = listen_path(config) if config is not None else default_socket_path()
     return os.path.join(os.path.dirname(beside), "llm-queue.sock")
 
 
@@ -100,6 +108,9 @@ class LoopdService(Service):
         self.clients = {e.name: Client(reactor, config, e) for e in config.endpoints}
         self.gateway: Gateway | None = None
         self._port: IListeningPort | None = None
+        self._tcp_port: IListeningPort | None = None
+        self.tcp_url: str | None = None
+        self.token_file: str | None = None
         self._queue_port: IListeningPort | None = None
         self.queue: QueueHost | None = None
         self._watcher: ConfigWatcher | None = None
@@ -149,6 +160,7 @@ class LoopdService(Service):
         the lease queue, build the gateway and listen. Fails with L{SelftestFailed} or whatever
         stopped the start; L{_start_failed} handles both.
         """
+        tcp, token = self._prepare_tcp()
         reports = yield require_selftests(self._reactor, self.config, self.clients)
         for report in reports:
             for line in report.lines():
@@ -178,9 +190,20 @@ class LoopdService(Service):
         )
         self.gateway.start()
         self._port = yield self._listen(self.gateway)
+        listeners = [listen_path(self.config)]
+        if tcp is not None and token is not None:
+            self._tcp_port = yield self._listen_tcp(self.gateway, tcp, token)
+            bound: Any = self._tcp_port.getHost()
+            self.tcp_url = tcp.url(bound.port)
+            _log.info(
+                "TCP listener on {url}: every request needs the token in {token_file}",
+                url=self.tcp_url,
+                token_file=self.token_file,
+            )
+            listeners.append(self.tcp_url)
         _log.info(
             "loopd serving {listener} for {endpoints}",
-            listener=self.config.server.listen or listen_path(self.config),
+            listener=" and ".join(listeners),
             endpoints=", ".join(self.clients),
         )
         self._fire_ready(None)
@@ -233,19 +256,56 @@ class LoopdService(Service):
 
     def _listen(self, gateway: Gateway) -> Deferred[IListeningPort]:
         """
-        Listen with the gateway's site: on a Unix socket through L{listen_unix} (0600, stale file
-        reclaimed), else on the strports description C{server.listen} names.
+        Listen with the gateway's site on its Unix socket through L{listen_unix} (0600, stale
+        file reclaimed); no token there.
         """
         path = listen_path(self.config)
         site = gateway.site()
-        if path is not None:
-            return succeed(
-                listen_unix(self._reactor, path, site, backlog=self.config.server.backlog)
+        return succeed(listen_unix(self._reactor, path, site, backlog=self.config.server.backlog))
+
+    def _prepare_tcp(self) -> tuple[TcpAddress | None, str | None]:
+        """
+        Before anything starts: the TCP listener's address and its token (read, or made at
+        this first start), and the warning of an address that is not a loopback one; C{None}s
+        when C{[server] tcp} names none.
+
+        @raise loopd.access_token.TokenError: the token file cannot be used.
+        """
+        server = self.config.server
+        if server.tcp is None:
+            return None, None
+        tcp = parse_tcp_address(server.tcp)
+        self.token_file = token_path(server)
+        token, created = load_or_create_token(self.token_file)
+        if created:
+            _log.info("made the TCP listener's token in {path}", path=self.token_file)
+        if not tcp.loopback:
+            warning = (
+                f"loopd: warning: [server] tcp = {server.tcp!r} is not a loopback address and "
+                "allow_remote is true: other machines can reach loopd there (each request "
+                "still needs the token, and travels unencrypted)"
             )
-        assert self.config.server.listen is not None
-        listening: Deferred[IListeningPort] = serverFromString(
-            self._reactor, self.config.server.listen
-        ).listen(site)
+            stderr = _stderr()
+            stderr.write(warning + "\n")
+            stderr.flush()
+            _log.warn("{warning}", warning=warning)
+        return tcp, token
+
+    def _listen_tcp(
+        self, gateway: Gateway, tcp: TcpAddress, token: str
+    ) -> Deferred[IListeningPort]:
+        """
+        Listen on C{tcp} with a site of its own whose root is behind the L{TokenGuard}.
+        """
+        guarded = gateway.site(
+            guard=lambda root: TokenGuard(
+                root, token, door_error_shapes(), on_refusal=gateway.metrics.observe_refusal
+            )
+        )
+        backlog = self.config.server.backlog
+        endpoint_type = TCP6ServerEndpoint if tcp.ipv6 else TCP4ServerEndpoint
+        endpoint = endpoint_type(self._reactor, tcp.port, backlog=backlog, interface=tcp.host)
+        listening: Deferred[IListeningPort] = endpoint.listen(guarded)
         return listening
 
     def _start_failed(self, reason: Failure) -> None:
@@ -281,15 +341,23 @@ class LoopdService(Service):
         if self._watcher is not None:
             self._watcher.stop()
         stopping = []
-        for port in (self._port, self._queue_port):
+        for port in (self._port, self._tcp_port, self._queue_port):
             if port is not None:
                 stopped: Any = port.stopListening()
                 if isinstance(stopped, Deferred):
                     stopping.append(stopped)
-        self._port = self._queue_port = None
+        self._port = self._tcp_port = self._queue_port = None
         if not stopping:
             return None
         return gatherResults(stopping).addCallback(lambda _: None)
+
+
+def door_error_shapes() -> list[tuple[bytes, ErrorShape]]:
+    """
+    The error shape of each front door by path prefix, for the TCP listener's 401s:
+    Anthropic's for C{/v1/messages} (and C{/v1/messages/count_tokens}); OpenAI's elsewhere.
+    """
+    return [(b"/v1/messages", anthropic_error)]
 
 
 def _say_problems(problems: tuple[str, ...]) -> None:

@@ -196,7 +196,17 @@ class Server:
     """Where the gateway listens and what it accepts ([server])."""
 
     listen: str | None = None
-    """A strports description; None: a Unix socket C{loopd.sock} in the default directory."""
+    """The gateway's Unix socket, C{unix:PATH}; None: C{loopd.sock} in the default directory.
+    (A TCP listener is C{tcp}, with a token; C{listen} no longer takes one.)"""
+    tcp: str | None = None
+    """A TCP listener besides the Unix socket, C{HOST:PORT} (C{127.0.0.1:8080},
+    C{[::1]:8080}, C{localhost:8080}; port 0: any free one), on which every request carries
+    loopd's token (DESIGN decision 41). Loopback only unless C{allow_remote}. None: none."""
+    allow_remote: bool = False
+    """Let C{tcp} name an address other than a loopback one (loopd warns at start)."""
+    token_file: str | None = None
+    """The file of the TCP listener's token, C{~} expanded; None: C{token} in loopd's state
+    directory (L{loopd.access_token.default_token_path})."""
     body_bytes: int = 8 * 1024 * 1024
     """The largest request body the gateway accepts; a larger one is refused with 413 as soon
     as its declared or received length passes this, and the connection closed."""

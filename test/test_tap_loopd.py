@@ -169,12 +169,11 @@ class DefaultPathTests(SynchronousTestCase):
         self.assertEqual(default_socket_path({}), expected)
 
     def test_listen_path(self) -> None:
-        """A unix: listener's path (escaped colons kept, options dropped); None for others."""
+        """A unix: listener's path (escaped colons kept, options dropped), else the default."""
         self.patch(os, "environ", {**os.environ, "XDG_RUNTIME_DIR": "/run/user/7"})
         cases = {
             "unix:/tmp/ld/loopd.sock": "/tmp/ld/loopd.sock",
             "unix:/tmp/ld/a\\:b.sock:mode=600": "/tmp/ld/a:b.sock",
-            "tcp:8080:interface=127.0.0.1": None,
         }
         for listen, expected in cases.items():
             config = parse_config(TOML + f"[server]\nlisten = {json.dumps(listen)}\n")

@@ -1,7 +1,9 @@
 # -*- test-case-name: loopd.test.test_cli -*-
 """
 Child processes of C{loopd demo}: C{python -m twisted ...} commands that say when they are
-ready with a line of their log, and are stopped with SIGTERM (SIGKILL after a grace).
+ready with a line of their log, and are stopped with SIGTERM (SIGKILL after a grace). Each
+runs behind L{loopd.demo.orphan_guard}, so it dies with the demo even when the demo is
+killed with SIGKILL, and may copy its output to a log file as it comes.
 
 L{spawn_twist} starts one; its L{Child} fires C{ready} at the first output line containing
 the marker, or fails it with L{ChildFailed} when the child ends (or the start timeout
@@ -15,13 +17,15 @@ import os
 import sys
 from collections.abc import Sequence
 from contextlib import suppress
-from typing import Any
+from typing import IO, Any
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.error import ProcessDone, ProcessExitedAlready
 from twisted.internet.interfaces import IDelayedCall, IReactorProcess, IReactorTime
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
+
+from loopd.demo.orphan_guard import guarded_argv
 
 __all__ = ["Child", "ChildFailed", "spawn_twist", "stop_child"]
 
@@ -55,12 +59,21 @@ class Child(ProcessProtocol):
     @ivar ended: fires with the exit status (a negative number for a signal).
     @ivar lines: the output lines so far, stdout and stderr interleaved as they came.
     @ivar status: the exit status once the child ended, else None.
+    @ivar log_path: the file each output line is also written to, or None.
     """
 
-    def __init__(self, name: str, marker: str) -> None:
-        """Describe the child; L{spawn_twist} starts it."""
+    def __init__(self, name: str, marker: str, log_path: str | None = None) -> None:
+        """
+        Describe the child; L{spawn_twist} starts it.
+
+        @param log_path: a file to copy the output lines to, as they come (made anew).
+        """
         self.name = name
         self.marker = marker
+        self.log_path = log_path
+        self._log: IO[str] | None = None
+        if log_path is not None:
+            self._log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed at the end
         self.ready: Deferred[None] = Deferred()
         self.ended: Deferred[int] = Deferred()
         self.lines: list[str] = []
@@ -92,6 +105,9 @@ class Child(ProcessProtocol):
         """
         self.lines.append(line)
         del self.lines[:-MAX_LINES]
+        if self._log is not None:
+            self._log.write(line + "\n")
+            self._log.flush()
         if self.marker in line and not self.ready.called:
             self._cancel_timer()
             self.ready.callback(None)
@@ -127,6 +143,9 @@ class Child(ProcessProtocol):
                 self._partial[fd] = b""
                 self._line(rest.decode("utf-8", "replace").rstrip("\r"))
         self._cancel_timer()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
         status = self.status = _status(reason)
         if not self.ready.called:
             why = (
@@ -155,16 +174,19 @@ def spawn_twist(
     *,
     start_timeout: float = 60.0,
     cwd: str | None = None,
+    log_path: str | None = None,
 ) -> Child:
     """
-    Start C{python -m twisted --log-format=text ARGS...} with this interpreter.
+    Start C{python -m twisted --log-format=text ARGS...} with this interpreter, behind
+    L{loopd.demo.orphan_guard} (it dies with this process).
 
     @param reactor: provides IReactorProcess and IReactorTime.
     @param marker: the text of the log line that says the command is ready.
     @param start_timeout: seconds before C{ready} fails and the child is killed.
+    @param log_path: a file the child's output is copied to, line by line.
     """
-    child = Child(name, marker)
-    argv = [sys.executable, "-m", "twisted", "--log-format=text", *args]
+    child = Child(name, marker, log_path)
+    argv = guarded_argv([sys.executable, "-m", "twisted", "--log-format=text", *args])
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     IReactorProcess(reactor).spawnProcess(child, sys.executable, argv, env=env, path=cwd)
     child.start_timeout(IReactorTime(reactor), start_timeout)

@@ -239,7 +239,11 @@ class RealServer:
         """Start the child; fire with the port when ready, or fail typed."""
         if self._process is not None:
             return fail(RealServerError(f"server already running (pid {self.pid})"))
-        argv = self.options.command(self.start_timeout, exit_on_eof=True)
+        # Imported here: the child runs this file as a script, without the loopd package.
+        from loopd.demo.orphan_guard import guarded_argv
+
+        # It dies with this process, even one killed with SIGKILL (stdin's EOF as well).
+        argv = guarded_argv(self.options.command(self.start_timeout, exit_on_eof=True))
         self._protocol = _ServerProtocol(self)
         self._start_error = None
         self._starting = Deferred(lambda _: self._cancel_start())

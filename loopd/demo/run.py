@@ -7,7 +7,11 @@ real llama.cpp server on a free loopback port, a C{twist inferproxy} in front of
 a loopd.toml whose C{[endpoint.expect]} holds what the server's C{/props} says, starts
 C{twist loopd} with it and shows the self-test lines loopd logged; L{run_demo} then streams
 one chat through loopd.sock and keeps everything running until Ctrl-C (or stops at once
-with C{--once}). Every child is stopped on exit or error, and the directory is removed.
+with C{--once}). loopd listens both ways: on loopd.sock (no token) and on a free loopback
+TCP port, whose token the demo keeps in its directory and prints with lines to copy for
+curl and the SDKs. The inferproxy's and loopd's logs are files in the directory, named as
+they start. Every child is stopped on exit or error, and the directory is removed; each
+dies with the demo even when the demo is killed with SIGKILL (L{loopd.demo.orphan_guard}).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from twisted.internet.defer import Deferred, DeferredList, inlineCallbacks, mayb
 from twisted.python.failure import Failure
 
 from loopd import http
+from loopd.access_token import load_or_create_token
 from loopd.chatloop import stream_turn
 from loopd.chatui import Conversation, TurnView
 from loopd.config import load_config
@@ -33,7 +38,14 @@ from loopd.demo.real_server import RealServer
 from loopd.digest import sha256_hex
 from loopd.selftest import require_selftests
 
-__all__ = ["DemoStack", "render_config", "run_demo", "selftest_lines_from_log"]
+__all__ = [
+    "DemoStack",
+    "render_config",
+    "run_demo",
+    "selftest_lines_from_log",
+    "serving_text",
+    "tcp_url_from_log",
+]
 
 T = TypeVar("T")
 Write = Callable[[str], None]
@@ -44,19 +56,33 @@ MODEL = "tiny"
 QUESTION = "Hello! Who are you?"
 INTERRUPTED = 130
 _SELFTEST_LINE = re.compile(r"selftest (\S+): ((?:PASS|FAIL) .*)$")
+_TCP_LINE = re.compile(r"TCP listener on (http://\S+):")
 
 
 def render_config(
-    *, endpoint_socket: str, listen_socket: str, props: Mapping[str, Any], name: str = MODEL
+    *,
+    endpoint_socket: str,
+    listen_socket: str,
+    props: Mapping[str, Any],
+    name: str = MODEL,
+    tcp: str | None = None,
+    token_file: str | None = None,
 ) -> str:
     """
     The demo's loopd.toml: one endpoint behind C{endpoint_socket} that expects what
-    C{props} (the server's C{/props}) says, and the gateway on C{listen_socket}.
+    C{props} (the server's C{/props}) says, and the gateway on C{listen_socket}, and on
+    C{tcp} (C{HOST:PORT}) with its token in C{token_file} when given.
     """
     lines = [
         "# Written by `loopd demo`: one tiny llama.cpp server behind an inferproxy.",
         "[server]",
         f"listen = {json.dumps('unix:' + listen_socket.replace(':', chr(92) + ':'))}",
+    ]
+    if tcp is not None:
+        lines.append(f"tcp = {json.dumps(tcp)}")
+    if token_file is not None:
+        lines.append(f"token_file = {json.dumps(token_file)}")
+    lines += [
         "",
         "[[endpoint]]",
         f"name = {json.dumps(name)}",
@@ -75,6 +101,15 @@ def render_config(
     if isinstance(slots, int):
         lines.append(f"total_slots = {slots}")
     return "\n".join(lines) + "\n"
+
+
+def tcp_url_from_log(lines: list[str]) -> str | None:
+    """The TCP listener's URL in C{twist loopd}'s log (C{http://127.0.0.1:PORT}), or None."""
+    for line in lines:
+        match = _TCP_LINE.search(line)
+        if match:
+            return match.group(1)
+    return None
 
 
 def selftest_lines_from_log(lines: list[str]) -> list[str]:
@@ -99,6 +134,10 @@ class DemoStack:
 
     @ivar directory: the temporary directory holding the model, sockets and config.
     @ivar loopd_socket: the socket loopd serves on, once started.
+    @ivar tcp_url: loopd's TCP listener (C{http://127.0.0.1:PORT}), once started.
+    @ivar token: the TCP listener's token, once loopd started.
+    @ivar token_path: the file loopd keeps that token in.
+    @ivar loopd_log: loopd's log file; C{proxy_log}: the inferproxy's.
     @ivar config_path: the generated loopd.toml.
     @ivar selftest_lines: the self-test lines, once loopd is up.
     """
@@ -127,6 +166,11 @@ class DemoStack:
         self.infer_socket = os.path.join(self.directory, "infer.sock")
         self.loopd_socket = os.path.join(self.directory, "loopd.sock")
         self.config_path = os.path.join(self.directory, "loopd.toml")
+        self.token_path = os.path.join(self.directory, "token")
+        self.loopd_log = os.path.join(self.directory, "loopd.log")
+        self.proxy_log = os.path.join(self.directory, "inferproxy.log")
+        self.tcp_url: str | None = None
+        self.token: str | None = None
         self.server: RealServer | None = None
         self.proxy: Child | None = None
         self.loopd: Child | None = None
@@ -159,9 +203,10 @@ class DemoStack:
         port = yield self._step(2, "starting a llama.cpp server", self._start_server)
         self._write(f"      listening on 127.0.0.1:{port}\n")
         yield self._step(3, "starting twist inferproxy", self._start_proxy)
-        self._write(f"      {self.infer_socket} -> 127.0.0.1:{port}\n")
+        self._write(f"      {self.infer_socket} -> 127.0.0.1:{port}, log {self.proxy_log}\n")
         yield self._step(4, "starting twist loopd (self-test first)", self._start_loopd)
-        self._write(f"      serving {self.loopd_socket}, config {self.config_path}\n")
+        self._write(f"      serving {self.loopd_socket} and {self.tcp_url}\n")
+        self._write(f"      config {self.config_path}, log {self.loopd_log}\n")
         lines = yield self._step(5, "self-test results", self._selftest)
         for line in lines:
             self._write(f"      {line}\n")
@@ -196,7 +241,9 @@ class DemoStack:
         assert self.server is not None
         upstream = f"127.0.0.1:{self.server.port}"
         args = ["inferproxy", "--listen", self.infer_socket, "--upstream", upstream]
-        self.proxy = self._spawn("twist inferproxy", "inferproxy listening on", args)
+        self.proxy = self._spawn(
+            "twist inferproxy", "inferproxy listening on", args, self.proxy_log
+        )
         return self.proxy.ready
 
     @inlineCallbacks
@@ -216,12 +263,16 @@ class DemoStack:
             endpoint_socket=self.infer_socket,
             listen_socket=self.loopd_socket,
             props=json.loads(raw),
+            tcp="127.0.0.1:0",
+            token_file=self.token_path,
         )
         with open(self.config_path, "w", encoding="utf-8") as f:
             f.write(config)
         args = ["loopd", "--config", self.config_path]
-        self.loopd = self._spawn("twist loopd", "loopd serving", args)
+        self.loopd = self._spawn("twist loopd", "loopd serving", args, self.loopd_log)
         yield self.loopd.ready
+        self.tcp_url = tcp_url_from_log(self.loopd.lines)
+        self.token, _ = load_or_create_token(self.token_path)
 
     def _selftest(self) -> Deferred[list[str]]:
         """
@@ -243,13 +294,19 @@ class DemoStack:
 
         return require_selftests(self._reactor, config, {}).addCallback(lines)
 
-    def _spawn(self, name: str, marker: str, args: list[str]) -> Child:
+    def _spawn(self, name: str, marker: str, args: list[str], log_path: str) -> Child:
         """
         Start one C{twist} child in the directory, ready at the first log line holding
-        C{marker}.
+        C{marker}, its output copied to C{log_path}.
         """
         return spawn_twist(
-            self._reactor, name, marker, args, start_timeout=self._start_timeout, cwd=self.directory
+            self._reactor,
+            name,
+            marker,
+            args,
+            start_timeout=self._start_timeout,
+            cwd=self.directory,
+            log_path=log_path,
         )
 
     def chat(self, question: str, *, tty: bool = False) -> Deferred[TurnView]:
@@ -369,7 +426,7 @@ def run_demo(
         if not view.succeeded:
             raise RuntimeError(f"the chat failed: {view.error}")
         if not once:
-            write(_serving_text(stack.loopd_socket))
+            write(serving_text(stack))
             stack.child_ended().addCallback(lambda message: _give_up(serving, write, message))
             status = yield serving
     except Exception:
@@ -394,11 +451,24 @@ def _give_up(serving: Deferred[int], write: Write, message: str) -> None:
         serving.callback(1)
 
 
-def _serving_text(socket: str) -> str:
-    """What to tell while serving: the socket and two commands to try it with."""
-    return (
-        f"loopd is serving model {MODEL!r} on {socket}. From another terminal, try:\n"
-        f"  loopd chat --socket {socket}\n"
-        f"  curl --unix-socket {socket} http://loopd/v1/models\n"
-        "Press Ctrl-C to stop.\n"
-    )
+def serving_text(stack: DemoStack) -> str:
+    """
+    What to tell while serving: both listeners, the token, commands and SDK settings to try
+    them with, and where the logs are.
+    """
+    socket, url, token = stack.loopd_socket, stack.tcp_url, stack.token
+    lines = [
+        f"loopd is serving model {MODEL!r}",
+        f"  on the Unix socket {socket} (no token)",
+        f"  on {url} (every request needs the token {token})",
+        "From another terminal, try:",
+        f"  loopd chat --socket {socket}",
+        f"  curl --unix-socket {socket} http://loopd/v1/models",
+        f'  curl -H "Authorization: Bearer {token}" {url}/v1/models',
+        "An SDK or agent over TCP (model tiny):",
+        f"  export OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY={token}",
+        f"  export ANTHROPIC_BASE_URL={url} ANTHROPIC_API_KEY={token}",
+        f"Logs: loopd {stack.loopd_log}, inferproxy {stack.proxy_log} (removed on stop).",
+        "Press Ctrl-C to stop.",
+    ]
+    return "\n".join(lines) + "\n"

@@ -26,9 +26,16 @@ from zope.interface import implementer
 
 import loopd
 from loopd import cli
-from loopd.config import parse_config
+from loopd.config import ConfigError, parse_config
+from loopd.demo import orphan_guard
 from loopd.demo.children import Child, ChildFailed, spawn_twist, stop_child
-from loopd.demo.run import render_config, selftest_lines_from_log
+from loopd.demo.run import (
+    DemoStack,
+    render_config,
+    selftest_lines_from_log,
+    serving_text,
+    tcp_url_from_log,
+)
 from loopd.digest import sha256_hex
 from loopd.service import default_socket_path
 from loopd.testing.fake_llama import (
@@ -243,10 +250,16 @@ class ChatSocketTests(MemoryCase):
         self.assertEqual(cli.chat_socket_path(None, missing), default_socket_path())
 
     def test_tcp_listener(self) -> None:
-        """A config whose listener is not a Unix socket asks for --socket."""
+        """A config whose listen is a TCP description is a config error (it takes [server] tcp)."""
         text = '[server]\nlisten = "tcp:8080:interface=127.0.0.1"\n' + config_text()
         path = self.write_file("loopd.toml", text)
-        self.assertRaises(ValueError, cli.chat_socket_path, None, path)
+        self.assertRaises(ConfigError, cli.chat_socket_path, None, path)
+
+    def test_tcp_beside(self) -> None:
+        """With [server] tcp too, chat still talks to the Unix socket."""
+        text = f'[server]\nlisten = "unix:{self.directory}/l.sock"\ntcp = "127.0.0.1:0"\n'
+        path = self.write_file("loopd.toml", text + config_text())
+        self.assertEqual(cli.chat_socket_path(None, path), f"{self.directory}/l.sock")
 
 
 class FakeProcess:
@@ -276,6 +289,70 @@ class SpawningReactor(MemoryReactorClock):
         return process
 
 
+class TokenCommandTests(MemoryCase):
+    """
+    C{loopd token} prints the TCP listener's token and nothing else, making it if need be.
+    """
+
+    def token_config(self, extra: str = 'tcp = "127.0.0.1:0"\n') -> tuple[str, str]:
+        """A config whose token file is in the directory; its path and the token file's."""
+        token_file = os.path.join(self.directory, "state", "token")
+        text = f'[server]\n{extra}token_file = "{token_file}"\n' + config_text()
+        return self.write_file("loopd.toml", text), token_file
+
+    def test_prints_and_makes(self) -> None:
+        """The first run makes the 0600 file; every run prints the same token alone."""
+        config, token_file = self.token_config()
+        self.assertEqual(cli.main(["token", "--config", config]), 0)
+        token = self.stdout.getvalue()
+        self.assertRegex(token, r"^loopd-[A-Za-z0-9_-]{43}\n$")
+        self.assertEqual(self.stderr.getvalue(), "")
+        self.assertEqual(os.stat(token_file).st_mode & 0o777, 0o600)
+        self.assertEqual(cli.main(["token", "--config", config]), 0)
+        self.assertEqual(self.stdout.getvalue(), token * 2)
+
+    def test_no_tcp_listener(self) -> None:
+        """Without [server] tcp the token is still printed, with a note on stderr."""
+        config, _ = self.token_config(extra="")
+        self.assertEqual(cli.main(["token", "--config", config]), 0)
+        self.assertRegex(self.stdout.getvalue(), r"^loopd-\S+\n$")
+        self.assertIn("has no [server] tcp", self.stderr.getvalue())
+
+    def test_bad_config(self) -> None:
+        """An invalid config is a usage error naming the key; nothing on stdout."""
+        config = self.write_file("bad.toml", '[server]\ntcp = "0.0.0.0:1"\n' + config_text())
+        self.assertEqual(cli.main(["token", "--config", config]), cli.USAGE_ERROR)
+        self.assertEqual(self.stdout.getvalue(), "")
+        self.assertIn("server.tcp", self.stderr.getvalue())
+
+    def test_unusable_file(self) -> None:
+        """A token file others may read is refused with status 1; nothing on stdout."""
+        config, token_file = self.token_config()
+        cli.main(["token", "--config", config])
+        os.chmod(token_file, 0o640)
+        self.stdout.truncate(0)
+        self.stdout.seek(0)
+        self.assertEqual(cli.main(["token", "--config", config]), 1)
+        self.assertEqual(self.stdout.getvalue(), "")
+        self.assertIn("may be read or written by others", self.stderr.getvalue())
+
+    def test_default_config_absent(self) -> None:
+        """Without --config and without the default config: the default token file."""
+        state = os.path.join(self.directory, "xdg-state")
+        self.patch(
+            os,
+            "environ",
+            {
+                **os.environ,
+                "XDG_STATE_HOME": state,
+                "XDG_CONFIG_HOME": os.path.join(self.directory, "none"),
+            },
+        )
+        self.assertEqual(cli.main(["token"]), 0)
+        with open(os.path.join(state, "loopd", "token")) as f:
+            self.assertEqual(f.read(), self.stdout.getvalue())
+
+
 class ChildTests(SynchronousTestCase):
     """
     L{spawn_twist} and L{stop_child} handle the demo's twist children.
@@ -289,8 +366,24 @@ class ChildTests(SynchronousTestCase):
         """The child is this Python running twist with text logs, output unbuffered."""
         (_, executable, args, kwargs) = self.reactor.spawned[0]
         self.assertEqual(executable, sys.executable)
-        self.assertEqual(args, [sys.executable, "-m", "twisted", "--log-format=text", "loopd"])
+        twist = [sys.executable, "-m", "twisted", "--log-format=text", "loopd"]
+        self.assertEqual(args, [sys.executable, orphan_guard.SCRIPT, str(os.getpid()), *twist])
         self.assertEqual(kwargs["env"]["PYTHONUNBUFFERED"], "1")
+
+    def test_log_file(self) -> None:
+        """With a log path, every output line is also written there as it comes."""
+        directory = tempfile.mkdtemp(prefix="ld", dir="/tmp")
+        self.addCleanup(shutil.rmtree, directory, True)
+        log = os.path.join(directory, "loopd.log")
+        child = spawn_twist(self.reactor, "twist loopd", "serving", ["loopd"], log_path=log)
+        child.outReceived(b"one\ntw")
+        child.errReceived(b"err\n")
+        with open(log) as f:
+            self.assertEqual(f.read(), "one\nerr\n")
+        child.processEnded(Failure(ProcessDone(0)))
+        self.failureResultOf(child.ready, ChildFailed)
+        with open(log) as f:
+            self.assertEqual(f.read(), "one\nerr\ntw\n")
 
     def test_ready_line(self) -> None:
         """The marker line, even split across reads, makes the child ready."""
@@ -374,6 +467,41 @@ class DemoConfigTests(SynchronousTestCase):
         self.assertEqual(
             (expect.chat_template_sha256, expect.n_ctx, expect.total_slots), (None,) * 3
         )
+
+    def test_config_tcp(self) -> None:
+        """The demo's config listens on a loopback TCP port too, its token in the directory."""
+        text = render_config(
+            endpoint_socket="/t/i.sock",
+            listen_socket="/t/l.sock",
+            props={},
+            tcp="127.0.0.1:0",
+            token_file="/t/token",
+        )
+        server = parse_config(text).server
+        self.assertEqual((server.tcp, server.token_file), ("127.0.0.1:0", "/t/token"))
+
+    def test_tcp_url(self) -> None:
+        """The TCP listener's URL is picked out of twist loopd's text log."""
+        log = [
+            "x [loopd.service#info] TCP listener on http://127.0.0.1:4321: every request needs",
+            "x [loopd.service#info] loopd serving /s and http://127.0.0.1:4321 for tiny",
+        ]
+        self.assertEqual(tcp_url_from_log(log), "http://127.0.0.1:4321")
+        self.assertIsNone(tcp_url_from_log(log[1:]))
+
+    def test_serving_text(self) -> None:
+        """While serving, the demo names both listeners, the token, SDK lines and the logs."""
+        stack = DemoStack(MemoryReactorClock(), lambda text: None)
+        self.addCleanup(shutil.rmtree, stack.directory, True)
+        stack.tcp_url, stack.token = "http://127.0.0.1:4321", "loopd-TOKEN"
+        text = serving_text(stack)
+        self.assertIn(f"on the Unix socket {stack.loopd_socket} (no token)", text)
+        self.assertIn("on http://127.0.0.1:4321 (every request needs the token loopd-TOKEN)", text)
+        self.assertIn('curl -H "Authorization: Bearer loopd-TOKEN" http://127.0.0.1:4321/', text)
+        self.assertIn("OPENAI_BASE_URL=http://127.0.0.1:4321/v1 OPENAI_API_KEY=loopd-TOKEN", text)
+        self.assertIn("ANTHROPIC_BASE_URL=http://127.0.0.1:4321 ANTHROPIC_API_KEY=loopd-", text)
+        self.assertIn(f"Logs: loopd {stack.directory}/loopd.log, inferproxy ", text)
+        self.assertIn(f"{stack.directory}/inferproxy.log", text)
 
     def test_selftest_lines(self) -> None:
         """The self-test lines are picked out of twist loopd's text log."""

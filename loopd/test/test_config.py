@@ -582,3 +582,80 @@ class ErrorTests(SynchronousTestCase):
         path.write_bytes(b"max_tokens = 1 # \xff\n")
         error = self.assertRaises(ConfigError, load_config, path)
         self.assertEqual(error.problems, ("not UTF-8 text (byte 17)",))
+
+
+class TcpListenerConfigTests(SynchronousTestCase):
+    """
+    C{[server] tcp}, C{allow_remote}, C{token_file}, and C{listen}, which no longer takes a
+    TCP listener (DESIGN decision 41).
+    """
+
+    def server(self, lines: str) -> Server:
+        """The [server] of a document with C{lines} in it."""
+        return parse_config(f"[server]\n{lines}\n" + EP).server
+
+    def problems(self, lines: str) -> tuple[str, ...]:
+        """The problems of a document with C{lines} in [server]."""
+        error = self.assertRaises(ConfigError, parse_config, f"[server]\n{lines}\n" + EP)
+        problems: tuple[str, ...] = error.problems
+        return problems
+
+    def test_defaults(self) -> None:
+        """No TCP listener, no remote, the default token file."""
+        server = parse_config(EP).server
+        self.assertEqual((server.tcp, server.allow_remote, server.token_file), (None, False, None))
+
+    def test_loopback_addresses(self) -> None:
+        """127.0.0.1, [::1] and localhost are taken, port 0 too, kept as written."""
+        for text in ("127.0.0.1:8080", "[::1]:0", "localhost:65535", "127.0.0.2:1"):
+            self.assertEqual(self.server(f'tcp = "{text}"').tcp, text)
+
+    def test_not_loopback(self) -> None:
+        """Another address is an error naming server.tcp and allow_remote."""
+        for text in ("0.0.0.0:8080", "[::]:8080", "192.168.1.2:80"):
+            (line,) = self.problems(f'tcp = "{text}"')
+            self.assertTrue(line.startswith(f'server.tcp: "{text}" is not a loopback'), line)
+            self.assertIn("set server.allow_remote = true", line)
+
+    def test_allow_remote(self) -> None:
+        """With allow_remote = true another address is taken."""
+        server = self.server('tcp = "0.0.0.0:8080"\nallow_remote = true')
+        self.assertEqual((server.tcp, server.allow_remote), ("0.0.0.0:8080", True))
+
+    def test_bad_values(self) -> None:
+        """Each malformed value is one error naming its key and what was expected."""
+        cases = {
+            'tcp = "127.0.0.1"': "server.tcp: expected HOST:PORT",
+            'tcp = "127.0.0.1:70000"': "with a port from 0 to 65535",
+            'tcp = "example.com:80"': "the host is an IP address or localhost",
+            'tcp = "::1:80"': "server.tcp: expected HOST:PORT",
+            'tcp = "[127.0.0.1]:80"': "brackets hold an IPv6 address",
+            "tcp = 8080": "server.tcp: expected HOST:PORT",
+            'allow_remote = "yes"': "server.allow_remote: expected a boolean",
+            'token_file = ""': "server.token_file: expected a non-empty path string",
+        }
+        for lines, expected in cases.items():
+            (line,) = self.problems(lines)
+            self.assertIn(expected, line, lines)
+
+    def test_listen_unix_only(self) -> None:
+        """listen takes unix:PATH; a TCP description says what to write instead."""
+        self.assertEqual(self.server('listen = "unix:/tmp/l.sock"').listen, "unix:/tmp/l.sock")
+        # Whole lines: a bare "tcp:..." string would read as a TCP client to the invariant's test.
+        cases = {
+            'listen = "tcp:8080:interface=127.0.0.1"': 'tcp = "127.0.0.1:8080"',
+            'listen = "tcp:port=9000"': 'tcp = "127.0.0.1:9000"',
+            'listen = "tcp6:9:interface=\\\\:\\\\:1"': 'tcp = "[::1]:9"',
+        }
+        for listen, suggestion in cases.items():
+            (line,) = self.problems(listen)
+            self.assertIn("server.listen: expected a Unix socket", line)
+            self.assertIn(f"a TCP listener is now {suggestion} in [server]", line)
+            self.assertIn("loopd token", line)
+        (line,) = self.problems('listen = "/tmp/l.sock"')
+        self.assertIn('server.listen: expected a Unix socket, "unix:PATH"', line)
+
+    def test_token_file(self) -> None:
+        """token_file is a path, ~ expanded."""
+        path = self.server('token_file = "~/t"').token_file
+        self.assertEqual(path, os.path.expanduser("~/t"))

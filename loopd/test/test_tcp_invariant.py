@@ -1,6 +1,9 @@
 """
 The security invariant: no module of loopd except C{loopd/inferproxy.py} uses a TCP client
 API. loopd reaches every model through a Unix socket; the forwarder is the one way out.
+A TCP listener (C{[server] tcp}, behind its token: DESIGN decision 41) is not a connection,
+so server endpoints are not counted; a test that asks that listener as a client is allowed
+by name below.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ ALLOWED = {
     # The harness that runs a real llama.cpp server for tests stands where the model host
     # stands; its readiness probe runs inside the server's own child process.
     "demo/real_server.py": "the real llama.cpp server's own test harness",
+    "test/test_gateway_token_guard.py": "a test: the client of the TCP listener it tests",
 }
 
 #: Names whose use means a TCP (or TLS over TCP) client connection.
@@ -95,6 +99,8 @@ class ScannerTests(SynchronousTestCase):
         source = (
             "e = UNIXClientEndpoint(reactor, '/run/x.sock')\n"
             "reactor.listenTCP(0, f)\n"
+            "TCP4ServerEndpoint(reactor, 0, interface='127.0.0.1').listen(f)\n"
+            "TCP6ServerEndpoint(reactor, 0, interface='::1')\n"
             "clientFromString(reactor, 'unix:/run/x.sock')\n"
             "text = 'see tcp: below'\n"
         )
@@ -118,6 +124,15 @@ class InvariantTests(SynchronousTestCase):
             for use in tcp_client_uses(path.read_text(encoding="utf-8")):
                 offenders.append(f"loopd/{relative}:{use}")
         self.assertEqual(offenders, [])
+
+    def test_allowed_modules_exist(self) -> None:
+        """
+        Every allowed module exists and does use a TCP client, so no stale or needless entry
+        widens the allowance.
+        """
+        for relative in ALLOWED:
+            source = (PACKAGE / relative).read_text(encoding="utf-8")
+            self.assertNotEqual(tcp_client_uses(source), [], relative)
 
     def test_inferproxy_is_scanned_as_tcp(self) -> None:
         """

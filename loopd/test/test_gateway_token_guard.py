@@ -1,0 +1,236 @@
+"""
+Tests for L{loopd.gateway.token_guard}: the TCP listener's token check.
+
+The gateway's own site, guarded as C{twist loopd} guards its TCP listener, runs in memory
+in L{GatewayHarness} (every route, the 401's shapes, C{/metrics}); then a real TCP listener
+on 127.0.0.1 port 0 and a real Unix socket are asked with twisted.web's C{Agent}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from twisted.internet.defer import inlineCallbacks
+from twisted.internet.endpoints import TCP4ClientEndpoint, UNIXClientEndpoint
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.web.client import Agent, readBody
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IAgentEndpointFactory
+from zope.interface import implementer
+
+from loopd.gateway.channel import GatewaySite
+from loopd.gateway.token_guard import TokenGuard, openai_shape
+from loopd.gateway.web import JsonRoute, Root
+from loopd.service import door_error_shapes
+from loopd.settings import Server
+from loopd.test.support.peers import real_reactor
+from loopd.testing.fake_llama import CHAT
+from loopd.testing.gateway import HI, GatewayHarness, Response
+from loopd.testing.llama_replies import answer
+from loopd.unixsocket import listen_unix
+
+TOKEN = "loopd-" + "t" * 43
+ANTHROPIC_KEYS = ["error", "type"]
+
+
+class GuardedGatewayTests(SynchronousTestCase):
+    """
+    The gateway's site behind the guard, as on the TCP listener, beside its unguarded site.
+    """
+
+    def setUp(self) -> None:
+        self.harness = GatewayHarness()
+        gateway = self.harness.gateway
+        self.open_site = self.harness.site
+        self.harness.site = gateway.site(
+            guard=lambda root: TokenGuard(
+                root, TOKEN, door_error_shapes(), on_refusal=gateway.metrics.observe_refusal
+            )
+        )
+
+    def ask(self, method: str, target: str, headers: list[str], body: Any = None) -> Response:
+        """One request on the guarded site; its response."""
+        connection = self.harness.connect()
+        raw = None if body is None else json.dumps(body).encode()
+        connection.request(method, target, raw, ["Content-Type: application/json", *headers])
+        return connection.response()
+
+    def refused(self, response: Response) -> dict[str, Any]:
+        """Assert a 401 in the OpenAI shape; return its error object."""
+        self.assertEqual(response.status, 401)
+        self.assertEqual(response.headers["www-authenticate"], 'Bearer realm="loopd"')
+        error: dict[str, Any] = response.json()["error"]
+        self.assertEqual(sorted(error), ["code", "message", "type"])
+        self.assertEqual(
+            (error["type"], error["code"]), ("invalid_request_error", "invalid_api_key")
+        )
+        self.assertIn("loopd token", error["message"])
+        return error
+
+    def test_no_token(self) -> None:
+        """Without a token the chat route is 401 and nothing goes upstream."""
+        error = self.refused(self.ask("POST", CHAT, [], {**HI, "model": "local"}))
+        self.assertIn("needs loopd's token", error["message"])
+        self.assertEqual(self.harness.fake.requests, [])
+
+    def test_wrong_token(self) -> None:
+        """Another token, as Bearer or x-api-key, is 401; other schemes are no token."""
+        for header in ("Authorization: Bearer nope", "x-api-key: nope"):
+            error = self.refused(self.ask("POST", CHAT, [header], HI))
+            self.assertIn("not loopd's token", error["message"])
+        self.refused(self.ask("POST", CHAT, [f"Authorization: Basic {TOKEN}"], HI))
+        self.assertEqual(self.harness.fake.requests, [])
+
+    def test_bearer(self) -> None:
+        """The token as Bearer reaches the chat route and the model."""
+        self.harness.fake.script("POST", CHAT, answer({"content": "ok"}, delay_s=0))
+        response = self.ask("POST", CHAT, [f"Authorization: Bearer {TOKEN}"], HI)
+        self.assertEqual(response.status, 200)
+        self.assertEqual(len(self.harness.fake.requests), 1)
+
+    def test_api_key(self) -> None:
+        """The token as x-api-key (Anthropic's clients) does too."""
+        self.harness.fake.script("POST", CHAT, answer({"content": "ok"}, delay_s=0))
+        response = self.ask("POST", CHAT, [f"x-api-key: {TOKEN}"], HI)
+        self.assertEqual(response.status, 200)
+
+    def test_every_path(self) -> None:
+        """/health, /metrics, /v1/models and an unknown path all need the token too."""
+        for target in ("/health", "/metrics", "/v1/models", "/v1/models/local", "/", "/nope"):
+            self.refused(self.ask("GET", target, []))
+        response = self.ask("GET", "/v1/models", [f"authorization: bearer {TOKEN}"])
+        self.assertEqual(response.status, 200)
+        self.assertEqual(self.ask("GET", "/nope", [f"x-api-key: {TOKEN}"]).status, 404)
+
+    def test_anthropic_shape(self) -> None:
+        """/v1/messages (and its count_tokens, and ?beta=true) answers in Anthropic's shape."""
+        for target in ("/v1/messages", "/v1/messages?beta=true", "/v1/messages/count_tokens"):
+            for headers in ([], ["x-api-key: wrong"]):
+                response = self.ask("POST", target, headers, {"max_tokens": 1})
+                self.assertEqual(response.status, 401, target)
+                body = response.json()
+                self.assertEqual(sorted(body), ANTHROPIC_KEYS)
+                self.assertEqual(body["type"], "error")
+                self.assertEqual(body["error"]["type"], "authentication_error")
+                self.assertIn("loopd token", body["error"]["message"])
+
+    def test_unguarded_site(self) -> None:
+        """The Unix socket's site, built by the same gateway, needs no token."""
+        self.harness.site, guarded = self.open_site, self.harness.site
+        connection = self.harness.connect()
+        connection.request("GET", "/v1/models")
+        self.assertEqual(connection.response().status, 200)
+        self.harness.site = guarded
+
+    def test_refusals_counted(self) -> None:
+        """/metrics counts the 401s with the channel's refusals, and both sites' connections."""
+        self.ask("GET", "/health", [])
+        self.ask("GET", "/health", ["x-api-key: nope"])
+        open_connection = self.harness.connect()
+        self.harness.site = self.open_site
+        samples = self.harness.scrape()
+        refusals = frozenset({("status", "401"), ("code", "invalid_api_key")})
+        self.assertEqual(samples[("loopd_http_refusals_total", refusals)], 2)
+        self.assertGreaterEqual(samples[("loopd_http_connections_open", frozenset())], 2)
+        del open_connection
+
+
+class ShapeTests(SynchronousTestCase):
+    """
+    The guard picks the error shape by path prefix.
+    """
+
+    def test_first_prefix_wins(self) -> None:
+        """The first prefix that the path starts with wins; none: OpenAI's."""
+        first = lambda error: (error.status, "first")  # noqa: E731
+        second = lambda error: (error.status, "second")  # noqa: E731
+        guard = TokenGuard(Root({}), TOKEN, [(b"/a/b", first), (b"/a", second)])
+        self.assertIs(guard._shape(b"/a/b/c"), first)
+        self.assertIs(guard._shape(b"/a/x"), second)
+        self.assertIs(guard._shape(b"/x"), openai_shape)
+
+
+@implementer(IAgentEndpointFactory)
+class _UnixEndpoints:
+    """Every URL's endpoint is one Unix socket."""
+
+    def __init__(self, reactor: Any, path: str) -> None:
+        self._reactor, self._path = reactor, path
+
+    def endpointForURI(self, uri: Any) -> Any:
+        return UNIXClientEndpoint(self._reactor, self._path)
+
+
+@implementer(IAgentEndpointFactory)
+class _TcpEndpoints:
+    """Every URL's endpoint is 127.0.0.1 at one port (explicit, for the TCP invariant's test)."""
+
+    def __init__(self, reactor: Any, port: int) -> None:
+        self._reactor, self._port = reactor, port
+
+    def endpointForURI(self, uri: Any) -> Any:
+        return TCP4ClientEndpoint(self._reactor, "127.0.0.1", self._port, timeout=10)
+
+
+class RealListenerTests(TestCase):
+    """
+    A guarded site on a real TCP listener on 127.0.0.1 port 0, an unguarded one on a real
+    Unix socket, asked with twisted.web's Agent.
+    """
+
+    def setUp(self) -> None:
+        self.reactor = real_reactor()
+        routes = {b"/health": JsonRoute(lambda: (200, {"status": "ok"}))}
+        guarded = GatewaySite(
+            TokenGuard(Root(routes), TOKEN, door_error_shapes()), Server(), reactor=self.reactor
+        )
+        self.port = self.reactor.listenTCP(0, guarded, interface="127.0.0.1")
+        self.addCleanup(self.port.stopListening)
+        directory = tempfile.mkdtemp(prefix="ldg", dir="/tmp")
+        self.addCleanup(shutil.rmtree, directory, True)
+        self.socket = os.path.join(directory, "loopd.sock")
+        unix = listen_unix(self.reactor, self.socket, GatewaySite(Root(routes), Server()))
+        self.addCleanup(unix.stopListening)
+
+    @inlineCallbacks
+    def get(self, agent: Agent, path: bytes, headers: dict[bytes, list[bytes]]) -> Any:
+        """GET C{path}; fire with the status and the decoded JSON body."""
+        response = yield agent.request(b"GET", b"http://loopd" + path, Headers(headers))
+        body = yield readBody(response)
+        return response.code, json.loads(body)
+
+    def tcp_agent(self) -> Agent:
+        """An Agent whose every connection goes to the TCP listener."""
+        endpoints = _TcpEndpoints(self.reactor, self.port.getHost().port)
+        agent: Agent = Agent.usingEndpointFactory(self.reactor, endpoints)
+        return agent
+
+    @inlineCallbacks
+    def test_tcp(self) -> Any:
+        """No token, a wrong one: 401 (OpenAI shape); Bearer and x-api-key: 200."""
+        agent = self.tcp_agent()
+        status, body = yield self.get(agent, b"/health", {})
+        self.assertEqual((status, body["error"]["code"]), (401, "invalid_api_key"))
+        status, body = yield self.get(agent, b"/health", {b"x-api-key": [b"wrong"]})
+        self.assertEqual((status, body["error"]["code"]), (401, "invalid_api_key"))
+        bearer = {b"authorization": [b"Bearer " + TOKEN.encode()]}
+        self.assertEqual((yield self.get(agent, b"/health", bearer)), (200, {"status": "ok"}))
+        api_key = {b"x-api-key": [TOKEN.encode()]}
+        self.assertEqual((yield self.get(agent, b"/health", api_key)), (200, {"status": "ok"}))
+
+    @inlineCallbacks
+    def test_tcp_anthropic(self) -> Any:
+        """/v1/messages without the token: 401 in Anthropic's shape."""
+        status, body = yield self.get(self.tcp_agent(), b"/v1/messages?beta=true", {})
+        self.assertEqual(status, 401)
+        self.assertEqual((body["type"], body["error"]["type"]), ("error", "authentication_error"))
+
+    @inlineCallbacks
+    def test_unix_without_token(self) -> Any:
+        """The Unix socket answers without a token."""
+        agent = Agent.usingEndpointFactory(self.reactor, _UnixEndpoints(self.reactor, self.socket))
+        self.assertEqual((yield self.get(agent, b"/health", {})), (200, {"status": "ok"}))
