@@ -101,7 +101,7 @@ from loopd.llama.types import (
     User,
     Waiting,
 )
-from loopd.sse import encode_data
+from loopd.sse import encode_event
 
 __all__ = [
     "ATTRIBUTION_PREFIX",
@@ -772,7 +772,7 @@ def anthropic_error(error: GatewayError) -> tuple[int, dict[str, Any]]:
 def _event(payload: dict[str, Any]) -> bytes:
     """One Anthropic stream event: C{event: <type>} and C{payload} as compact JSON."""
     data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-    return b"event: " + str(payload["type"]).encode() + b"\n" + encode_data(data)
+    return encode_event(str(payload["type"]), data)
 
 
 def _usage(timings: Timings) -> dict[str, int]:
