@@ -1,0 +1,160 @@
+"""
+The TCP listener end to end (issue 14 item 4): a real llama.cpp server, C{twist
+inferproxy}, and C{twist loopd} with C{[server] tcp = "127.0.0.1:0"}: chat completions over
+TCP with the token, 401 without it or with another, the Unix socket beside it without one;
+C{loopd token} prints the token loopd made; and C{loopd demo} killed with SIGKILL leaves no
+child running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import stat
+import sys
+from typing import Any
+
+from twisted.internet.defer import inlineCallbacks
+from twisted.internet.task import deferLater
+from twisted.internet.threads import deferToThread
+from twisted.internet.utils import getProcessOutputAndValue
+from twisted.trial.unittest import SkipTest, TestCase
+
+from loopd.test.support.peers import real_reactor
+from loopd.test.support.twist import spawn_twist, stop_twist
+
+try:
+    from loopd.test.support.gateway_stack import SLOTS, httpx, loopd_toml, serve_behind_proxy
+except ImportError as e:  # pragma: no cover - the test extra is not installed
+    raise SkipTest(f"the TCP listener's end-to-end tests need the test extra: {e}") from None
+
+HI = [{"role": "user", "content": "Hi"}]
+_URL = re.compile(rb"TCP listener on (http://127\.0\.0\.1:\d+):")
+_BIN = os.path.join(os.path.dirname(sys.executable), "loopd")
+LOOPD = [_BIN] if os.path.exists(_BIN) else [sys.executable, "-m", "loopd.cli"]
+#: Seconds a poll may take.
+WAIT = 30.0
+
+
+class TcpListenerEndToEndTests(TestCase):
+    """
+    twist loopd listening both ways.
+    """
+
+    timeout = 180
+
+    @inlineCallbacks
+    def start(self) -> Any:
+        """The stack, loopd on its socket and on a free loopback port; fires with the URL."""
+        self.directory, _, infer = yield serve_behind_proxy(self, "tiny.gguf", SLOTS)
+        self.socket = os.path.join(self.directory, "loopd.sock")
+        self.token_file = os.path.join(self.directory, "state", "token")
+        self.config = os.path.join(self.directory, "loopd.toml")
+        text = loopd_toml(self.socket, infer, None, long=False)
+        extra = f'tcp = "127.0.0.1:0"\ntoken_file = {json.dumps(self.token_file)}\n'
+        with open(self.config, "w") as f:
+            f.write(text.replace("[[endpoint]]", extra + "[[endpoint]]", 1))
+        loopd = spawn_twist(real_reactor(), b"loopd serving", "loopd", "--config", self.config)
+        self.addCleanup(stop_twist, loopd)
+        yield loopd.ready
+        found = _URL.search(loopd.output)
+        assert found is not None, loopd.output
+        return found.group(1).decode()
+
+    def post(self, url: str, headers: dict[str, str], **transport: Any) -> Any:
+        """POST one chat to C{url} with C{headers} (in a thread); the response."""
+        body = {"model": "tiny", "messages": HI, "max_tokens": 16}
+        with httpx.Client(transport=httpx.HTTPTransport(**transport), timeout=60) as client:
+            return client.post(url + "/v1/chat/completions", json=body, headers=headers)
+
+    @inlineCallbacks
+    def test_token(self) -> Any:
+        """Over TCP: 200 with the token (Bearer or x-api-key), 401 without or with another."""
+        url = yield self.start()
+        self.assertEqual(stat.S_IMODE(os.stat(self.token_file).st_mode), 0o600)
+        with open(self.token_file) as f:
+            token = f.read().strip()
+        for headers in ({"Authorization": f"Bearer {token}"}, {"x-api-key": token}):
+            response = yield deferToThread(self.post, url, headers)
+            self.assertEqual(response.status_code, 200, response.text)
+            self.assertTrue(response.json()["choices"][0]["message"]["content"])
+        for headers in ({}, {"Authorization": "Bearer loopd-wrong"}):
+            response = yield deferToThread(self.post, url, headers)
+            self.assertEqual(response.status_code, 401)
+            self.assertEqual(response.json()["error"]["code"], "invalid_api_key")
+        response = yield deferToThread(self.post, "http://loopd", {}, uds=self.socket)
+        self.assertEqual(response.status_code, 200, response.text)
+        out, err, status = yield getProcessOutputAndValue(
+            LOOPD[0], [*LOOPD[1:], "token", "--config", self.config], env=dict(os.environ)
+        )
+        self.assertEqual((status, out, err), (0, f"{token}\n".encode(), b""))
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is C{pid}, from /proc."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+                found.append(int(name))
+    return found
+
+
+def running(pid: int) -> bool:
+    """Whether process C{pid} exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+class DemoKilledTests(TestCase):
+    """
+    C{loopd demo} killed with SIGKILL: its children die with it.
+    """
+
+    timeout = 180
+
+    @inlineCallbacks
+    def test_sigkill(self) -> Any:
+        """
+        The serving demo names both listeners, the token and its logs; SIGKILLed, its server,
+        inferproxy and loopd are all gone within a bounded poll.
+        """
+        if not sys.platform.startswith("linux"):
+            raise SkipTest("PR_SET_PDEATHSIG is Linux's")
+        from test.test_cli_e2e import run_loopd, stop
+
+        demo = run_loopd("demo")
+        self.addCleanup(stop, demo)
+        output = yield demo.expect(b"Press Ctrl-C to stop.", timeout=120)
+        for text in (b"(no token)", b"every request needs the token loopd-", b"Logs: loopd "):
+            self.assertIn(text, output)
+        assert demo.transport is not None
+        pid = demo.transport.pid
+        children = children_of(pid)
+        self.assertEqual(len(children), 3, children)
+        directory = re.search(rb"building the tiny model in (\S+)", output)
+        assert directory is not None
+        self.addCleanup(_remove, directory.group(1).decode())
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(int(WAIT / 0.05)):
+            if not any(running(child) for child in children):
+                break
+            yield deferLater(real_reactor(), 0.05, lambda: None)
+        self.assertEqual([c for c in children if running(c)], [])
+
+
+def _remove(directory: str) -> None:
+    """Remove the demo's directory, which a SIGKILLed demo leaves behind."""
+    import shutil
+
+    shutil.rmtree(directory, ignore_errors=True)
