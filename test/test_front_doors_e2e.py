@@ -175,6 +175,48 @@ class AnthropicEndToEndTests(_Stack):
         self.assertEqual([block.text for block in second.content], [ANSWER])
 
     @inlineCallbacks
+    def test_attribution_line_keeps_the_prefix_cached(self) -> Any:
+        """
+        Two Claude-Code-shaped turns of one session whose attribution lines differ (as
+        Claude Code's do on every request): loopd removes the line, so the second turn reads
+        the first one's prompt from the server's cache.
+        """
+        yield self.start()
+        long_system = "You are an interactive CLI tool. " * 40
+
+        def turn(client: Any, nonce: str, messages: list[Any]) -> Any:
+            return client.messages.create(
+                model="tiny",
+                max_tokens=50,
+                system=[
+                    {
+                        "type": "text",
+                        "text": f"x-anthropic-billing-header: cc_version=2.1.90; cch={nonce};",
+                    },
+                    {"type": "text", "text": long_system},
+                ],
+                messages=messages,
+                thinking={"type": "disabled"},
+                extra_headers={"X-Claude-Code-Session-Id": "cc-e2e"},
+            )
+
+        def ask() -> tuple[Any, Any]:
+            with self.client() as client:
+                messages: list[Any] = [{"role": "user", "content": "Hi"}]
+                first = turn(client, "1a2b3", messages)
+                messages += [
+                    {"role": "assistant", "content": first.content[0].text},
+                    {"role": "user", "content": "Again"},
+                ]
+                return first, turn(client, "9f8e7", messages)
+
+        first, second = yield deferToThread(ask)
+        # The whole first prompt (the long system prompt above all) comes from the cache.
+        self.assertGreater(second.usage.cache_read_input_tokens, first.usage.input_tokens // 2)
+        prompt = (yield self.server.query("/slots")).json()
+        self.assertFalse(any("billing" in json.dumps(slot) for slot in prompt))
+
+    @inlineCallbacks
     def test_count_tokens(self) -> Any:
         """count_tokens counts with the server's own template: more text, more tokens."""
         yield self.start()
@@ -285,7 +327,11 @@ class ResponsesEndToEndTests(_Stack):
                     input=[
                         {"role": "user", "content": "Weather in Paris?"},
                         *[item.model_dump(exclude_none=True) for item in first.output],
-                        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+                        {
+                            "type": "function_call_output",
+                            "call_id": call.call_id,
+                            "output": "sunny",
+                        },
                     ],
                     tools=[RESPONSES_WEATHER],
                     reasoning={"effort": "none"},

@@ -2,10 +2,9 @@
 """
 The gateway's wiring and its small routes: L{Gateway} holds what one gateway serves with (a
 llama client per endpoint behind the leased upstream calls, the sessions, the router, the
-endpoints' health and its probes, the metrics) and builds its twisted.web site:
-C{/v1/chat/completions}, C{/v1/messages}, C{/v1/responses}, C{/v1/models}, C{/health},
-C{/metrics} and, with leases,
-C{/v1/queue}.
+endpoints' health and its probes, the metrics) and builds its twisted.web site: the front
+doors C{/v1/chat/completions}, C{/v1/messages} (and its C{count_tokens}) and
+C{/v1/responses}, then C{/v1/models}, C{/health}, C{/metrics} and, with leases, C{/v1/queue}.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from loopd.gateway.response_store import ResponseStore
 from loopd.gateway.responses import ResponsesDoor
 from loopd.gateway.router import AUTO_MODEL, AutoRouter, RandomSource, place
 from loopd.gateway.sessions import Sessions
+from loopd.gateway.token_count import CountTokens
 from loopd.gateway.upstream import Upstreams
 from loopd.gateway.web import Exchange, JsonRoute, Root
 from loopd.llama import Client, Health
@@ -192,6 +192,7 @@ class Gateway:
         routes: dict[bytes, Resource] = {
             b"/v1/chat/completions": DoorRoute(self, ChatDoor()),
             b"/v1/messages": DoorRoute(self, MessagesDoor()),
+            b"/v1/messages/count_tokens": CountTokens(self),
             b"/v1/responses": DoorRoute(self, self._responses),
             b"/v1/models": JsonRoute(self._models),
             b"/health": JsonRoute(self._health),
