@@ -8,7 +8,10 @@ L{TurnView} turns what the gateway streams for one turn (C{chat.completion.chunk
 events, C{: loopd {...}} comments, an error event, C{[DONE]}) into text to write: the
 answer as it arrives, the thinking in a block of its own (dimmed on a terminal), and one
 status line, rewritten in place with C{\\r}, for the queue position, a busy slot and the
-prompt-processing progress bar. No I/O: the caller writes what the methods return.
+prompt-processing progress bar, and a line for each step of a C{mesh} turn (its C{mesh_*}
+events: a worker done or failed, the decision, the reducer). A quiet view (piped input)
+writes the answer alone: no status line, no progress, no thinking, no ANSI codes. No I/O:
+the caller writes what the methods return.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ __all__ = [
     "Conversation",
     "TurnView",
     "http_error_text",
+    "mesh_text",
     "one_line",
     "progress_bar",
 ]
@@ -39,11 +43,43 @@ QUIT = "/quit"
 BAR_WIDTH = 24
 #: The prefix of loopd's own SSE comments (after the colon and its space).
 LOOPD_COMMENT = "loopd "
+#: The prefix of the events of a C{mesh} turn.
+MESH_EVENT = "mesh_"
 
 
 def one_line(text: str) -> str:
     """C{text} with every run of whitespace (newlines included) made one space."""
     return " ".join(text.split())
+
+
+def mesh_text(name: str, event: dict[str, Any]) -> str:
+    """
+    The one line that shows a step of a C{mesh} turn: the event C{name} (C{mesh_worker},
+    C{mesh_decision}, C{mesh_reducer}, C{mesh_reducer_failed}, C{mesh_loop_guard}) with
+    its fields; an event of another name shows its name and fields as they are.
+    """
+
+    def field(key: str) -> str:
+        """A field as one line of text, empty when absent."""
+        value = event.get(key)
+        return "" if value is None else one_line(str(value))
+
+    if name == "mesh_worker":
+        who = f"{field('worker')} ({field('role')})"
+        seconds = _count(event.get("elapsed_ms")) / 1000
+        if event.get("ok") is True:
+            return f"[mesh] {who} answered in {seconds:.1f} s ({field('kind')})"
+        return f"[mesh] {who} failed after {seconds:.1f} s: {field('error') or 'no answer'}"
+    if name == "mesh_decision":
+        return f"[mesh] decision: {field('decision')} ({field('reason')})"
+    if name == "mesh_reducer":
+        return f"[mesh] reducer {field('model')} started (attempt {field('attempt')})"
+    if name == "mesh_reducer_failed":
+        return f"[mesh] reducer {field('model')} failed: {field('error')}"
+    if name == "mesh_loop_guard":
+        return f"[mesh] loop guard: {field('tool')} called {field('count')} times"
+    rest = ", ".join(f"{k} {field(k)}" for k in event if k != "event")
+    return f"[mesh] {name[len(MESH_EVENT) :]}" + (f": {rest}" if rest else "")
 
 
 def progress_bar(processed: int, total: int, cache: int, width: int = BAR_WIDTH) -> str:
@@ -123,6 +159,9 @@ class TurnView:
 
     @ivar tty: the output is a terminal: thinking is dimmed with ANSI codes; otherwise it
         is marked with a C{thinking: } label.
+    @ivar quiet: write the answer alone (its text, tool calls, and an error if it fails):
+        no status line, progress, C{mesh} steps, notes or thinking, and never an ANSI code;
+        for piped input, whose output is read by a program.
     @ivar content: the answer so far.
     @ivar reasoning: the thinking so far.
     @ivar error: the one-line reason the turn failed, or None.
@@ -131,6 +170,7 @@ class TurnView:
     """
 
     tty: bool = False
+    quiet: bool = False
     content: str = ""
     reasoning: str = ""
     error: str | None = None
@@ -188,6 +228,8 @@ class TurnView:
             return self._status(bar)
         if name == "thinking_capped":
             return self._note(f"[thinking capped after {_count(event.get('tokens'))} tokens]")
+        if isinstance(name, str) and name.startswith(MESH_EVENT):
+            return self._note(mesh_text(name, event))
         if name == "retrying":
             # A retry starts the answer again, so what came so far no longer counts.
             self.content = self.reasoning = ""
@@ -226,7 +268,8 @@ class TurnView:
         reasoning = delta.get("reasoning_content")
         if isinstance(reasoning, str) and reasoning:
             self.reasoning += reasoning
-            out += self._enter("thinking") + reasoning
+            if not self.quiet:
+                out += self._enter("thinking") + reasoning
         content = delta.get("content")
         if isinstance(content, str) and content:
             self.content += content
@@ -250,7 +293,7 @@ class TurnView:
         if self.error is not None:
             return ""
         self.error = one_line(reason) or "unknown error"
-        return self._note(f"error: {self.error}")
+        return self._end_line() + f"error: {self.error}\n"
 
     def close(self) -> str:
         """
@@ -270,7 +313,7 @@ class TurnView:
         out = self._end_line()
         self._mode = mode
         if mode == "thinking":
-            out += DIM if self.tty else "thinking: "
+            out += DIM if self.tty and not self.quiet else "thinking: "
         return out
 
     def _end_line(self) -> str:
@@ -279,12 +322,17 @@ class TurnView:
         self._status_len = 0
         if mode == "idle":
             return ""
-        if mode == "thinking" and self.tty:
+        if mode == "thinking" and self.tty and not self.quiet:
             return RESET + "\n"
         return "\n"
 
     def _status(self, text: str) -> str:
-        """Rewrite the status line with C{text}, blanking what a longer one left."""
+        """
+        Rewrite the status line with C{text}, blanking what a longer one left; nothing when
+        quiet.
+        """
+        if self.quiet:
+            return ""
         out = "" if self._mode == "status" else self._end_line()
         pad = max(self._status_len - len(text), 0)
         self._mode = "status"
@@ -292,7 +340,9 @@ class TurnView:
         return out + "\r" + text + " " * pad
 
     def _note(self, text: str) -> str:
-        """A line of its own."""
+        """A line of its own; nothing when quiet."""
+        if self.quiet:
+            return ""
         return self._end_line() + text + "\n"
 
 

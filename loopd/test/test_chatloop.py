@@ -7,12 +7,17 @@ scripted fake gateway (L{FakeLlama}) on a L{MemoryNet}, in memory.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import stat
+import tempfile
 from typing import Any
 
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.chatloop import ChatSession, _TerminalLines, stream_turn
+from loopd import chatloop
+from loopd.chatloop import ChatSession, _ReadlineLines, _TerminalLines, check_gateway, stream_turn
 from loopd.chatui import Conversation, TurnView
 from loopd.testing.fake_llama import CHAT, FakeLlama, Piece, Reply, json_reply, sse_reply
 from loopd.testing.memory_net import MemoryNet
@@ -286,3 +291,194 @@ class GreetingTests(SynchronousTestCase):
         self.assertIn(" with auto; ", output[0])
         (request,) = gateway.requests_to("POST", CHAT)
         self.assertNotIn("model", request.json)
+
+
+MODELS = "/v1/models"
+
+
+def models(*ids: str) -> Reply:
+    """The gateway's C{GET /v1/models} answer listing C{ids}."""
+    data = [{"id": i, "object": "model", "created": 0, "owned_by": "loopd"} for i in ids]
+    return json_reply(200, {"object": "list", "data": data})
+
+
+class CheckGatewayTests(SynchronousTestCase):
+    """
+    L{check_gateway} says, before the first prompt, what is wrong with the socket or the
+    model, or fires with C{None}.
+    """
+
+    def setUp(self) -> None:
+        self.reactor = MemoryReactorClock()
+        self.net = MemoryNet(self.reactor)
+        self.gateway = FakeLlama(self.reactor)
+        self.net.listen(GATEWAY, self.gateway)
+
+    def check(self, model: str | None) -> str | None:
+        """Run the check for C{model} to its end; what it fired with."""
+        d = check_gateway(self.reactor, GATEWAY, model)
+        self.net.advance(1)
+        result: str | None = self.successResultOf(d)
+        return result
+
+    def test_known_model(self) -> None:
+        """A model the gateway lists, or the default, is fine."""
+        self.gateway.script("GET", MODELS, models("tiny", "auto", "mesh"))
+        self.assertIsNone(self.check("tiny"))
+        self.gateway.script("GET", MODELS, models("tiny", "auto", "mesh"))
+        self.assertIsNone(self.check(None))
+
+    def test_unknown_model(self) -> None:
+        """An unknown model is named, with the models the gateway serves."""
+        self.gateway.script("GET", MODELS, models("tiny", "auto", "mesh"))
+        self.assertEqual(
+            self.check("gpt-9"), f"unknown model 'gpt-9': {GATEWAY} serves tiny, auto, mesh"
+        )
+
+    def test_no_socket(self) -> None:
+        """Nobody listening: no loopd there, the socket named."""
+        self.net.stop_listening(GATEWAY)
+        problem = self.check(None)
+        assert problem is not None
+        self.assertTrue(problem.startswith(f"no loopd at {GATEWAY}: "), problem)
+
+    def test_not_a_model_list(self) -> None:
+        """An HTTP server without a model list is not a loopd gateway."""
+        self.gateway.script("GET", MODELS, json_reply(404, {"detail": "no"}))
+        self.assertEqual(
+            self.check(None),
+            f"{GATEWAY} is not a loopd gateway: GET /v1/models answered HTTP 404, not a model list",
+        )
+
+    def test_not_http(self) -> None:
+        """A socket that answers something that is not HTTP is not a loopd gateway."""
+        self.gateway.script("GET", MODELS, Reply(head=b'{"op":"error"}\n'))
+        problem = self.check(None)
+        assert problem is not None
+        self.assertTrue(problem.startswith(f"{GATEWAY} is not a loopd gateway: "), problem)
+
+    def test_silent(self) -> None:
+        """A socket that says nothing is said to be silent after the timeout."""
+        self.gateway.script("GET", MODELS, json_reply(200, {}, headers_delay=60))
+        d = check_gateway(self.reactor, GATEWAY, None, timeout=5)
+        self.net.advance(4.9)
+        self.assertNoResult(d)
+        self.net.advance(0.2)
+        self.assertEqual(
+            self.successResultOf(d), f"{GATEWAY} did not answer GET /v1/models within 5 s"
+        )
+
+
+class QuietSessionTests(SynchronousTestCase):
+    """With piped input the chat writes the answers alone."""
+
+    def test_answers_only(self) -> None:
+        """
+        No greeting, prompt, progress, thinking or ANSI code: the answer's text and its
+        newline, for each turn.
+        """
+        reactor = MemoryReactorClock()
+        net, gateway = MemoryNet(reactor), FakeLlama(reactor)
+        net.listen(GATEWAY, gateway)
+        pieces = [
+            comment("queued", ahead=1),
+            comment("progress", processed=5, total=10, cache=0),
+            comment("mesh_worker", worker="a", role="fast", ok=True, kind="text", elapsed_ms=9),
+            chunk({"reasoning_content": "hmm"}),
+            chunk({"content": "Hi"}),
+            chunk({}, "stop"),
+        ]
+        output: list[str] = []
+        session = ChatSession(reactor, GATEWAY, Conversation(), output.append, quiet=True)
+        session.start()
+        for line in ("One", "Two"):
+            gateway.script("POST", CHAT, sse_reply(pieces))
+            session.line(line)
+            net.advance(1)
+        session.end_of_input()
+        self.assertEqual("".join(output), "Hi\nHi\n")
+        self.assertEqual(self.successResultOf(session.finished), 0)
+
+
+class _Editor:
+    """A stand-in for the C{readline} module: its history in a list."""
+
+    def __init__(self, lines: list[str]) -> None:
+        self.lines = lines
+        self.length = -1
+        self.read_from: list[str] = []
+
+    def set_history_length(self, length: int) -> None:
+        self.length = length
+
+    def read_history_file(self, path: str) -> None:
+        self.read_from.append(path)
+
+    def write_history_file(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write("\n".join(self.lines[-self.length :]))
+
+
+class _Now:
+    """A reactor whose C{callFromThread} runs the call at once."""
+
+    def callFromThread(self, f: Any, *args: Any) -> None:
+        f(*args)
+
+
+class ReadlineLinesTests(SynchronousTestCase):
+    """
+    L{_ReadlineLines} reads a line with C{readline} each time the session asks, and keeps
+    the history, bounded, in a private file.
+    """
+
+    def test_lines_and_history(self) -> None:
+        """
+        Each asked-for line goes to the session, the end of input ends it, and the history
+        is read at the start and written at the end, 0600 in a 0700 directory.
+        """
+        home = tempfile.mkdtemp(prefix="ld", dir="/tmp")
+        self.addCleanup(shutil.rmtree, home, True)
+        history = chatloop.history_path({"XDG_STATE_HOME": home})
+        self.assertEqual(history, os.path.join(home, "loopd", "chat_history"))
+        typed = iter(["/quit"])
+        prompts: list[str] = []
+
+        def read(prompt: str) -> str:
+            prompts.append(prompt)
+            try:
+                return next(typed)
+            except StopIteration:
+                raise EOFError from None
+
+        editor = _Editor(["a", "b", "/quit"])
+        lines = _ReadlineLines(_Now(), history, editor=editor, read=read)
+        output: list[str] = []
+        session = ChatSession(
+            MemoryReactorClock(), GATEWAY, Conversation(), output.append, prompt=lines.ask
+        )
+        lines.attach(session)
+        self.assertEqual((editor.read_from, editor.length), ([history], chatloop.HISTORY_LENGTH))
+        session.start()
+        self.assertTrue(lines.read_one())
+        self.assertEqual(self.successResultOf(session.finished), 0)
+        self.assertEqual(prompts, [chatloop.PROMPT])
+        self.assertNotIn(chatloop.PROMPT, "".join(output))
+        lines.save()
+        self.assertEqual(stat.S_IMODE(os.stat(history).st_mode), 0o600)
+        self.assertEqual(stat.S_IMODE(os.stat(os.path.dirname(history)).st_mode), 0o700)
+        with open(history) as f:
+            self.assertEqual(f.read(), "a\nb\n/quit")
+
+    def test_end_of_input(self) -> None:
+        """Ctrl-D (C{EOFError}) is the end of input: the session ends."""
+
+        def read(prompt: str) -> str:
+            raise EOFError
+
+        lines = _ReadlineLines(_Now(), "/nonexistent/h", editor=_Editor([]), read=read)
+        session = ChatSession(MemoryReactorClock(), GATEWAY, Conversation(), lambda t: None)
+        lines.attach(session)
+        lines.ask()
+        self.assertFalse(lines.read_one())
+        self.assertEqual(self.successResultOf(session.finished), 0)

@@ -19,6 +19,7 @@ from loopd.chatui import (
     Conversation,
     TurnView,
     http_error_text,
+    mesh_text,
     one_line,
     progress_bar,
 )
@@ -321,3 +322,80 @@ class TurnViewTests(SynchronousTestCase):
         self.assertEqual("\x1b" in out, tty and bool(thoughts))
         self.assertTrue(out.endswith("\n"))
         self.assertIn("".join(answers), _ANSI.sub("", out))
+
+
+class MeshProgressTests(SynchronousTestCase):
+    """A C{mesh} turn's steps (its C{mesh_*} events) each show as a line of their own."""
+
+    def test_steps(self) -> None:
+        """Workers, the decision, the reducer and the loop guard each say what happened."""
+        view = TurnView()
+        shown = [
+            view.event(
+                {
+                    "event": "mesh_worker",
+                    "worker": "a",
+                    "role": "fast",
+                    "ok": True,
+                    "kind": "text",
+                    "elapsed_ms": 1250,
+                }
+            ),
+            view.event(
+                {
+                    "event": "mesh_worker",
+                    "worker": "b",
+                    "role": "strong",
+                    "ok": False,
+                    "kind": "failed",
+                    "elapsed_ms": 300,
+                    "error": "HTTP 503",
+                }
+            ),
+            view.event({"event": "mesh_decision", "decision": "reduce", "reason": "disagree"}),
+            view.event({"event": "mesh_reducer", "model": "a", "attempt": 1}),
+            view.event({"event": "mesh_reducer_failed", "model": "a", "error": "timeout"}),
+            view.event({"event": "mesh_loop_guard", "tool": "ls", "count": 3}),
+            view.event({"event": "mesh_new_thing", "x": 1}),
+        ]
+        self.assertEqual(
+            shown,
+            [
+                "[mesh] a (fast) answered in 1.2 s (text)\n",
+                "[mesh] b (strong) failed after 0.3 s: HTTP 503\n",
+                "[mesh] decision: reduce (disagree)\n",
+                "[mesh] reducer a started (attempt 1)\n",
+                "[mesh] reducer a failed: timeout\n",
+                "[mesh] loop guard: ls called 3 times\n",
+                "[mesh] new_thing: x 1\n",
+            ],
+        )
+        self.assertEqual(
+            mesh_text("mesh_decision", {"decision": "ship"}), "[mesh] decision: ship ()"
+        )
+
+
+class QuietViewTests(SynchronousTestCase):
+    """A quiet view (piped input) writes the answer alone."""
+
+    def test_answer_alone(self) -> None:
+        """
+        No status line, progress bar, mesh step, note or thinking, and no ANSI code or
+        carriage return, even for a terminal; the answer and an error still show.
+        """
+        view = TurnView(tty=True, quiet=True)
+        out = "".join(
+            [
+                view.event({"event": "queued", "ahead": 2}),
+                view.event({"event": "progress", "processed": 1, "total": 4, "cache": 0}),
+                view.event({"event": "mesh_reducer", "model": "a", "attempt": 1}),
+                view.event({"event": "thinking_capped", "tokens": 9}),
+                view.chunk({"choices": [{"delta": {"reasoning_content": "hmm"}}]}),
+                view.chunk({"choices": [{"delta": {"content": "Hi"}}]}),
+                view.chunk({"choices": [{"delta": {}, "finish_reason": "length"}]}),
+                view.fail("cut"),
+                view.close(),
+            ]
+        )
+        self.assertEqual(out, "Hi\nerror: cut\n")
+        self.assertEqual((view.content, view.reasoning), ("Hi", "hmm"))
