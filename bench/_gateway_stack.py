@@ -159,9 +159,14 @@ def stream_chat(
 
 
 def sse_events(
-    target: int | str, body: bytes, timeout: float, headers: dict[str, str]
+    target: int | str,
+    body: bytes,
+    timeout: float,
+    headers: dict[str, str],
+    path: str = CHAT_PATH,
 ) -> Iterator[bytes]:
-    """POST a chat body on a fresh connection and yield each SSE event of a 200 answer.
+    """POST a body to path (chat completions by default) on a fresh connection and yield
+    each SSE event of a 200 answer.
 
     target is a server's TCP port or loopd's socket path; headers go out besides the
     content type and ``Connection: close``. The connection opens at the first ``next()``
@@ -180,7 +185,7 @@ def sse_events(
         # A kernel timeout: settimeout() would add a poll() before every read.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(timeout), 0))
         sent = {"Content-Type": "application/json", "Connection": "close", **headers}
-        conn.request("POST", CHAT_PATH, body, sent)
+        conn.request("POST", path, body, sent)
         response = conn.getresponse()
         if response.status != 200:
             raise BenchError(f"HTTP {response.status}: {response.read()[:300]!r}")
