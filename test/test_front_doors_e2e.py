@@ -1,16 +1,18 @@
 """
 The Anthropic Messages and OpenAI Responses front doors end to end, with the real SDKs as
 clients: a real llama.cpp server (xllamacpp) with the project's tiny models, `twist
-inferproxy` in front of it, and `twist loopd --config` serving on its Unix socket. The
-C{anthropic} SDK's C{messages.create} (whole and streamed, a tool-use round trip),
+inferproxy` in front of it, and `twist loopd --config` serving on its Unix socket and on a
+loopback TCP port. The C{anthropic} SDK's C{messages.create} (whole and streamed, a tool-use round trip),
 C{messages.count_tokens} and the thinking cap through C{budget_tokens}; the C{openai} SDK's
-C{responses.create} (whole, streamed, a function-call round trip).
+C{responses.create} (whole, streamed, a function-call round trip); and both over loopd's
+loopback TCP listener with its token, and a wrong key's 401.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 from twisted.internet.defer import inlineCallbacks
@@ -29,6 +31,8 @@ try:
 except ImportError as e:  # pragma: no cover - the test extra is not installed
     raise SkipTest(f"the front-door end-to-end tests need the test extra: {e}") from None
 
+#: How twist loopd's log names its TCP listener's address.
+_URL = re.compile(rb"TCP listener on (http://127\.0\.0\.1:\d+):")
 #: The tiny model's tool, in Anthropic's and in the Responses API's shape.
 WEATHER_SCHEMA = {
     "type": "object",
@@ -54,22 +58,31 @@ class _Stack(TestCase):
     timeout = 180
 
     @inlineCallbacks
-    def start(self, model: str = "tiny.gguf", extra: str = "") -> Any:
+    def start(self, model: str = "tiny.gguf") -> Any:
         """
         Start the server with C{model}, an inferproxy and C{twist loopd} (no self-test, so
-        the thinking model may think long), with C{extra} lines appended to loopd.toml.
+        the thinking model may think long) on its Unix socket and on a free loopback TCP
+        port (L{url}) with its token (L{token}) in a file of the test's directory.
         """
         reactor = real_reactor()
         self.directory, self.server, infer = yield serve_behind_proxy(self, model, SLOTS)
         self.socket = os.path.join(self.directory, "loopd.sock")
+        token_file = os.path.join(self.directory, "state", "token")
         config = os.path.join(self.directory, "loopd.toml")
+        text = loopd_toml(self.socket, infer, None, long=model != "tiny.gguf")
+        tcp = f'tcp = "127.0.0.1:0"\ntoken_file = {json.dumps(token_file)}\n'
         with open(config, "w") as f:
-            f.write(loopd_toml(self.socket, infer, None, long=model != "tiny.gguf") + extra)
+            f.write(text.replace("[[endpoint]]", tcp + "[[endpoint]]", 1))
         self.loopd: TwistProcess = spawn_twist(
             reactor, b"loopd serving", "loopd", "--config", config
         )
         self.addCleanup(stop_twist, self.loopd)
         yield self.loopd.ready
+        found = _URL.search(self.loopd.output)
+        assert found is not None, self.loopd.output
+        self.url = found.group(1).decode()
+        with open(token_file) as f:
+            self.token = f.read().strip()
 
     def http_client(self) -> Any:
         """An HTTP client of the SDKs' own transport library, over loopd's Unix socket."""
@@ -261,6 +274,66 @@ class AnthropicEndToEndTests(_Stack):
         self.assertEqual(text[0].text, ANSWER)
         self.assertEqual(message.stop_reason, "end_turn")
         self.assertLess(message.usage.output_tokens, 2000)
+
+
+class OverTcpEndToEndTests(_Stack):
+    """Both SDKs over the loopback TCP listener, with loopd's token and with a wrong one."""
+
+    @inlineCallbacks
+    def test_anthropic_with_token(self) -> Any:
+        """The anthropic SDK's key (sent as x-api-key) is loopd's token: it answers."""
+        yield self.start()
+
+        def ask() -> Any:
+            with anthropic.Anthropic(base_url=self.url, api_key=self.token, max_retries=0) as c:
+                return c.messages.create(
+                    model="tiny", max_tokens=50, messages=[{"role": "user", "content": "Hi"}]
+                )
+
+        message = yield deferToThread(ask)
+        self.assertEqual(message.content[-1].text, ANSWER)
+
+    @inlineCallbacks
+    def test_anthropic_wrong_key(self) -> Any:
+        """A wrong key is the SDK's AuthenticationError: 401 in Anthropic's shape."""
+        yield self.start()
+
+        def ask() -> Any:
+            with anthropic.Anthropic(base_url=self.url, api_key="wrong", max_retries=0) as c:
+                try:
+                    c.messages.create(
+                        model="tiny", max_tokens=50, messages=[{"role": "user", "content": "Hi"}]
+                    )
+                except anthropic.AuthenticationError as error:
+                    return error
+            return None
+
+        error = yield deferToThread(ask)
+        self.assertIsInstance(error, anthropic.AuthenticationError)
+        self.assertEqual(error.status_code, 401)
+        self.assertEqual(error.body["type"], "error")
+        self.assertEqual(error.body["error"]["type"], "authentication_error")
+
+    @inlineCallbacks
+    def test_responses_with_token(self) -> Any:
+        """The openai SDK's key (sent as a bearer token) is loopd's token: it answers."""
+        yield self.start()
+
+        def ask() -> tuple[Any, Any]:
+            url = self.url + "/v1"
+            with openai.OpenAI(base_url=url, api_key=self.token, max_retries=0) as client:
+                answered = client.responses.create(model="tiny", input="Hi")
+            with openai.OpenAI(base_url=url, api_key="wrong", max_retries=0) as client:
+                try:
+                    client.responses.create(model="tiny", input="Hi")
+                except openai.AuthenticationError as error:
+                    return answered, error
+            return answered, None
+
+        answered, error = yield deferToThread(ask)
+        self.assertEqual(answered.output_text, ANSWER)
+        self.assertIsInstance(error, openai.AuthenticationError)
+        self.assertEqual(error.status_code, 401)
 
 
 class ResponsesEndToEndTests(_Stack):
