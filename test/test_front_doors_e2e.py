@@ -2,10 +2,10 @@
 The Anthropic Messages and OpenAI Responses front doors end to end, with the real SDKs as
 clients: a real llama.cpp server (xllamacpp) with the project's tiny models, `twist
 inferproxy` in front of it, and `twist loopd --config` serving on its Unix socket and on a
-loopback TCP port. The C{anthropic} SDK's C{messages.create} (whole and streamed, a tool-use round trip),
-C{messages.count_tokens} and the thinking cap through C{budget_tokens}; the C{openai} SDK's
-C{responses.create} (whole, streamed, a function-call round trip); and both over loopd's
-loopback TCP listener with its token, and a wrong key's 401.
+loopback TCP port. The C{anthropic} SDK's C{messages.create} (whole and streamed, a tool-use
+round trip), C{messages.count_tokens} and the thinking cap through C{budget_tokens}; the
+C{openai} SDK's C{responses.create} (whole, streamed, a function-call round trip); and both
+over loopd's loopback TCP listener with its token, and a wrong key's 401.
 """
 
 from __future__ import annotations
