@@ -88,6 +88,26 @@ class AnthropicThroughTheGatewayTests(DoorTestCase):
         self.assertEqual(sent.json["max_tokens"], 50)
         self.assertEqual(sent.json["messages"], [{"role": "user", "content": "Hi"}])
 
+    def test_beta_query_and_headers(self) -> None:
+        """
+        Claude Code's C{?beta=true} and its C{anthropic-version} and C{anthropic-beta}
+        headers are taken as they come.
+        """
+        self.script(answer({"content": "Hello"}))
+        connection = self.harness.connect()
+        headers = [
+            "Content-Type: application/json",
+            "anthropic-version: 2023-06-01",
+            "anthropic-beta: interleaved-thinking-2025-05-14",
+        ]
+        connection.request(
+            "POST", MESSAGES + "?beta=true", json.dumps(ANTHROPIC_HI).encode(), headers
+        )
+        self.harness.advance(1.0)
+        response = connection.response()
+        self.assertEqual(response.status, 200)
+        self.assertEqual(response.json()["content"], [{"type": "text", "text": "Hello"}])
+
     def test_stream(self) -> None:
         """A streamed answer is Anthropic's event sequence."""
         self.script(answer({"content": "Hel"}, {"content": "lo"}))
