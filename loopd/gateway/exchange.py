@@ -134,6 +134,7 @@ class DoorRoute(Resource):
                 # Fewer than two workers: the one model serves the request alone (v2).
                 routed = (host.config.endpoint(pool[0].name),)
             first, *rest = routed or (host.endpoint_for(parsed.model),)
+            _check_media(parsed, first)
             refused = refused_fields(parsed.fields, first.kind)
             if refused:
                 raise refusal(refused, f"on endpoint {first.name!r}, an {first.kind} endpoint")
@@ -146,6 +147,32 @@ class DoorRoute(Resource):
             return write_error(request, e, self._door)
         _Exchange(host, self._door, request, parsed, first, rest).start()
         return NOT_DONE_YET
+
+
+def _check_media(parsed: GatewayRequest, endpoint: Endpoint) -> None:
+    """
+    Refuse images or audio for an endpoint whose config does not say it takes them
+    (C{vision}, C{audio}); C{auto} has filtered its candidates so already.
+
+    @raise GatewayError: 400 C{media_unsupported} naming the endpoint and what it lacks.
+    """
+    lacking = [
+        kind
+        for kind, needed, taken in (
+            ("image", "vision" in parsed.modalities, endpoint.vision),
+            ("audio", "audio" in parsed.modalities, endpoint.audio),
+        )
+        if needed and not taken
+    ]
+    if lacking:
+        flags = " and ".join(f"{'vision' if k == 'image' else k} = true" for k in lacking)
+        raise GatewayError(
+            400,
+            f"endpoint {endpoint.name!r} does not take {' or '.join(lacking)} input "
+            f"(its config would say {flags})",
+            "invalid_request_error",
+            "media_unsupported",
+        )
 
 
 def write_error(request: Request, error: GatewayError, door: Door) -> bytes:

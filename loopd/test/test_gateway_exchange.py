@@ -223,6 +223,44 @@ class PassThroughFieldTests(DoorTestCase):
         self.assertEqual(sum(harness.served().values()), 0)
 
 
+IMAGE_URL = "data:image/png;base64,iVBORw0KGgo="
+ANTHROPIC_IMAGE = {
+    **ANTHROPIC_HI,
+    "messages": [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image", "source": {"type": "url", "url": IMAGE_URL}},
+            ],
+        }
+    ],
+}
+
+
+class MediaTests(DoorTestCase):
+    """Images go only to an endpoint whose config says it takes them (C{vision})."""
+
+    def test_image_to_endpoint_without_vision(self) -> None:
+        """An image to a named endpoint without vision is a 400 naming it, in the door's shape."""
+        response = ask(self.harness, MESSAGES, ANTHROPIC_IMAGE)
+        self.assertEqual(response.status, 400)
+        body = response.json()
+        self.assertEqual(body["error"]["type"], "invalid_request_error")
+        self.assertIn("'tiny' does not take image input", body["error"]["message"])
+        self.assertEqual(self.fake.requests, [])
+
+    def test_image_to_endpoint_with_vision(self) -> None:
+        """With vision = true the image goes upstream as an image_url part."""
+        tiny = dataclasses.replace(self.config.endpoints[0], vision=True)
+        harness = GatewayHarness(dataclasses.replace(self.config, endpoints=(tiny,)))
+        harness.fake.script("POST", CHAT, answer({"content": "A dot."}))
+        self.assertEqual(ask(harness, MESSAGES, ANTHROPIC_IMAGE).status, 200)
+        (sent,) = harness.fake.requests_to("POST", CHAT)
+        parts = sent.json["messages"][-1]["content"]
+        self.assertIn({"type": "image_url", "image_url": {"url": IMAGE_URL}}, parts)
+
+
 class MeshThroughADoorTests(SynchronousTestCase):
     """A mesh turn answers through the door the request came in by."""
 

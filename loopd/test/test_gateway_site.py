@@ -91,8 +91,10 @@ class RefusalTests(SynchronousTestCase):
     def test_body_at_cap_accepted(self) -> None:
         """A body of exactly body_bytes is read and answered."""
         self.harness.fake.script("POST", CHAT, answer({"content": "ok"}, delay_s=0))
-        document = {**HI, "pad": ""}
-        document["pad"] = "x" * (BODY_BYTES - len(json.dumps(document)))
+        # Padded with a system prompt: an unknown field would be a 400 of its own.
+        system = {"role": "system", "content": ""}
+        document = {**HI, "messages": [system, *HI["messages"]]}
+        system["content"] = "x" * (BODY_BYTES - len(json.dumps(document)))
         connection = self.harness.post(document)
         self.assertEqual(connection.response().status, 200)
         self.assertEqual(len(self.harness.fake.requests), 1)
