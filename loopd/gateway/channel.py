@@ -4,7 +4,8 @@ The gateway's HTTP connection, hardened against careless and hostile clients:
 L{GatewayChannel} (a twisted.web C{HTTPChannel}) and the L{GatewaySite} that makes it.
 
 What twisted.web leaves open and the channel closes:
- - every protocol-level refusal is one JSON error in the gateway's shape (400; 431 for a
+ - every protocol-level refusal is one JSON error in the shape of the front door the
+   request's path belongs to (OpenAI's, or Anthropic's under C{/v1/messages}) (400; 431 for a
    header line or block too large; 413 as soon as a body's declared or received length
    passes C{[server] body_bytes}; 408 past a deadline), then the connection closes;
  - a header block has C{header_timeout_ms} from its first byte, and a body must keep a rate
@@ -23,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from twisted.internet.interfaces import IDelayedCall
@@ -41,7 +42,7 @@ from twisted.web.server import Site
 from loopd.gateway.errors import GatewayError
 from loopd.settings import Server
 
-__all__ = ["GatewayChannel", "GatewaySite", "error_response"]
+__all__ = ["ErrorShape", "GatewayChannel", "GatewaySite", "error_response"]
 
 #: How Twisted's log lines name the gateway's HTTP listener (the C{logPrefix} of its protocols and
 #: factories), instead of a private class name.
@@ -52,16 +53,26 @@ _DIGITS = re.compile(rb"[0-9]+")
 _REASONS = {431: b"Request Header Fields Too Large"}
 
 
-def error_response(error: GatewayError) -> bytes:
+ErrorShape = Callable[[GatewayError], tuple[int, Any]]
+"""A front door's error answer: the status and JSON body of a L{GatewayError}."""
+
+
+def _openai_shape(error: GatewayError) -> tuple[int, Any]:
+    """OpenAI's error answer, the gateway's default: C{{"error": {"message", "type", "code"}}}."""
+    return error.status, error.body()
+
+
+def error_response(error: GatewayError, shape: ErrorShape = _openai_shape) -> bytes:
     """
-    A whole HTTP/1.1 response carrying C{error} as the gateway's JSON error body, which
-    closes the connection.
+    A whole HTTP/1.1 response carrying C{error} in a front door's error C{shape} (OpenAI's
+    unless told), which closes the connection.
     """
-    body = json.dumps(error.body(), separators=(",", ":")).encode()
-    reason = _REASONS.get(error.status) or RESPONSES.get(error.status, b"Error")
+    status, document = shape(error)
+    body = json.dumps(document, separators=(",", ":")).encode()
+    reason = _REASONS.get(status) or RESPONSES.get(status, b"Error")
     return (
         b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-        b"connection: close\r\n\r\n%s" % (error.status, reason, len(body), body)
+        b"connection: close\r\n\r\n%s" % (status, reason, len(body), body)
     )
 
 
@@ -79,6 +90,8 @@ class GatewayChannel(HTTPChannel):
 
     site: GatewaySite
     _refused = False
+    #: The path of the request being read, once its request line is in.
+    _request_path: bytes | None = None
     _header_call: IDelayedCall | None = None
     _header_started = False
     _body_call: IDelayedCall | None = None
@@ -104,7 +117,7 @@ class GatewayChannel(HTTPChannel):
         self._cancel_timers()
         self.site.on_refusal(error)
         assert self.transport is not None
-        self.transport.write(error_response(error))
+        self.transport.write(error_response(error, self.site.shape_for(self._request_path)))
         self.loseConnection()
         if self.abortTimeout is not None and self._abortingCall is None:
             self._abortingCall = self.callLater(self.abortTimeout, self.forceAbortClient)
@@ -141,7 +154,11 @@ class GatewayChannel(HTTPChannel):
         super().dataReceived(data)
 
     def lineReceived(self, line: bytes) -> None:
-        """Refuse a header block past C{totalHeadersSize} with 431; else parse the line."""
+        """
+        Refuse a header block past C{totalHeadersSize} with 431; else parse the line, and
+        note the request's path once its request line is read, so that a refusal of its
+        headers or body answers in the error shape of the front door it was for.
+        """
         if self._refused:
             return
         if line:
@@ -152,6 +169,9 @@ class GatewayChannel(HTTPChannel):
             )
             return
         super().lineReceived(line)
+        path = getattr(self, "_path", None)
+        if isinstance(path, bytes):
+            self._request_path = path
 
     def headerReceived(self, line: bytes) -> bool:
         """Refuse a header past C{maxHeaders} with 431; else parse it."""
@@ -371,6 +391,7 @@ class GatewaySite(Site):
     @ivar server: the limits (C{[server]}).
     @ivar open_channels: the channels connected now.
     @ivar on_refusal: told of every refusal the channels and the cap make, for C{/metrics}.
+    @ivar shapes: the error shapes of the front doors, by path prefix (L{shape_for}).
     """
 
     protocol = GatewayChannel  # type: ignore[assignment]
@@ -384,20 +405,37 @@ class GatewaySite(Site):
         root: Resource,
         server: Server,
         on_refusal: Callable[[GatewayError], None] = lambda error: None,
+        shapes: Sequence[tuple[bytes, ErrorShape]] = (),
         **kwargs: Any,
     ) -> None:
         """
         @param server: the limits: C{body_bytes}, the deadlines, the rate floor and
             C{max_connections}.
         @param on_refusal: told of each refusal (its error) as it is answered.
+        @param shapes: (path prefix, error shape) of each front door whose errors are not
+            OpenAI's, such as C{(b"/v1/messages", anthropic_error)}.
         @param kwargs: as for C{Site} (C{reactor}, ...).
         """
         super().__init__(root, **kwargs)
         self.server = server
         self.on_refusal = on_refusal
+        self.shapes = tuple(shapes)
         self.open_channels: set[GatewayChannel] = set()
         self.displayTracebacks = False
         self.noisy = False
+
+    def shape_for(self, path: bytes | None) -> ErrorShape:
+        """
+        The error shape of the front door C{path} belongs to (its query ignored): the first
+        of L{shapes} whose prefix it starts with, else OpenAI's (also when the path is not
+        known yet).
+        """
+        if path is not None:
+            path = path.split(b"?", 1)[0]
+            for prefix, shape in self.shapes:
+                if path.startswith(prefix):
+                    return shape
+        return _openai_shape
 
     def buildProtocol(self, addr: Any) -> Any:
         """

@@ -17,7 +17,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
-from loopd.gateway.anthropic import MessagesDoor
+from loopd.gateway.anthropic import MessagesDoor, anthropic_error
 from loopd.gateway.channel import GatewaySite
 from loopd.gateway.chat import ChatDoor
 from loopd.gateway.errors import GatewayError
@@ -209,6 +209,7 @@ class Gateway:
             root if guard is None else guard(root),
             self.config.server,
             on_refusal=self.metrics.observe_refusal,
+            shapes=[(b"/v1/messages", anthropic_error)],
             reactor=self.reactor,
         )
         self._sites.append(site)

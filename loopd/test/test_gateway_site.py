@@ -79,6 +79,23 @@ class RefusalTests(SynchronousTestCase):
         connection.request("POST", CHAT, big, ["Content-Type: application/json"])
         self.refused(connection, 413, "too_large")
 
+    def test_body_over_cap_in_the_door_shape(self) -> None:
+        """
+        Under C{/v1/messages} the channel's refusals are Anthropic's: a body over the cap is
+        413 C{request_too_large} in its error shape.
+        """
+        big = json.dumps({"messages": [], "pad": "x" * BODY_BYTES}).encode()
+        connection = self.harness.connect()
+        connection.request(
+            "POST", "/v1/messages?beta=true", big, ["Content-Type: application/json"]
+        )
+        response = connection.response()
+        self.assertEqual(response.status, 413)
+        body = response.json()
+        self.assertEqual(body["type"], "error")
+        self.assertEqual(body["error"]["type"], "request_too_large")
+        self.assertEqual(self.harness.fake.requests, [])
+
     def test_chunked_body_over_cap(self) -> None:
         """A chunked body that grows past the cap is 413 too_large too."""
         connection = self.harness.connect()
