@@ -225,8 +225,3 @@ class SideBySideTests(TestCase):
 
         direct, through = yield self.both({"messages": HI, "stream": True})
         self.assertFalse(any("prompt_progress" in chunk for chunk in events(through.text)))
-
-    test_stream_shapes.todo = (  # type: ignore[attr-defined]
-        "the chat door must build its ChunkStream with ChunkStream.for_request, so that the "
-        "request's return_progress reaches it (loopd/gateway/chat.py)"
-    )

@@ -47,7 +47,7 @@ class ChatDoor:
 
     def answer(self, request: GatewayRequest, model: str, created: int) -> Answer:
         """A fresh completion id's answer, its chunks stamped with C{model} and C{created}."""
-        return _ChatAnswer(ChunkStream(new_completion_id(), model, created, request.include_usage))
+        return _ChatAnswer(ChunkStream.for_request(request, new_completion_id(), model, created))
 
     def error(self, error: GatewayError) -> tuple[int, object]:
         """OpenAI's error shape, C{{"error": {"message", "type", "code"}}}, with its status."""
