@@ -8,6 +8,7 @@ child running.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,7 +17,9 @@ import stat
 import sys
 from typing import Any
 
-from twisted.internet.defer import inlineCallbacks
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.error import ProcessExitedAlready
+from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 from twisted.internet.utils import getProcessOutputAndValue
@@ -131,11 +134,13 @@ class DemoKilledTests(TestCase):
         """
         if not sys.platform.startswith("linux"):
             raise SkipTest("PR_SET_PDEATHSIG is Linux's")
-        from test.test_cli_e2e import run_loopd, stop
-
-        demo = run_loopd("demo")
-        self.addCleanup(stop, demo)
-        output = yield demo.expect(b"Press Ctrl-C to stop.", timeout=120)
+        demo = _Output(b"Press Ctrl-C to stop.")
+        argv = [*LOOPD, "demo"]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        real_reactor().spawnProcess(demo, argv[0], argv, env=env)
+        self.addCleanup(_kill, demo)
+        yield demo.seen.addTimeout(120, real_reactor())
+        output = demo.output
         for text in (b"(no token)", b"every request needs the token loopd-", b"Logs: loopd "):
             self.assertIn(text, output)
         assert demo.transport is not None
@@ -151,6 +156,28 @@ class DemoKilledTests(TestCase):
                 break
             yield deferLater(real_reactor(), 0.05, lambda: None)
         self.assertEqual([c for c in children if running(c)], [])
+
+
+class _Output(ProcessProtocol):
+    """A child's stdout so far; C{seen} fires once it holds C{marker}."""
+
+    def __init__(self, marker: bytes) -> None:
+        self.marker = marker
+        self.output = b""
+        self.seen: Deferred[None] = Deferred()
+
+    def outReceived(self, data: bytes) -> None:
+        self.output += data
+        if self.marker in self.output and not self.seen.called:
+            self.seen.callback(None)
+
+
+def _kill(child: _Output) -> None:
+    """SIGKILL the child if it still runs (a failed test's leftover)."""
+    transport: Any = child.transport
+    if transport is not None and transport.pid is not None:
+        with contextlib.suppress(ProcessExitedAlready, OSError):
+            transport.signalProcess("KILL")
 
 
 def _remove(directory: str) -> None:

@@ -32,7 +32,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from zope.interface import implementer
 
-from loopd.demo import real_server
+from loopd.demo import orphan_guard, real_server
 from loopd.demo.real_server import (
     QueryFailedError,
     QueryTimeoutError,
@@ -154,9 +154,14 @@ class RealServerUnitTests(SynchronousTestCase):
         return child
 
     def test_command_carries_options(self) -> None:
-        """The child argv names the model, port, context, slots and alias."""
+        """
+        The child argv runs behind the orphan guard (it dies with this process) and names the
+        model, port, context, slots and alias.
+        """
         self.server.start()
-        args = self.reactor.spawned[0].args
+        guarded = self.reactor.spawned[0].args
+        self.assertEqual(guarded[1:3], [orphan_guard.SCRIPT, str(os.getpid())])
+        args = guarded[3:]
         self.assertEqual(args[1], real_server.SCRIPT)
         self.assertTrue(args[1].endswith(os.path.join("demo", "real_server.py")))
         for flag, value in [
