@@ -336,7 +336,9 @@ class GatewayEndToEndTests(TestCase):
 
     def stream_parts(self, stream: RawStream) -> tuple[int, str, list[bytes]]:
         """A finished stream's role chunks, its reasoning text and its data lines."""
-        lines = [e[6:] for e in stream.received.split(b"\r\n") if e.startswith(b"data: {")]
+        # Each HTTP chunk holds whole events, maybe several (a comment and its chunks).
+        pieces = stream.received.split(b"\r\n")
+        lines = [e[6:] for p in pieces for e in p.split(b"\n") if e.startswith(b"data: {")]
         deltas = [json.loads(e)["choices"][0]["delta"] for e in lines if b'"choices":[{' in e]
         roles = sum("role" in d for d in deltas)
         return roles, "".join(d.get("reasoning_content") or "" for d in deltas), lines
