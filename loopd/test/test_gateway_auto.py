@@ -1,6 +1,6 @@
 """
-Tests for the C{auto} model in the gateway (L{loopd.gateway.auto} and its wiring in
-L{loopd.gateway.site} and L{loopd.gateway.chat_resource}): routed requests, speeds recorded
+Tests for the C{auto} model in the gateway (L{loopd.gateway.router} and its wiring in
+L{loopd.gateway.site} and L{loopd.gateway.exchange}): routed requests, speeds recorded
 from completions, the capability and media filters, fail-over on a connection failure and
 C{/v1/models}; and endpoint groups (decision 42), routed the same way among their members and
 one worker each in the mesh's pool. Two scripted fake llama-servers (C{tiny} and C{big}) in

@@ -1,8 +1,8 @@
 """
-Tests for L{loopd.gateway.chat_resource}: C{POST /v1/chat/completions} through the gateway's
-site with real HTTP parsing, against the scripted fake llama-server in memory on a
-C{MemoryReactorClock} (L{loopd.testing.gateway.GatewayHarness}). Nothing sleeps: the clock
-jumps from one scheduled call to the next.
+Tests for L{loopd.gateway.exchange} and L{loopd.gateway.chat}: C{POST /v1/chat/completions}
+through the gateway's site with real HTTP parsing, against the scripted fake llama-server in
+memory on a C{MemoryReactorClock} (L{loopd.testing.gateway.GatewayHarness}). Nothing sleeps:
+the clock jumps from one scheduled call to the next.
 """
 
 from __future__ import annotations
