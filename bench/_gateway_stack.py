@@ -32,9 +32,6 @@ from loopd.llama.chat import CHAT_PATH
 
 MODEL = "tiny"
 """The endpoint's name in loopd.toml: the ``model`` loopd's clients ask for."""
-PROFILE_ENV = "LOOPD_BENCH_PROFILE"
-"""An environment variable naming a directory: loopd then runs under cProfile and writes
-``loopd.prof`` there when it stops (read it with ``python -m pstats``)."""
 QUEUE_DEPTH = 64
 """loopd's ``[limits] queue_depth``: above the number of sessions, so none is refused."""
 
@@ -98,12 +95,7 @@ def start(children: Children, threads: int, grace_ms: int | None = None) -> Stac
     config = os.path.join(children.dir, "loopd.toml")
     with open(config, "w", encoding="utf-8") as f:
         f.write(loopd_config(listen, infer, grace_ms))
-    profile = os.environ.get(PROFILE_ENV)
-    python = [sys.executable]
-    if profile:
-        # The profile is written when loopd exits (SIGTERM ends twist normally).
-        python += ["-m", "cProfile", "-o", os.path.join(profile, "loopd.prof")]
-    argv = [*python, "-m", "twisted", "--log-format=text", "loopd", "--config", config]
+    argv = [sys.executable, "-m", "twisted", "--log-format=text", "loopd", "--config", config]
     proc = children.spawn("loopd", argv, log=True)
     wait_socket(children, proc, "loopd", listen)
     return Stack(port, listen)
