@@ -69,9 +69,10 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, NoReturn
+from typing import Any, Final
 
 from loopd import strict_json
+from loopd.gateway.body import decode_body, fail, show
 from loopd.gateway.door import Answer, Header
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.render import loopd_comment
@@ -194,11 +195,11 @@ def parse_messages(
         C{invalid_message}, C{unsupported_content}, C{invalid_tools}, C{invalid_parameter},
         C{unsupported_parameter}.
     """
-    document = {key: value for key, value in _decode(body).items() if value is not None}
+    document = {key: value for key, value in decode_body(body).items() if value is not None}
     _check_top_level(document)
     model = document.get("model")
     if model is not None and not isinstance(model, str):
-        _fail(_PARAM, "model", "expected a string")
+        fail(_PARAM, "model", "expected a string")
     messages = (*_system(document.get("system")), *_messages(document.get("messages")))
     tools = _tools(document.get("tools"))
     tool_choice, tools, parallel = _tool_choice(document.get("tool_choice"), tools)
@@ -242,36 +243,6 @@ def without_attribution(text: str) -> str:
     return "".join(line for line in lines if not line.lstrip().startswith(ATTRIBUTION_PREFIX))
 
 
-def _decode(body: bytes) -> dict[str, Any]:
-    """
-    The body's JSON object.
-
-    @raise GatewayError: 400 C{invalid_json} or C{not_an_object}.
-    """
-    try:
-        document = strict_json.decode(body, interoperable=True)
-    except strict_json.JSONError as error:
-        raise GatewayError(
-            400, f"body: not valid UTF-8 JSON ({error})", "invalid_request_error", "invalid_json"
-        ) from None
-    if not isinstance(document, dict):
-        raise GatewayError(
-            400, "body: expected a JSON object", "invalid_request_error", "not_an_object"
-        )
-    return document
-
-
-def _fail(code: str, path: str, problem: str) -> NoReturn:
-    """Raise the 400 for the field at C{path}."""
-    raise GatewayError(400, f"{path}: {problem}", "invalid_request_error", code)
-
-
-def _show(value: str) -> str:
-    """A client's string quoted for a message, shortened when long."""
-    text = json.dumps(value, ensure_ascii=False)
-    return text if len(text) <= 60 else text[:56] + '..."'
-
-
 def _asks_nothing(value: object) -> bool:
     """Whether a field's value asks for nothing: C{null}, C{false} or empty."""
     return value is None or value is False or value == [] or value == {}
@@ -286,18 +257,18 @@ def _check_top_level(document: dict[str, Any]) -> None:
         if key in _MODELLED:
             continue
         if key not in _HINTS:
-            _fail(_UNKNOWN, key, "not supported by loopd")
+            fail(_UNKNOWN, key, "not supported by loopd")
         allowed = _HINTS[key]
         if allowed is not None and (not isinstance(value, str) or value not in allowed):
-            choices = " or ".join(_show(choice) for choice in sorted(allowed))
-            _fail(_UNKNOWN, key, f"only {choices} is supported by loopd")
+            choices = " or ".join(show(choice) for choice in sorted(allowed))
+            fail(_UNKNOWN, key, f"only {choices} is supported by loopd")
 
 
 def _only(block: dict[str, Any], allowed: frozenset[str], path: str) -> None:
     """Refuse the fields of C{block} other than C{type} and C{allowed} that ask for something."""
     for key, value in block.items():
         if key != "type" and key not in allowed and not _asks_nothing(value):
-            _fail(_UNKNOWN, f"{path}.{key}", "not supported by loopd")
+            fail(_UNKNOWN, f"{path}.{key}", "not supported by loopd")
 
 
 def _flag(value: object, path: str) -> bool:
@@ -305,21 +276,21 @@ def _flag(value: object, path: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        _fail(_PARAM, path, "expected true or false")
+        fail(_PARAM, path, "expected true or false")
     return value
 
 
 def _string(value: object, path: str, code: str = _MSG) -> str:
     """A required string."""
     if not isinstance(value, str):
-        _fail(code, path, "expected a string")
+        fail(code, path, "expected a string")
     return value
 
 
 def _object(value: object, path: str, code: str = _MSG) -> dict[str, Any]:
     """A JSON object."""
     if not isinstance(value, dict):
-        _fail(code, path, "expected an object")
+        fail(code, path, "expected an object")
     return value
 
 
@@ -328,7 +299,7 @@ def _count(value: object, path: str, *, low: int) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        _fail(_PARAM, path, "expected a positive integer" if low else "expected an integer >= 0")
+        fail(_PARAM, path, "expected a positive integer" if low else "expected an integer >= 0")
     return value
 
 
@@ -337,7 +308,7 @@ def _unit(value: object, path: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        _fail(_PARAM, path, "expected a number from 0 to 1")
+        fail(_PARAM, path, "expected a number from 0 to 1")
     return float(value)
 
 
@@ -345,7 +316,7 @@ def _max_tokens(value: object, *, required: bool) -> int | None:
     """C{max_tokens}: a positive integer, required unless counting."""
     if value is None:
         if required:
-            _fail("missing_max_tokens", "max_tokens", "required: a positive integer")
+            fail("missing_max_tokens", "max_tokens", "required: a positive integer")
         return None
     return _count(value, "max_tokens", low=1)
 
@@ -355,10 +326,10 @@ def _stop_sequences(value: object) -> tuple[str, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
-        _fail(_PARAM, "stop_sequences", "expected an array of strings")
+        fail(_PARAM, "stop_sequences", "expected an array of strings")
     for j, item in enumerate(value):
         if not isinstance(item, str) or not item:
-            _fail(_PARAM, f"stop_sequences[{j}]", "expected a non-empty string")
+            fail(_PARAM, f"stop_sequences[{j}]", "expected a non-empty string")
     return tuple(value)
 
 
@@ -375,15 +346,15 @@ def _thinking(value: object) -> tuple[tuple[ThinkingSwitch, ...], int | None]:
         _only(config, frozenset(), "thinking")
         return (ThinkingSwitch("reasoning_effort", False),), None
     if kind not in ("enabled", "adaptive"):
-        _fail(_PARAM, "thinking.type", 'expected "enabled", "adaptive" or "disabled"')
+        fail(_PARAM, "thinking.type", 'expected "enabled", "adaptive" or "disabled"')
     if config.get("display") not in (None, "summarized"):
-        _fail(_UNKNOWN, "thinking.display", 'only "summarized" is supported by loopd')
+        fail(_UNKNOWN, "thinking.display", 'only "summarized" is supported by loopd')
     _only(config, frozenset({"budget_tokens", "display"}), "thinking")
     cap = None
     if kind == "enabled":
         budget = config.get("budget_tokens")
         if budget is None:
-            _fail(_PARAM, "thinking.budget_tokens", 'required when thinking.type is "enabled"')
+            fail(_PARAM, "thinking.budget_tokens", 'required when thinking.type is "enabled"')
         cap = _count(budget, "thinking.budget_tokens", low=1)
     return (ThinkingSwitch("reasoning_effort", True),), cap
 
@@ -405,7 +376,7 @@ def _output_config(value: object) -> dict[str, Any]:
         return {}
     form = _object(form, "output_config.format", _PARAM)
     if form.get("type") != "json_schema":
-        _fail(_PARAM, "output_config.format.type", 'expected "json_schema"')
+        fail(_PARAM, "output_config.format.type", 'expected "json_schema"')
     _only(form, frozenset({"schema"}), "output_config.format")
     schema = _object(form.get("schema"), "output_config.format.schema", _PARAM)
     return {
@@ -435,7 +406,7 @@ def _system(value: object) -> tuple[ChatMessage, ...]:
         )
         text = "\n\n".join(text for text in texts if text)
     else:
-        _fail(_MSG, "system", "expected a string or an array of text blocks")
+        fail(_MSG, "system", "expected a string or an array of text blocks")
     return (System(text),) if text else ()
 
 
@@ -448,11 +419,11 @@ def _block(value: object, path: str, kinds: Mapping[str, frozenset[str]]) -> dic
     block = _object(value, path)
     kind = block.get("type")
     if not isinstance(kind, str):
-        _fail(_MSG, f"{path}.type", "expected a string")
+        fail(_MSG, f"{path}.type", "expected a string")
     if kind not in kinds:
         expected = ", ".join(sorted(kinds))
-        why = _WHY_REFUSED.get(kind, f"{_show(kind)} blocks are not translated by loopd")
-        _fail(_UNSUPPORTED, f"{path}.type", f"{why} (here: {expected})")
+        why = _WHY_REFUSED.get(kind, f"{show(kind)} blocks are not translated by loopd")
+        fail(_UNSUPPORTED, f"{path}.type", f"{why} (here: {expected})")
     _only(block, kinds[kind], path)
     return block
 
@@ -461,16 +432,16 @@ def _block_text(value: object, path: str, kinds: Mapping[str, frozenset[str]]) -
     """The text of a block that must be a C{text} block."""
     block = _block(value, path, kinds)
     if block["type"] != "text":
-        _fail(_UNSUPPORTED, f"{path}.type", "expected a text block here")
+        fail(_UNSUPPORTED, f"{path}.type", "expected a text block here")
     return _string(block.get("text"), f"{path}.text")
 
 
 def _messages(value: object) -> tuple[ChatMessage, ...]:
     """The C{messages} array, in order, each turn as one or more messages."""
     if value is None or value == []:
-        _fail("missing_messages", "messages", "required: a non-empty array of messages")
+        fail("missing_messages", "messages", "required: a non-empty array of messages")
     if not isinstance(value, list):
-        _fail(_MSG, "messages", "expected a non-empty array of messages")
+        fail(_MSG, "messages", "expected a non-empty array of messages")
     out: list[ChatMessage] = []
     for i, item in enumerate(value):
         path = f"messages[{i}]"
@@ -481,13 +452,13 @@ def _messages(value: object) -> tuple[ChatMessage, ...]:
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
         elif not isinstance(content, list):
-            _fail(_MSG, f"{path}.content", "expected a string or an array of content blocks")
+            fail(_MSG, f"{path}.content", "expected a string or an array of content blocks")
         if role == "user":
             out.extend(_user(content, f"{path}.content"))
         elif role == "assistant":
             out.append(_assistant(content, f"{path}.content"))
         else:
-            _fail(_MSG, f"{path}.role", 'expected "user" or "assistant"')
+            fail(_MSG, f"{path}.role", 'expected "user" or "assistant"')
     return tuple(out)
 
 
@@ -500,14 +471,14 @@ def _image_part(block: dict[str, Any], path: str) -> dict[str, Any]:
         media = _string(source.get("media_type"), f"{path}.source.media_type")
         if media not in _IMAGE_TYPES:
             kinds = ", ".join(sorted(_IMAGE_TYPES))
-            _fail(_MSG, f"{path}.source.media_type", f"expected one of {kinds}")
+            fail(_MSG, f"{path}.source.media_type", f"expected one of {kinds}")
         data = _string(source.get("data"), f"{path}.source.data")
         url = f"data:{media};base64,{data}"
     elif kind == "url":
         _only(source, frozenset({"url"}), f"{path}.source")
         url = _string(source.get("url"), f"{path}.source.url")
     else:
-        _fail(_UNSUPPORTED, f"{path}.source.type", 'expected "base64" or "url"')
+        fail(_UNSUPPORTED, f"{path}.source.type", 'expected "base64" or "url"')
     return {"type": "image_url", "image_url": {"url": url}}
 
 
@@ -558,7 +529,7 @@ def _tool_result(block: dict[str, Any], path: str) -> list[ChatMessage]:
             else:
                 images.append(_image_part(item, where))
     elif content is not None:
-        _fail(_MSG, f"{path}.content", "expected a string or an array of text and image blocks")
+        fail(_MSG, f"{path}.content", "expected a string or an array of text and image blocks")
     text = "".join(texts)
     if _flag(block.get("is_error"), f"{path}.is_error"):
         text = TOOL_ERROR_PREFIX + text
@@ -602,27 +573,27 @@ def _tools(value: object) -> tuple[ToolSchema, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
-        _fail(_TOOLS, "tools", "expected an array of tools")
+        fail(_TOOLS, "tools", "expected an array of tools")
     tools: list[ToolSchema] = []
     for i, item in enumerate(value):
         path = f"tools[{i}]"
         tool = _object(item, path, _TOOLS)
         kind = tool.get("type")
         if kind not in (None, "custom"):
-            shown = _show(kind) if isinstance(kind, str) else "this type"
-            _fail(_TOOLS, f"{path}.type", f"{shown}: only custom tools are supported by loopd")
+            shown = show(kind) if isinstance(kind, str) else "this type"
+            fail(_TOOLS, f"{path}.type", f"{shown}: only custom tools are supported by loopd")
         _only(tool, _TOOL_FIELDS, path)
         name = tool.get("name")
         if not isinstance(name, str) or not name:
-            _fail(_TOOLS, f"{path}.name", "expected a non-empty string")
+            fail(_TOOLS, f"{path}.name", "expected a non-empty string")
         if any(offered.name == name for offered in tools):
-            _fail(_TOOLS, f"{path}.name", f"{_show(name)} is offered twice")
+            fail(_TOOLS, f"{path}.name", f"{show(name)} is offered twice")
         description = tool.get("description")
         if description is not None:
             description = _string(description, f"{path}.description", _TOOLS)
         schema = tool.get("input_schema")
         if schema is None:
-            _fail(_TOOLS, f"{path}.input_schema", "required: a JSON schema object")
+            fail(_TOOLS, f"{path}.input_schema", "required: a JSON schema object")
         schema = _object(schema, f"{path}.input_schema", _TOOLS)
         tools.append(ToolSchema(name, description or "", schema))
     return tuple(tools)
@@ -643,7 +614,7 @@ def _tool_choice(
         _only(choice, frozenset(), "tool_choice")
         return "none", tools, None
     if kind not in _CHOICES:
-        _fail(_PARAM, "tool_choice.type", 'expected "auto", "any", "tool" or "none"')
+        fail(_PARAM, "tool_choice.type", 'expected "auto", "any", "tool" or "none"')
     allowed = (
         {"disable_parallel_tool_use", "name"} if kind == "tool" else {"disable_parallel_tool_use"}
     )
@@ -654,7 +625,7 @@ def _tool_choice(
         name = _string(choice.get("name"), "tool_choice.name", _PARAM)
         tools = tuple(tool for tool in tools if tool.name == name)
         if not tools:
-            _fail(_PARAM, "tool_choice.name", f"{_show(name)} is not in tools")
+            fail(_PARAM, "tool_choice.name", f"{show(name)} is not in tools")
     return _CHOICES[kind], tools, parallel
 
 

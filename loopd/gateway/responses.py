@@ -55,7 +55,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, NoReturn
 
-from loopd import strict_json
+from loopd.gateway.body import decode_body, fail, show
 from loopd.gateway.door import Header
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.render import loopd_comment
@@ -175,10 +175,10 @@ class ResponsesDoor:
             C{invalid_tools}, C{invalid_parameter}, C{unsupported_parameter},
             C{previous_response_not_found}; and those of L{read_session}.
         """
-        document = {k: v for k, v in _decode(body).items() if v is not None}
+        document = {k: v for k, v in decode_body(body).items() if v is not None}
         for key in document:
             if key not in _ACCEPTED:
-                _fail(_UNSUPPORTED, key, "not supported by loopd's /v1/responses")
+                fail(_UNSUPPORTED, key, "not supported by loopd's /v1/responses")
         model = document.get("model")
         if model is not None:
             _string(model, "model", _INVALID)
@@ -220,19 +220,19 @@ class ResponsesDoor:
         if previous is not None:
             stored = self._store.get(_string(previous, "previous_response_id", _INVALID))
             if stored is None:
-                _fail(
+                fail(
                     "previous_response_not_found",
                     "previous_response_id",
-                    f"no stored response {_show(previous)} (unknown, expired, or stored with "
+                    f"no stored response {show(previous)} (unknown, expired, or stored with "
                     "store: false; loopd keeps responses in memory for a limited time)",
                 )
             messages.extend(stored.messages)
         if "input" in document:
             messages.extend(_input(document["input"]))
         elif previous is None:
-            _fail("missing_input", "input", "required: a string or an array of input items")
+            fail("missing_input", "input", "required: a string or an array of input items")
         if not any(not isinstance(m, System) for m in messages):
-            _fail("missing_input", "input", "required: at least one item besides instructions")
+            fail("missing_input", "input", "required: at least one item besides instructions")
         return tuple(messages)
 
     def answer(self, request: GatewayRequest, model: str, created: int) -> ResponsesAnswer:
@@ -264,47 +264,17 @@ def _openai_code(error: GatewayError) -> str:
 # Reading
 
 
-def _decode(body: bytes) -> dict[str, Any]:
-    """
-    The body's JSON object (L{strict_json}'s interoperable profile).
-
-    @raise GatewayError: 400 C{invalid_json} or C{not_an_object}.
-    """
-    try:
-        document = strict_json.decode(body, interoperable=True)
-    except strict_json.JSONError as error:
-        raise GatewayError(
-            400, f"body: not valid UTF-8 JSON ({error})", "invalid_request_error", "invalid_json"
-        ) from None
-    if not isinstance(document, dict):
-        raise GatewayError(
-            400, "body: expected a JSON object", "invalid_request_error", "not_an_object"
-        )
-    return document
-
-
-def _fail(code: str, path: str, problem: str) -> NoReturn:
-    """Raise the 400 for the field at C{path}."""
-    raise GatewayError(400, f"{path}: {problem}", "invalid_request_error", code)
-
-
-def _show(value: object) -> str:
-    """A client's value quoted for a message, shortened when long."""
-    text = json.dumps(value, ensure_ascii=False)
-    return text if len(text) <= 60 else text[:56] + '..."'
-
-
 def _string(value: object, path: str, code: str = _INPUT) -> str:
     """A required string."""
     if not isinstance(value, str):
-        _fail(code, path, "expected a string")
+        fail(code, path, "expected a string")
     return value
 
 
 def _object(value: object, path: str, code: str = _INPUT) -> dict[str, Any]:
     """A JSON object."""
     if not isinstance(value, dict):
-        _fail(code, path, "expected an object")
+        fail(code, path, "expected an object")
     return value
 
 
@@ -313,7 +283,7 @@ def _flag(value: object, path: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        _fail(_INVALID, path, "expected true or false")
+        fail(_INVALID, path, "expected true or false")
     return value
 
 
@@ -322,7 +292,7 @@ def _number(value: object, path: str, high: int) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= high:
-        _fail(_INVALID, path, f"expected a number from 0 to {high}")
+        fail(_INVALID, path, f"expected a number from 0 to {high}")
     return float(value)
 
 
@@ -333,7 +303,7 @@ def _max_tokens(value: object) -> int | None:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        _fail(_INVALID, "max_output_tokens", "expected a positive integer")
+        fail(_INVALID, "max_output_tokens", "expected a positive integer")
     return value
 
 
@@ -341,7 +311,7 @@ def _one_of(value: object, path: str, choices: tuple[str, ...], code: str = _INV
     """A string among C{choices}."""
     if not isinstance(value, str) or value not in choices:
         shown = ", ".join(json.dumps(c) for c in choices)
-        _fail(code, path, f"expected one of {shown}")
+        fail(code, path, f"expected one of {shown}")
     return value
 
 
@@ -349,7 +319,7 @@ def _no_other_keys(value: dict[str, Any], path: str, known: frozenset[str]) -> N
     """Refuse a key of C{value} (not C{null}) outside C{known}."""
     for key, item in value.items():
         if key not in known and item is not None:
-            _fail(_UNSUPPORTED, f"{path}.{key}", "not supported by loopd's /v1/responses")
+            fail(_UNSUPPORTED, f"{path}.{key}", "not supported by loopd's /v1/responses")
 
 
 @dataclass
@@ -377,7 +347,7 @@ def _input(value: object) -> list[ChatMessage]:
     if isinstance(value, str):
         return [User(value)]
     if not isinstance(value, list) or not value:
-        _fail(_INPUT, "input", "expected a string or a non-empty array of input items")
+        fail(_INPUT, "input", "expected a string or a non-empty array of input items")
     messages: list[ChatMessage] = []
     turn = _Turn()
 
@@ -430,14 +400,14 @@ def _input(value: object) -> list[ChatMessage]:
             if text:
                 turn.reasoning.append(text)
         elif isinstance(kind, str):
-            _fail(
+            fail(
                 _INPUT,
                 f"{path}.type",
-                f"{_show(kind)} items are not supported (message, function_call, "
+                f"{show(kind)} items are not supported (message, function_call, "
                 "function_call_output, reasoning)",
             )
         else:
-            _fail(_INPUT, f"{path}.type", 'expected an item type such as "message"')
+            fail(_INPUT, f"{path}.type", 'expected an item type such as "message"')
     flush()
     return messages
 
@@ -445,7 +415,7 @@ def _input(value: object) -> list[ChatMessage]:
 def _parts(value: object, path: str) -> list[Any]:
     """Content that is not a string: a non-empty array of parts."""
     if not isinstance(value, list):
-        _fail(_INPUT, path, "expected a string or an array of content parts")
+        fail(_INPUT, path, "expected a string or an array of content parts")
     return value
 
 
@@ -454,7 +424,7 @@ def _part_kind(part: object, path: str) -> tuple[dict[str, Any], str]:
     body = _object(part, path)
     kind = body.get("type")
     if not isinstance(kind, str):
-        _fail(_INPUT, f"{path}.type", 'expected a content part type such as "input_text"')
+        fail(_INPUT, f"{path}.type", 'expected a content part type such as "input_text"')
     return body, kind
 
 
@@ -473,7 +443,7 @@ def _text_content(value: object, path: str) -> str:
 
 def _unsupported_part(kind: str, path: str, allowed: str) -> NoReturn:
     """Refuse a content part of kind C{kind} where only C{allowed} may be."""
-    _fail(_CONTENT, path, f"{_show(kind)} parts are not supported here, only {allowed}")
+    fail(_CONTENT, path, f"{show(kind)} parts are not supported here, only {allowed}")
 
 
 def _user(value: object, path: str) -> User:
@@ -495,7 +465,7 @@ def _user(value: object, path: str) -> User:
             parts.append({"type": "text", "text": text})
         elif kind == "input_image":
             if body.get("file_id") is not None:
-                _fail(
+                fail(
                     _CONTENT, f"{where}.file_id", "uploaded files are not supported; give image_url"
                 )
             image: dict[str, Any] = {"url": _string(body.get("image_url"), f"{where}.image_url")}
@@ -540,14 +510,12 @@ def _reasoning_text(item: dict[str, Any], path: str) -> str:
         if value is None:
             continue
         if not isinstance(value, list):
-            _fail(
-                _INPUT, f"{path}.{key}", f'expected an array of {{"type": "{kind}", "text": ...}}'
-            )
+            fail(_INPUT, f"{path}.{key}", f'expected an array of {{"type": "{kind}", "text": ...}}')
         texts = pieces.setdefault(key, [])
         for j, part in enumerate(value):
             body, found = _part_kind(part, f"{path}.{key}[{j}]")
             if found != kind:
-                _fail(_CONTENT, f"{path}.{key}[{j}].type", f'expected "{kind}"')
+                fail(_CONTENT, f"{path}.{key}[{j}].type", f'expected "{kind}"')
             texts.append(_string(body.get("text"), f"{path}.{key}[{j}].text"))
     encrypted = item.get("encrypted_content")
     if encrypted is not None:
@@ -560,20 +528,20 @@ def _tools(value: object) -> tuple[ToolSchema, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
-        _fail(_TOOLS, "tools", "expected an array of tools")
+        fail(_TOOLS, "tools", "expected an array of tools")
     tools: list[ToolSchema] = []
     for i, item in enumerate(value):
         path = f"tools[{i}]"
         tool = _object(item, path, _TOOLS)
         kind = tool.get("type")
         if kind != "function":
-            shown = _show(kind) if isinstance(kind, str) else "a tool without a type"
-            _fail(_TOOLS, f"{path}.type", f"only function tools are supported, not {shown}")
+            shown = show(kind) if isinstance(kind, str) else "a tool without a type"
+            fail(_TOOLS, f"{path}.type", f"only function tools are supported, not {shown}")
         name = tool.get("name")
         if not isinstance(name, str) or not name:
-            _fail(_TOOLS, f"{path}.name", "expected a non-empty string")
+            fail(_TOOLS, f"{path}.name", "expected a non-empty string")
         if any(offered.name == name for offered in tools):
-            _fail(_TOOLS, f"{path}.name", f"{_show(name)} is offered twice")
+            fail(_TOOLS, f"{path}.name", f"{show(name)} is offered twice")
         description = tool.get("description")
         if description is not None:
             _string(description, f"{path}.description", _TOOLS)
@@ -581,7 +549,7 @@ def _tools(value: object) -> tuple[ToolSchema, ...]:
         if parameters is None:
             parameters = {"type": "object"}
         elif not isinstance(parameters, dict):
-            _fail(_TOOLS, f"{path}.parameters", "expected a JSON schema object")
+            fail(_TOOLS, f"{path}.parameters", "expected a JSON schema object")
         _flag(tool.get("strict"), f"{path}.strict", True)
         _no_other_keys(
             tool, path, frozenset({"type", "name", "description", "parameters", "strict"})
@@ -602,11 +570,11 @@ def _tool_choice(
         name = _string(value.get("name"), "tool_choice.name", _INVALID)
         chosen = tuple(tool for tool in tools if tool.name == name)
         if not chosen:
-            _fail(_INVALID, "tool_choice.name", f"{_show(name)} is not in tools")
+            fail(_INVALID, "tool_choice.name", f"{show(name)} is not in tools")
         return "required", chosen
     if isinstance(value, dict) and isinstance(value.get("type"), str):
-        _fail(_UNSUPPORTED, "tool_choice.type", f"{_show(value['type'])} is not supported")
-    _fail(
+        fail(_UNSUPPORTED, "tool_choice.type", f"{show(value['type'])} is not supported")
+    fail(
         _INVALID,
         "tool_choice",
         'expected "auto", "none", "required" or {"type": "function", "name": ...}',
@@ -639,10 +607,10 @@ def _text(value: object) -> dict[str, Any]:
     _no_other_keys(text, "text", frozenset({"format", "verbosity"}))
     verbosity = text.get("verbosity")
     if verbosity is not None and verbosity != "medium":
-        _fail(
+        fail(
             _UNSUPPORTED,
             "text.verbosity",
-            f"{_show(verbosity)} is not supported: loopd cannot make a model terser or wordier",
+            f"{show(verbosity)} is not supported: loopd cannot make a model terser or wordier",
         )
     form = text.get("format")
     if form is None:
@@ -675,11 +643,11 @@ def _check_accepted(document: dict[str, Any]) -> None:
     include = document.get("include")
     if include is not None:
         if not isinstance(include, list):
-            _fail(_INVALID, "include", "expected an array of strings")
+            fail(_INVALID, "include", "expected an array of strings")
         for j, name in enumerate(include):
             if name not in _INCLUDES:
-                shown = _show(name) if isinstance(name, str) else "a non-string"
-                _fail(_UNSUPPORTED, f"include[{j}]", f"{shown} is not supported")
+                shown = show(name) if isinstance(name, str) else "a non-string"
+                fail(_UNSUPPORTED, f"include[{j}]", f"{shown} is not supported")
     metadata = document.get("metadata")
     if metadata is not None:
         for key, item in _object(metadata, "metadata", _INVALID).items():
@@ -692,7 +660,7 @@ def _check_accepted(document: dict[str, Any]) -> None:
     if "truncation" in document:
         _one_of(document["truncation"], "truncation", ("disabled",), _UNSUPPORTED)
     if document.get("background") not in (None, False):
-        _fail(_UNSUPPORTED, "background", "only false: loopd answers every request at once")
+        fail(_UNSUPPORTED, "background", "only false: loopd answers every request at once")
     options = document.get("stream_options")
     if options is not None:
         options = _object(options, "stream_options", _INVALID)

@@ -8,11 +8,9 @@ L{loopd.gateway.render}. Pure: no I/O, no reactor, no twisted.web.
 
 from __future__ import annotations
 
-import json
-from typing import Any, Final, NoReturn
+from typing import Any, Final
 
-from loopd import strict_json
-from loopd.gateway.errors import GatewayError
+from loopd.gateway.body import decode_body, fail, show
 from loopd.gateway.params import split_fields
 from loopd.gateway.request import NO_SESSION, GatewayRequest, SessionRef, ThinkingSwitch
 from loopd.llama.types import (
@@ -104,7 +102,7 @@ def parse_request(body: bytes, session: SessionRef = NO_SESSION) -> GatewayReque
         C{unsupported_content}, C{invalid_tools}, C{invalid_parameter},
         C{unsupported_parameter} (a field loopd does not pass, L{split_fields}).
     """
-    document = _decode(body)
+    document = decode_body(body)
     messages = _messages(document.get("messages"))
     tool_choice, tools = _tool_choice(document.get("tool_choice"), _tools(document.get("tools")))
     # Checked in this order, so that of two bad fields the same one is named as ever.
@@ -115,7 +113,7 @@ def parse_request(body: bytes, session: SessionRef = NO_SESSION) -> GatewayReque
     stop = _stop(document.get("stop"))
     model = document.get("model")
     if model is not None and not isinstance(model, str):
-        _fail(_PARAM, "model", "expected a string")
+        fail(_PARAM, "model", "expected a string")
     options = _object(document.get("stream_options"), "stream_options", _PARAM, optional=True)
     fields, extras = split_fields(
         {key: value for key, value in document.items() if key not in _MODELLED}
@@ -139,49 +137,19 @@ def parse_request(body: bytes, session: SessionRef = NO_SESSION) -> GatewayReque
     )
 
 
-def _decode(body: bytes) -> dict[str, Any]:
-    """
-    The body's JSON object.
-
-    @raise GatewayError: 400 C{invalid_json} or C{not_an_object}.
-    """
-    try:
-        document = strict_json.decode(body, interoperable=True)
-    except strict_json.JSONError as error:
-        raise GatewayError(
-            400, f"body: not valid UTF-8 JSON ({error})", "invalid_request_error", "invalid_json"
-        ) from None
-    if not isinstance(document, dict):
-        raise GatewayError(
-            400, "body: expected a JSON object", "invalid_request_error", "not_an_object"
-        )
-    return document
-
-
-def _fail(code: str, path: str, problem: str) -> NoReturn:
-    """Raise the 400 for the field at C{path}."""
-    raise GatewayError(400, f"{path}: {problem}", "invalid_request_error", code)
-
-
-def _show(value: str) -> str:
-    """A client's string quoted for a message, shortened when long."""
-    text = json.dumps(value, ensure_ascii=False)
-    return text if len(text) <= 60 else text[:56] + '..."'
-
-
 def _flag(value: object, path: str) -> bool:
     """An optional boolean, false when absent."""
     if value is None:
         return False
     if not isinstance(value, bool):
-        _fail(_PARAM, path, "expected true or false")
+        fail(_PARAM, path, "expected true or false")
     return value
 
 
 def _string(value: object, path: str, code: str = _MSG) -> str:
     """A required string."""
     if not isinstance(value, str):
-        _fail(code, path, "expected a string")
+        fail(code, path, "expected a string")
     return value
 
 
@@ -190,16 +158,16 @@ def _object(value: object, path: str, code: str = _MSG, optional: bool = False) 
     if optional and value is None:
         return {}
     if not isinstance(value, dict):
-        _fail(code, path, "expected an object")
+        fail(code, path, "expected an object")
     return value
 
 
 def _messages(value: object) -> tuple[ChatMessage, ...]:
     """The C{messages} array, in order."""
     if value is None or value == []:
-        _fail("missing_messages", "messages", "required: a non-empty array of messages")
+        fail("missing_messages", "messages", "required: a non-empty array of messages")
     if not isinstance(value, list):
-        _fail(_MSG, "messages", "expected a non-empty array of messages")
+        fail(_MSG, "messages", "expected a non-empty array of messages")
     return tuple(_message(message, f"messages[{i}]") for i, message in enumerate(value))
 
 
@@ -216,7 +184,7 @@ def _message(value: object, path: str) -> ChatMessage:
         return _user(message.get("content"), f"{path}.content")
     if role in ("system", "developer"):
         return System(_content(message.get("content"), f"{path}.content"))
-    _fail(_MSG, f"{path}.role", 'expected "system", "developer", "user", "assistant" or "tool"')
+    fail(_MSG, f"{path}.role", 'expected "system", "developer", "user", "assistant" or "tool"')
 
 
 def _content(value: object, path: str) -> str:
@@ -224,7 +192,7 @@ def _content(value: object, path: str) -> str:
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
-        _fail(_MSG, path, _TEXT_PARTS)
+        fail(_MSG, path, _TEXT_PARTS)
     return "".join(_text_part(part, f"{path}[{j}]") for j, part in enumerate(value))
 
 
@@ -268,16 +236,16 @@ def _text_part(part: object, path: str) -> str:
         if kind == "text":
             return _string(part.get("text"), f"{path}.text")
         if isinstance(kind, str):
-            unsupported = f"only text parts are supported, not {_show(kind)}"
-            _fail("unsupported_content", f"{path}.type", unsupported)
-    _fail(_MSG, path, 'expected a text part {"type": "text", "text": ...}')
+            unsupported = f"only text parts are supported, not {show(kind)}"
+            fail("unsupported_content", f"{path}.type", unsupported)
+    fail(_MSG, path, 'expected a text part {"type": "text", "text": ...}')
 
 
 def _assistant(message: dict[str, Any], path: str) -> Assistant:
     """An earlier assistant turn: content, reasoning and tool calls."""
     calls = message.get("tool_calls")
     if calls is not None and not isinstance(calls, list):
-        _fail(_MSG, f"{path}.tool_calls", "expected an array of tool calls")
+        fail(_MSG, f"{path}.tool_calls", "expected an array of tool calls")
     tool_calls = tuple(
         _tool_call(call, f"{path}.tool_calls[{k}]") for k, call in enumerate(calls or ())
     )
@@ -286,7 +254,7 @@ def _assistant(message: dict[str, Any], path: str) -> Assistant:
         reasoning = _string(reasoning, f"{path}.reasoning_content")
     content = message.get("content")
     if content is None and not tool_calls and reasoning is None:
-        _fail(_MSG, f"{path}.content", _TEXT_PARTS + " (null only with tool_calls)")
+        fail(_MSG, f"{path}.content", _TEXT_PARTS + " (null only with tool_calls)")
     if content is not None:
         content = _content(content, f"{path}.content")
     return Assistant(content, reasoning, tool_calls)
@@ -296,7 +264,7 @@ def _tool_call(value: object, path: str) -> ToolCall:
     """One tool call of an assistant: C{{id, type: "function", function: {name, arguments}}}."""
     call = _object(value, path)
     if call.get("type") not in (None, "function"):
-        _fail(_MSG, f"{path}.type", 'expected "function"')
+        fail(_MSG, f"{path}.type", 'expected "function"')
     function = _object(call.get("function"), f"{path}.function")
     return ToolCall(
         _string(call.get("id"), f"{path}.id"),
@@ -310,19 +278,19 @@ def _tools(value: object) -> tuple[ToolSchema, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
-        _fail(_TOOLS, "tools", "expected an array of tools")
+        fail(_TOOLS, "tools", "expected an array of tools")
     tools: list[ToolSchema] = []
     for i, item in enumerate(value):
         path = f"tools[{i}]"
         tool = _object(item, path, _TOOLS)
         if tool.get("type") != "function":
-            _fail(_TOOLS, f"{path}.type", 'expected "function"')
+            fail(_TOOLS, f"{path}.type", 'expected "function"')
         function = _object(tool.get("function"), f"{path}.function", _TOOLS)
         name = function.get("name")
         if not isinstance(name, str) or not name:
-            _fail(_TOOLS, f"{path}.function.name", "expected a non-empty string")
+            fail(_TOOLS, f"{path}.function.name", "expected a non-empty string")
         if any(offered.name == name for offered in tools):
-            _fail(_TOOLS, f"{path}.function.name", f"{_show(name)} is offered twice")
+            fail(_TOOLS, f"{path}.function.name", f"{show(name)} is offered twice")
         description = function.get("description")
         if description is not None:
             description = _string(description, f"{path}.function.description", _TOOLS)
@@ -330,7 +298,7 @@ def _tools(value: object) -> tuple[ToolSchema, ...]:
         if parameters is None:
             parameters = {"type": "object"}
         elif not isinstance(parameters, dict):
-            _fail(_TOOLS, f"{path}.function.parameters", "expected a JSON schema object")
+            fail(_TOOLS, f"{path}.function.parameters", "expected a JSON schema object")
         tools.append(ToolSchema(name, description or "", parameters))
     return tuple(tools)
 
@@ -349,9 +317,9 @@ def _tool_choice(
         name = _string(name, "tool_choice.function.name", _PARAM)
         chosen = tuple(tool for tool in tools if tool.name == name)
         if not chosen:
-            _fail(_PARAM, "tool_choice.function.name", f"{_show(name)} is not in tools")
+            fail(_PARAM, "tool_choice.function.name", f"{show(name)} is not in tools")
         return "required", chosen
-    _fail(_PARAM, "tool_choice", _CHOICES)
+    fail(_PARAM, "tool_choice", _CHOICES)
 
 
 def _thinking_switches(document: dict[str, Any]) -> tuple[ThinkingSwitch, ...]:
@@ -416,7 +384,7 @@ def _max_tokens(document: dict[str, Any]) -> int | None:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            _fail(_PARAM, key, "expected a positive integer")
+            fail(_PARAM, key, "expected a positive integer")
         limits.append(value)
     return min(limits) if limits else None
 
@@ -426,7 +394,7 @@ def _number(value: object, path: str, high: int) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= high:
-        _fail(_PARAM, path, f"expected a number from 0 to {high}")
+        fail(_PARAM, path, f"expected a number from 0 to {high}")
     return float(value)
 
 
@@ -437,8 +405,8 @@ def _stop(value: object) -> tuple[str, ...]:
     if isinstance(value, str) and value:
         return (value,)
     if not isinstance(value, list) or len(value) > MAX_STOP:
-        _fail(_PARAM, "stop", f"expected a non-empty string or an array of up to {MAX_STOP}")
+        fail(_PARAM, "stop", f"expected a non-empty string or an array of up to {MAX_STOP}")
     for j, item in enumerate(value):
         if not isinstance(item, str) or not item:
-            _fail(_PARAM, f"stop[{j}]", "expected a non-empty string")
+            fail(_PARAM, f"stop[{j}]", "expected a non-empty string")
     return tuple(value)
