@@ -161,6 +161,27 @@ class BadInputTests(SynchronousTestCase):
         connection.send(head("Content-Length: 1000000000000") + MODELS)
         self.assertEqual([r.status for r in connection.responses()], [413])
 
+    def test_form_content_type_left_to_the_door(self) -> None:
+        """
+        A body that claims to be a form is not parsed as one (Twisted would refuse this
+        one as a malformed multipart body and close): the chat door reads it, and finds
+        no messages.
+        """
+        harness = GatewayHarness()
+        connection = harness.connect()
+        body = b"{}"
+        connection.send(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: loopd\r\n"
+            b"Content-Type: multipart/form-data; boundary=x\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        response = connection.response()
+        self.assertEqual(response.status, 400)
+        self.assertEqual(response.headers["content-type"], "application/json")
+        self.assertEqual(response.json()["error"]["code"], "missing_messages")
+        self.assertEqual(harness.fake.requests, [])
+
     def test_chunks_past_cap_answered_before_the_end(self) -> None:
         """
         A chunked body is refused as soon as it passes the cap, before its last chunk.
