@@ -10,6 +10,10 @@ Part 2 (`measure_sessions`): ``sessions`` threads, each its own conversation of
 ``turns`` short turns (thinking off), all started together. Through loopd each thread
 sends its own ``X-Session-Id``; direct, each sends the upstream body with ``id_slot``
 -1 and lets the server choose. The two paths run one after the other, never at once.
+
+Part 3 (`measure_cpu`): ``requests`` of part 1's streams through loopd, one at a time;
+the CPU seconds the server, inferproxy and loopd each spent meanwhile, read from /proc
+before and after (`_gateway_stack.cpu_seconds`), and the tokens streamed.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from _gateway_stack import MODEL, Result, Stack, stream_chat
+from _gateway_stack import MODEL, Result, Stack, cpu_seconds, stream_chat
 from _servers import BenchError
 
 from loopd.config import Config, Endpoint
@@ -90,6 +94,32 @@ def measure_long(
                 out[path].results.append(result)
             time.sleep(gap)
     return out
+
+
+@dataclass(frozen=True)
+class CpuUse:
+    """Part 3: the CPU seconds each process spent on the streams, and their tokens."""
+
+    seconds: dict[str, float]
+    tokens: int
+
+
+CPU_PROCESSES = ("server", "inferproxy", "loopd")
+"""Part 3's processes, the anchor first."""
+
+
+def measure_cpu(stack: Stack, requests: int, tokens: int, timeout: float) -> CpuUse:
+    """Stream requests tokens-long answers through loopd; return each process's CPU."""
+    loopd_body, _ = long_bodies(tokens)
+    before = {name: cpu_seconds(stack.pids[name]) for name in CPU_PROCESSES}
+    streamed = 0
+    for _ in range(requests):
+        result = stream_chat(stack.loopd_socket, loopd_body, timeout, "bench-cpu")
+        if result.tokens != tokens:
+            raise BenchError(f"loopd: {result.tokens} tokens generated, not {tokens}")
+        streamed += result.tokens
+    after = {name: cpu_seconds(stack.pids[name]) for name in CPU_PROCESSES}
+    return CpuUse({name: after[name] - before[name] for name in CPU_PROCESSES}, streamed)
 
 
 def _turn_text(session: int, turn: int) -> str:

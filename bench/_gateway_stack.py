@@ -38,10 +38,12 @@ QUEUE_DEPTH = 64
 
 @dataclass(frozen=True)
 class Stack:
-    """Where the two paths lead: the server's TCP port and loopd's Unix socket."""
+    """Where the two paths lead: the server's TCP port and loopd's Unix socket; and the
+    process ids of the server, inferproxy and loopd, by those names (for their CPU time)."""
 
     port: int
     loopd_socket: str
+    pids: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,18 @@ def start(children: Children, threads: int, grace_ms: int | None = None) -> Stac
     argv = [sys.executable, "-m", "twisted", "--log-format=text", "loopd", "--config", config]
     proc = children.spawn("loopd", argv, log=True)
     wait_socket(children, proc, "loopd", listen)
-    return Stack(port, listen)
+    pids = {name: child.pid for name, child, _log in children.procs}
+    return Stack(port, listen, {"server": pids["llama-server"], **pids})
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user and system, all threads) process pid has used so far, from
+    /proc/<pid>/stat (Linux)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        # The command name (field 2) is in parentheses and may hold spaces.
+        fields = f.read().rsplit(")", 1)[1].split()
+    utime, stime = int(fields[11]), int(fields[12])
+    return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
 def _counts(chunk: dict[str, Any]) -> tuple[int, int] | None:

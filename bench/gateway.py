@@ -29,6 +29,11 @@ does and once with ``X-Session-End: true`` on each session's last turn
 each loopd path's ratio to direct, and the plain loopd path's goals (issue 13: at least
 0.9x direct's turns/s, at most 2x its p95 first token).
 
+Part 3, CPU: ``--requests`` more of part 1's loopd streams, one at a time; the CPU
+seconds (user and system, from /proc, so Linux only) the server, inferproxy and loopd
+each spent on them, per 1,000 streamed tokens, with the server's own as the anchor and
+each process's ratio to it.
+
 ``--part`` runs only one part. The exit status is 0 when every measurement ran (goals
 met or not), else 1.
 """
@@ -44,7 +49,14 @@ import textwrap
 from collections.abc import Callable
 from importlib.metadata import version
 
-from _gateway_runs import Samples, measure_long, measure_sessions
+from _gateway_runs import (
+    CPU_PROCESSES,
+    CpuUse,
+    Samples,
+    measure_cpu,
+    measure_long,
+    measure_sessions,
+)
 from _gateway_stack import QUEUE_DEPTH, Stack, start
 from _report import W, non_negative, percentile, positive, verdict
 from _servers import BenchError, Children, ignore_exit_signals, run_guarded
@@ -144,13 +156,30 @@ def print_sessions(results: dict[str, Samples], args: argparse.Namespace) -> Non
     )
 
 
+def print_cpu(use: CpuUse, args: argparse.Namespace) -> None:
+    """Print part 3: CPU seconds per 1,000 streamed tokens, and each ratio to the server's."""
+    header = (
+        f"Part 3, CPU: {args.requests} more streams through loopd, one at a time, each"
+        f" {args.tokens} tokens of reasoning ({use.tokens} tokens in all); the CPU seconds"
+        " (user + system, /proc) each process spent meanwhile. The server's is the anchor."
+    )
+    print("\n" + textwrap.fill(header, 88))
+    print("\n" + " " * W + f"{'s/1k tok':>10}{'/server':>10}")
+    anchor = use.seconds["server"]
+    for name in CPU_PROCESSES:
+        seconds = use.seconds[name]
+        ratio = seconds / anchor if anchor else math.nan
+        per_1k = 1000 * seconds / use.tokens
+        print(f"{name + ', CPU s per 1,000 tokens':<{W}}{per_1k:>10.4f}{ratio:>10.2f}")
+
+
 def run(args: argparse.Namespace) -> None:
     """Start the stack, run the parts asked for, print their reports."""
     children = Children()
     try:
         print("  starting the llama server, inferproxy and loopd ...", file=sys.stderr)
         stack: Stack = start(children, args.threads, args.grace_ms)
-        long_results = session_results = None
+        long_results = session_results = cpu_use = None
         if args.part in ("all", "latency"):
             print(
                 f"  part 1: {args.warmup} + {args.requests} requests per path ...",
@@ -161,6 +190,9 @@ def run(args: argparse.Namespace) -> None:
             long_results = measure_long(
                 stack, args.requests, args.warmup, args.tokens, gap, args.io_timeout
             )
+        if args.part in ("all", "cpu"):
+            print(f"  part 3: {args.requests} streams through loopd ...", file=sys.stderr)
+            cpu_use = measure_cpu(stack, args.requests, args.tokens, args.io_timeout)
         if args.part in ("all", "sessions"):
             print(f"  part 2: {args.sessions} sessions per path ...", file=sys.stderr)
             session_results = {}
@@ -175,6 +207,8 @@ def run(args: argparse.Namespace) -> None:
         print_long(long_results, args)
     if session_results is not None:
         print_sessions(session_results, args)
+    if cpu_use is not None:
+        print_cpu(cpu_use, args)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -184,7 +218,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
-    add("--part", choices=("all", "latency", "sessions"), default="all", help="what to run")
+    add("--part", choices=("all", "latency", "sessions", "cpu"), default="all", help="what to run")
     add("--requests", type=positive, default=200, help="part 1: timed requests per path")
     add("--warmup", type=non_negative, default=10, help="part 1: untimed requests first")
     add("--tokens", type=positive, default=200, help="part 1: tokens per answer")
