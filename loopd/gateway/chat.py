@@ -9,6 +9,7 @@ errors in OpenAI's shape. The way between is L{loopd.gateway.exchange}'s, as for
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 
 from loopd.gateway.door import Answer, Header
@@ -17,7 +18,7 @@ from loopd.gateway.render import ChunkStream, completion_json, loopd_comment, ne
 from loopd.gateway.request import GatewayRequest, read_session
 from loopd.gateway.translate import parse_request
 from loopd.gateway.web import comment_line, data_line, done_line
-from loopd.llama.types import ChatEvent, Completion
+from loopd.llama.types import ChatEvent, Completion, Content, Reasoning
 
 __all__ = ["ChatDoor"]
 
@@ -54,19 +55,61 @@ class ChatDoor:
         return error.status, error.body()
 
 
+#: Stands for a piece's text while a text chunk's template is rendered (see L{_TextLine}).
+_SAMPLE_TEXT = "\x00"
+
+
+class _TextLine:
+    """
+    The SSE line of a plain text piece (reasoning or content, the first choice, no logprobs)
+    from a template: the bytes L{data_line} makes of L{ChunkStream}'s chunk for it, before
+    and after the encoded text, so that a piece costs one encoding of its string instead of
+    building and encoding the whole chunk. The template is that very rendering, cut where
+    a sample text stands, so both ways give the same bytes.
+    """
+
+    __slots__ = ("_after", "_before")
+
+    def __init__(self, chunks: ChunkStream, sample: Reasoning | Content) -> None:
+        """@param sample: a piece of the kind this line carries, with L{_SAMPLE_TEXT}."""
+        (chunk,) = chunks.chunks_for(sample)
+        self._before, self._after = data_line(chunk).split(_encoded(_SAMPLE_TEXT).encode())
+
+    def __call__(self, text: str) -> bytes:
+        """The line for a piece with C{text}."""
+        return self._before + _encoded(text).encode() + self._after
+
+
+def _encoded(text: str) -> str:
+    """C{text} as a JSON string, as L{data_line} encodes the strings of a chunk."""
+    return json.dumps(text, ensure_ascii=False)
+
+
 class _ChatAnswer:
     """One chat-completions answer: L{ChunkStream}'s chunks, or the C{chat.completion}."""
 
     def __init__(self, chunks: ChunkStream) -> None:
         """@param chunks: renders this answer's chunks."""
         self._chunks = chunks
+        self._text_lines = {
+            Reasoning: _TextLine(chunks, Reasoning(_SAMPLE_TEXT)),
+            Content: _TextLine(chunks, Content(_SAMPLE_TEXT)),
+        }
 
     def opening(self) -> bytes:
         """The role chunk."""
         return data_line(self._chunks.role_chunk())
 
     def during(self, event: ChatEvent) -> bytes:
-        """A C{: loopd} comment for loopd's own events, then the event's chunks."""
+        """
+        A C{: loopd} comment for loopd's own events, then the event's chunks; a plain text
+        piece, nearly every event of a stream, from its template (L{_TextLine}).
+        """
+        text_line = self._text_lines.get(type(event))
+        if text_line is not None:
+            piece: Reasoning | Content = event  # type: ignore[assignment]
+            if piece.text and piece.choice == 0 and not piece.logprobs:
+                return text_line(piece.text)
         comment = loopd_comment(event)
         lines = [] if comment is None else [comment_line(comment)]
         lines.extend(data_line(chunk) for chunk in self._chunks.chunks_for(event))
