@@ -28,6 +28,7 @@ one finds the slot idle.
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import os
@@ -129,7 +130,15 @@ def start(children: Children, threads: int) -> Setup:
 
 def the_request() -> tuple[Config, Endpoint, ChatRequest]:
     """Return the config, endpoint (no socket yet) and request both paths send."""
-    endpoint = Endpoint(name="tiny", socket="")
+    # The limits PROXY_CMD starts inferproxy with: the client paces its connections to
+    # them, and the defaults (2 a second after a burst of 10) would pace every request.
+    endpoint = Endpoint(
+        name="tiny",
+        socket="",
+        proxy_max_connections=64,
+        proxy_burst=1000000,
+        proxy_refill_per_second=1000000.0,
+    )
     return (
         Config(endpoints=(endpoint,)),
         endpoint,
@@ -234,7 +243,7 @@ async def measure(
     """Run warmup + requests rounds of one request per path; return the samples."""
     config, endpoint, request = the_request()
     body = encode(chat_body(request, config, endpoint))
-    endpoint = Endpoint(name=endpoint.name, socket=setup.socket)
+    endpoint = dataclasses.replace(endpoint, socket=setup.socket)
     client = Client(reactor, Config(endpoints=(endpoint,)), endpoint)
     results = {path: Samples() for path in PATHS}
     for i in range(warmup + requests):

@@ -15,8 +15,8 @@ reasoning or content delta; the end is ``[DONE]``.
 Part 1, latency: ``--requests`` (200) streamed requests per path whose answer is
 ``--tokens`` (200) tokens of reasoning, after ``--warmup`` (10) untimed ones, one at a
 time in rounds of both paths. It prints the median and p90 of the time to the first
-token and of the total time, and what loopd adds to the direct medians (goal: at most
-2 ms).
+token and of the total time, what loopd adds to the direct medians and the ratio (goals,
+issue 15: at most 1 ms to the first token, 2 ms to the whole stream).
 
 Part 2, sessions: ``--sessions`` (16) threads, each a conversation of ``--turns`` (5)
 short turns, all at once on the 2 slots; through loopd each has its own
@@ -63,7 +63,7 @@ from _servers import BenchError, Children, ignore_exit_signals, run_guarded
 
 PATHS = ("loopd", "direct")
 """Both paths, in the order printed."""
-ADDED_GOAL_MS = 2.0
+ADDED_GOALS_MS = {"first token": 1.0, "total": 2.0}
 """loopd may add at most this many ms to the direct path's medians."""
 TURNS_GOAL = 0.9
 """Part 2: loopd's turns/s at least this share of direct's."""
@@ -93,16 +93,18 @@ def print_long(results: dict[str, Samples], args: argparse.Namespace) -> None:
         " inferproxy, loopd and this process."
     )
     print("\n" + textwrap.fill(header, 88))
-    print("\n" + " " * W + "".join(f"{p:>10}" for p in PATHS) + f"{'added':>10}")
+    print("\n" + " " * W + "".join(f"{p:>10}" for p in PATHS) + f"{'added':>10}{'ratio':>8}")
     for label, get in LONG_ROWS:
         cells = {path: get(results[path]) for path in PATHS}
         row = "".join(f"{cells[path]:>10.3f}" for path in PATHS)
-        print(f"{label:<{W}}{row}{cells['loopd'] - cells['direct']:>10.3f}")
+        ratio = cells["loopd"] / cells["direct"]
+        print(f"{label:<{W}}{row}{cells['loopd'] - cells['direct']:>10.3f}{ratio:>8.2f}")
     print()
-    for label, index in (("added, first token median ms", 0), ("added, total median ms", 2)):
+    for what, index in (("first token", 0), ("total", 2)):
         get = LONG_ROWS[index][1]
         added = get(results["loopd"]) - get(results["direct"])
-        print(f"{label:<{W}}{added:>10.3f}   {verdict(added, '<=', ADDED_GOAL_MS)}")
+        goal = verdict(added, "<=", ADDED_GOALS_MS[what])
+        print(f"{f'added, {what} median ms':<{W}}{added:>10.3f}   {goal}")
 
 
 SESSION_ROWS: tuple[tuple[str, str, Callable[[Samples], float]], ...] = (
