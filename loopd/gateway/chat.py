@@ -91,10 +91,8 @@ class _ChatAnswer:
     def __init__(self, chunks: ChunkStream) -> None:
         """@param chunks: renders this answer's chunks."""
         self._chunks = chunks
-        self._text_lines = {
-            Reasoning: _TextLine(chunks, Reasoning(_SAMPLE_TEXT)),
-            Content: _TextLine(chunks, Content(_SAMPLE_TEXT)),
-        }
+        # Made on a kind's first piece: an answer without thinking never needs the other.
+        self._text_lines: dict[type[ChatEvent], _TextLine] = {}
 
     def opening(self) -> bytes:
         """The role chunk."""
@@ -105,10 +103,13 @@ class _ChatAnswer:
         A C{: loopd} comment for loopd's own events, then the event's chunks; a plain text
         piece, nearly every event of a stream, from its template (L{_TextLine}).
         """
-        text_line = self._text_lines.get(type(event))
-        if text_line is not None:
+        kind = type(event)
+        if kind is Reasoning or kind is Content:
             piece: Reasoning | Content = event  # type: ignore[assignment]
             if piece.text and piece.choice == 0 and not piece.logprobs:
+                text_line = self._text_lines.get(kind)
+                if text_line is None:
+                    text_line = self._text_lines[kind] = _TextLine(self._chunks, kind(_SAMPLE_TEXT))
                 return text_line(piece.text)
         comment = loopd_comment(event)
         lines = [] if comment is None else [comment_line(comment)]
