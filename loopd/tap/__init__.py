@@ -1,14 +1,24 @@
+# -*- test-case-name: loopd.test.test_tap -*-
 """
 The C{twist} plugins' option parsers and service builders, one module per command.
 """
 
 from __future__ import annotations
 
+import gc
+from typing import Any
+
 from twisted.application.service import MultiService
 
 from loopd.unixsocket import UnixSocketError
 
-__all__ = ["ExitOnListenError", "non_negative_float", "positive_float", "positive_int"]
+__all__ = [
+    "ExitOnListenError",
+    "freeze_startup_objects",
+    "non_negative_float",
+    "positive_float",
+    "positive_int",
+]
 
 
 class ExitOnListenError(MultiService):
@@ -73,3 +83,17 @@ def non_negative_float(value: str) -> float:
 
 
 non_negative_float.coerceDoc = "Zero or a positive number."  # type: ignore[attr-defined]
+
+
+def freeze_startup_objects(reactor: Any) -> None:
+    """
+    Once C{reactor} runs, move every object made so far (modules, the configuration, the
+    services) out of the garbage collector's reach with C{gc.freeze()}.
+
+    They live as long as the process, yet each full collection walked them all: in
+    C{twist loopd} about 60,000 objects and a 24 ms pause every few hundred requests,
+    landing on whichever request was being served. Only the C{twist} commands call this
+    (their C{makeService} with no reactor given); a program that embeds the services keeps
+    its own collector settings.
+    """
+    reactor.callWhenRunning(gc.freeze)

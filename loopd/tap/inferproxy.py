@@ -18,7 +18,13 @@ from loopd.inferproxy import (
     parse_upstream,
     upstream_endpoint,
 )
-from loopd.tap import ExitOnListenError, non_negative_float, positive_float, positive_int
+from loopd.tap import (
+    ExitOnListenError,
+    freeze_startup_objects,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
 
 __all__ = ["Options", "makeService"]
 
@@ -99,6 +105,8 @@ def makeService(options: Options, reactor: Any = None) -> IService:
     """
     if reactor is None:
         from twisted.internet import reactor
+
+        freeze_startup_objects(reactor)
     limits = ProxyLimits(
         max_connections=options["max-connections"],
         burst=options["burst"],

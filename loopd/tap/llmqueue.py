@@ -13,7 +13,7 @@ from twisted.python import usage
 
 from loopd.queue.daemon import LlmQueueService
 from loopd.queue.paths import agent_dir
-from loopd.tap import positive_int
+from loopd.tap import freeze_startup_objects, positive_int
 
 __all__ = ["Options", "makeService"]
 
@@ -59,6 +59,8 @@ def makeService(options: Options, reactor: Any = None) -> IService:
     """
     if reactor is None:
         from twisted.internet import reactor
+
+        freeze_startup_objects(reactor)
     return LlmQueueService(
         reactor,
         agent_dir(options["agent-dir"]),

@@ -14,6 +14,7 @@ from twisted.python import usage
 
 from loopd.config import ConfigError, load_config
 from loopd.service import LoopdService
+from loopd.tap import freeze_startup_objects
 
 __all__ = ["EX_USAGE", "Options", "default_config_path", "makeService"]
 
@@ -74,4 +75,6 @@ def makeService(options: Options, reactor: Any = None) -> IService:
     """
     if reactor is None:
         from twisted.internet import reactor
+
+        freeze_startup_objects(reactor)
     return LoopdService(reactor, options["loaded"])
