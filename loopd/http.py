@@ -80,7 +80,6 @@ from twisted.web.iweb import IBodyProducer, IResponse
 from zope.interface import implementer
 
 from loopd.errors import Connect, InferError, Protocol, ProxyRefused, StreamClosedEarly
-from loopd.write_now import flush
 
 __all__ = ["HOST", "HttpCaps", "HttpResponse", "Opener", "opener", "request"]
 
@@ -525,8 +524,6 @@ class _Exchange:
         if self._on_connected is not None:
             self._on_connected()
         answer = protocol.request(self._request)
-        # The request goes out now, not on the reactor's next turn.
-        flush(protocol.transport)
         self._pending = answer
         answer.addCallbacks(
             lambda response: self._answered(protocol, response), self._request_failed

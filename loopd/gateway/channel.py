@@ -41,7 +41,6 @@ from twisted.web.server import Site
 
 from loopd.gateway.errors import GatewayError
 from loopd.settings import Server
-from loopd.write_now import send_or_queue
 
 __all__ = ["ErrorShape", "GatewayChannel", "GatewaySite", "error_response"]
 
@@ -100,19 +99,6 @@ class GatewayChannel(HTTPChannel):
     _window_start = 0
     _held = False
     _parsing = "the request line"
-
-    # --- writing ---
-
-    def write(self, data: bytes) -> None:
-        """
-        A piece of a response: sent at once when nothing is queued ahead of it
-        (L{send_or_queue}), which spares each streamed chunk a reactor turn.
-        """
-        send_or_queue(self.transport, data)
-
-    def writeSequence(self, iovec: Sequence[bytes]) -> None:
-        """Pieces of a response (a chunk's framing and its data), as one L{write}."""
-        send_or_queue(self.transport, b"".join(iovec))
 
     # --- refusals ---
 

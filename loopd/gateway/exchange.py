@@ -63,7 +63,6 @@ from loopd.llama.retry import is_retryable
 from loopd.llama.types import ChatEvent, Completion, Content, Reasoning, ToolCallDelta
 from loopd.moa.roles import VIRTUAL_MODEL_NAME as MESH_MODEL
 from loopd.settings import Endpoint
-from loopd.write_now import flush
 
 __all__ = ["DoorRoute", "ExchangeHost", "write_error"]
 
@@ -321,8 +320,6 @@ class _Exchange:
             return
         self._start_stream()
         self._request.write(data)
-        # Out now rather than on the reactor's next turn: the client has it a turn sooner.
-        flush(self._request.transport)
 
     def _start_stream(self) -> None:
         """Open the event stream with the door's opening (a role chunk ...), once."""
@@ -422,6 +419,4 @@ class _Exchange:
             self._request.unregisterProducer()
         if body:
             self._request.write(body)
-        # The answer's last bytes before the close that finish() may begin.
-        flush(self._request.transport)
         self._request.finish()

@@ -41,10 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "loopd.access_token",
         ),
     ),
-    (
-        "wire: HTTP over a Unix socket, server-sent events, writing at once",
-        ("loopd.write_now", "loopd.http", "loopd.sse"),
-    ),
+    ("wire: HTTP over a Unix socket, server-sent events", ("loopd.http", "loopd.sse")),
     (
         "the llama client, the self-test, the forwarder",
         ("loopd.llama.*", "loopd.selftest", "loopd.inferproxy"),
