@@ -38,7 +38,6 @@ import json
 import math
 import select
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +66,6 @@ from loopd.unixsocket import listen_unix
 __all__ = [
     "InferProxyFactory",
     "InferProxyService",
-    "SPARE_SECONDS",
     "ProxyLimits",
     "TokenBucket",
     "parse_upstream",
@@ -82,11 +80,6 @@ LOG_PREFIX = "inferproxy"
 _log = Logger(namespace="loopd.inferproxy")
 
 
-#: C{twist inferproxy}'s default C{--spare-seconds}: below the 5 s after which uvicorn (vLLM,
-#: SGLang) closes a connection that has sent no request.
-SPARE_SECONDS = 4.0
-
-
 @dataclass(frozen=True)
 class ProxyLimits:
     """
@@ -96,16 +89,12 @@ class ProxyLimits:
     @ivar burst: accepts allowed back to back before the bucket runs dry.
     @ivar refill_per_second: tokens added to the bucket per second.
     @ivar connect_timeout: seconds to wait for the upstream TCP connection.
-    @ivar spare_seconds: how long a spare upstream connection, made in advance for the next
-        client, is kept unused before it is closed; 0, the seed's way, makes none (see
-        L{_Spare}; C{twist inferproxy} keeps one for L{SPARE_SECONDS}).
     """
 
     max_connections: int = 8
     burst: int = 10
     refill_per_second: float = 2.0
     connect_timeout: float = 10.0
-    spare_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         """
@@ -116,8 +105,6 @@ class ProxyLimits:
             raise ValueError("max_connections and burst must be at least 1")
         if not self.refill_per_second > 0 or not self.connect_timeout > 0:
             raise ValueError("refill_per_second and connect_timeout must be positive")
-        if not self.spare_seconds >= 0 or math.isinf(self.spare_seconds):
-            raise ValueError("spare_seconds must be zero or positive and finite")
 
 
 class TokenBucket:
@@ -431,18 +418,14 @@ class _Pair:
 
 class _UpstreamSide(_Relay):
     """
-    The TCP side of a pair, connected to the upstream server; or a spare one, made before
-    its client came, that joins a pair when one takes it (L{join}).
+    The TCP side of a pair, connected to the upstream server.
     """
 
-    def __init__(self, pair: _Pair | None, on_idle_end: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, pair: _Pair) -> None:
         """
-        @param pair: the pair this side belongs to; None for a spare.
-        @param on_idle_end: for a spare, called if it ends (the upstream closed it or sent
-            something unasked) before a pair took it.
+        @param pair: the pair this side belongs to.
         """
-        self._joined = pair
-        self._on_idle_end = on_idle_end
+        self._pair = pair
 
     def connectionMade(self) -> None:
         """
@@ -450,47 +433,7 @@ class _UpstreamSide(_Relay):
         """
         if ITCPTransport.providedBy(self.transport):
             self.transport.setTcpNoDelay(True)
-        if self._joined is not None:
-            self._joined.side_opened()
-
-    def join(self, pair: _Pair) -> None:
-        """A spare becomes the upstream side of C{pair}."""
-        self._joined = pair
-        pair.side_opened()
-
-    @property
-    def _pair(self) -> _Pair:  # type: ignore[override]
-        assert self._joined is not None
-        return self._joined
-
-    def dataReceived(self, data: bytes) -> None:
-        """Relay C{data}; a spare that is sent anything before its client is spoiled."""
-        if self.peer is None:
-            self._idle_end()
-            return
-        super().dataReceived(data)
-
-    def readConnectionLost(self) -> None:
-        """EOF: relayed as a half-close, or the end of a spare."""
-        if self.peer is None:
-            self._idle_end()
-            return
-        super().readConnectionLost()
-
-    def connectionLost(self, reason: Failure = connectionDone) -> None:
-        """As any side; a spare that is lost is only forgotten."""
-        if self._joined is None:
-            self._lost = True
-            self._idle_end()
-            return
-        super().connectionLost(reason)
-
-    def _idle_end(self) -> None:
-        """A spare ended before use: tell its keeper once, and close it."""
-        on_idle_end, self._on_idle_end = self._on_idle_end, lambda: None
-        on_idle_end()
-        if not self._lost:
-            self.transport.abortConnection()
+        self._pair.side_opened()
 
 
 class _UpstreamFactory(Factory):
@@ -504,123 +447,17 @@ class _UpstreamFactory(Factory):
         """The component that Twisted's log lines of this connection name: L{LOG_PREFIX}."""
         return LOG_PREFIX
 
-    def __init__(self, pair: _Pair | None, on_idle_end: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, pair: _Pair) -> None:
         """
-        @param pair: the pair the upstream side joins; None for a spare.
-        @param on_idle_end: as for L{_UpstreamSide}.
+        @param pair: the pair the upstream side joins.
         """
         self._pair = pair
-        self._on_idle_end = on_idle_end
 
     def buildProtocol(self, addr: IAddress | None) -> _UpstreamSide:
         """
         The upstream side of the pair.
         """
-        return _UpstreamSide(self._pair, self._on_idle_end)
-
-
-class _Spare:
-    """
-    At most one upstream connection made in advance, so that the next client's request
-    goes upstream as soon as it is read instead of a connection set-up later.
-
-    A spare is made after each accepted client (never while no client has come, so a
-    server that is not up yet is not polled), and kept at most C{spare_seconds}: servers
-    close a connection that sends no request (uvicorn after 5 s, llama-server after its
-    C{--timeout}), and one closed under a client's request would fail it. Before it is
-    handed over it is checked without waiting: a spare the upstream has sent anything to
-    or closed is dropped, and the client connects afresh as without a spare. It holds one
-    of the server's HTTP threads while it waits (llama-server has at least C{--parallel}
-    plus two).
-    """
-
-    def __init__(self, factory: InferProxyFactory) -> None:
-        """@param factory: the upstream endpoint, the clock and the limits."""
-        self._factory = factory
-        self._ready: _UpstreamSide | None = None
-        self._connecting: Deferred[Any] | None = None
-        self._expiry: IDelayedCall | None = None
-
-    @property
-    def ready(self) -> bool:
-        """Whether a spare is connected and waiting now."""
-        return self._ready is not None
-
-    def take(self) -> _UpstreamSide | None:
-        """The spare, if one is connected and sound, for a pair to join; else None."""
-        spare, self._ready = self._ready, None
-        self._stop_expiry()
-        if spare is None:
-            return None
-        if not spare.is_open() or _readable_now(spare.transport):
-            spare.transport.abortConnection()
-            return None
-        return spare
-
-    def replenish(self) -> None:
-        """Start making a spare unless there is one, or one on its way, or none is wanted."""
-        seconds = self._factory.limits.spare_seconds
-        if seconds <= 0 or self._ready is not None or self._connecting is not None:
-            return
-        connecting = self._factory.upstream.connect(_UpstreamFactory(None, self._idle_end))
-        self._connecting = connecting
-        connecting.addCallbacks(self._made, self._failed)
-
-    def close(self) -> None:
-        """Drop the spare and any attempt at one (the service stops)."""
-        if self._connecting is not None:
-            self._connecting.cancel()
-        spare = self.take()
-        if spare is not None:
-            spare.transport.loseConnection()
-
-    def _made(self, spare: _UpstreamSide) -> None:
-        """A spare is connected: keep it for C{spare_seconds}."""
-        self._connecting = None
-        self._ready = spare
-        seconds = self._factory.limits.spare_seconds
-        self._expiry = self._factory.clock.callLater(seconds, self._expire)
-
-    def _failed(self, failure: Failure) -> None:
-        """No spare this time; the next client connects as without one."""
-        self._connecting = None
-        if not failure.check(CancelledError):
-            _log.debug("no spare upstream connection: {reason}", reason=failure.getErrorMessage())
-
-    def _expire(self) -> None:
-        """Unused for C{spare_seconds}: close it (a new one comes with the next client)."""
-        self._expiry = None
-        spare, self._ready = self._ready, None
-        if spare is not None:
-            spare.transport.loseConnection()
-
-    def _idle_end(self) -> None:
-        """The waiting spare ended by itself: forget it."""
-        self._ready = None
-        self._stop_expiry()
-
-    def _stop_expiry(self) -> None:
-        """Cancel the expiry timer, if it is pending."""
-        if self._expiry is not None and self._expiry.active():
-            self._expiry.cancel()
-        self._expiry = None
-
-
-def _readable_now(transport: Any) -> bool:
-    """
-    Whether the socket of C{transport} has something to read, an EOF or an error waiting:
-    an idle upstream connection that does has been spoiled or closed. A transport without a
-    socket (an in-memory one) cannot be looked at and counts as sound.
-    """
-    fileno = getattr(transport, "fileno", None)
-    if fileno is None:
-        return False
-    try:
-        poller = select.poll()
-        poller.register(fileno(), select.POLLIN | select.POLLPRI)
-        return bool(poller.poll(0))
-    except (OSError, ValueError):
-        return True
+        return _UpstreamSide(self._pair)
 
 
 class _ClientSide(_Relay):
@@ -643,19 +480,12 @@ class _ClientSide(_Relay):
 
     def connectionMade(self) -> None:
         """
-        Join the spare upstream connection if there is a sound one, else pause the client
-        and open an upstream connection; then see to the next client's spare.
+        Pause the client and open the upstream connection.
         """
-        spare = self._factory.spare.take()
-        if spare is not None:
-            spare.join(self._pair)
-            self._upstream_connected(spare)
-        else:
-            self.transport.pauseProducing()
-            connecting = self._factory.upstream.connect(_UpstreamFactory(self._pair))
-            self._connecting = connecting
-            connecting.addCallbacks(self._upstream_connected, self._upstream_failed)
-        self._factory.spare.replenish()
+        self.transport.pauseProducing()
+        connecting = self._factory.upstream.connect(_UpstreamFactory(self._pair))
+        self._connecting = connecting
+        connecting.addCallbacks(self._upstream_connected, self._upstream_failed)
 
     def _upstream_connected(self, upstream: _UpstreamSide) -> None:
         """
@@ -746,8 +576,6 @@ class InferProxyFactory(Factory):
         self.limits = limits
         self._bucket = TokenBucket(clock, limits.burst, limits.refill_per_second)
         self._clock = clock
-        self.clock = clock
-        self.spare = _Spare(self)
         self._open_pairs = 0
         self._lingering = _Lingering()
 
@@ -874,11 +702,9 @@ class InferProxyService(Service):
 
     def stopService(self) -> Deferred[None] | None:
         """
-        Stop listening and close the spare upstream connection; the socket file is removed
-        when the returned Deferred fires.
+        Stop listening; the socket file is removed when the returned Deferred fires.
         """
         super().stopService()
-        self.factory.spare.close()
         port, self._port = self._port, None
         if port is None:
             return None

@@ -12,13 +12,7 @@ from twisted.application.service import MultiService
 
 from loopd.unixsocket import UnixSocketError
 
-__all__ = [
-    "ExitOnListenError",
-    "freeze_startup_objects",
-    "non_negative_float",
-    "positive_float",
-    "positive_int",
-]
+__all__ = ["ExitOnListenError", "freeze_startup_objects", "positive_float", "positive_int"]
 
 
 class ExitOnListenError(MultiService):
@@ -70,19 +64,6 @@ def positive_float(value: str) -> float:
 
 
 positive_float.coerceDoc = "A positive number."  # type: ignore[attr-defined]
-
-
-def non_negative_float(value: str) -> float:
-    """
-    Parse an option value that must be zero or a positive, finite number.
-    """
-    number = float(value)
-    if not number >= 0 or number == float("inf"):
-        raise ValueError(f"must be zero or a positive number, got {value}")
-    return number
-
-
-non_negative_float.coerceDoc = "Zero or a positive number."  # type: ignore[attr-defined]
 
 
 def freeze_startup_objects(reactor: Any) -> None:

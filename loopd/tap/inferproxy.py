@@ -11,20 +11,13 @@ from twisted.application.service import IService
 from twisted.python import usage
 
 from loopd.inferproxy import (
-    SPARE_SECONDS,
     InferProxyFactory,
     InferProxyService,
     ProxyLimits,
     parse_upstream,
     upstream_endpoint,
 )
-from loopd.tap import (
-    ExitOnListenError,
-    freeze_startup_objects,
-    non_negative_float,
-    positive_float,
-    positive_int,
-)
+from loopd.tap import ExitOnListenError, freeze_startup_objects, positive_float, positive_int
 
 __all__ = ["Options", "makeService"]
 
@@ -73,14 +66,6 @@ class Options(usage.Options):
             "Seconds to wait for the upstream connection.",
             positive_float,
         ],
-        [
-            "spare-seconds",
-            None,
-            SPARE_SECONDS,
-            "Keep one upstream connection made in advance for the next client, for at most"
-            " this many seconds (0: none; each client then waits for its own).",
-            non_negative_float,
-        ],
     ]
 
     def postOptions(self) -> None:
@@ -112,7 +97,6 @@ def makeService(options: Options, reactor: Any = None) -> IService:
         burst=options["burst"],
         refill_per_second=options["refill"],
         connect_timeout=options["connect-timeout"],
-        spare_seconds=options["spare-seconds"],
     )
     host, port = options["upstream_address"]
     factory = InferProxyFactory(

@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet.defer import CancelledError, Deferred, gatherResults, inlineCallbacks
 from twisted.internet.endpoints import UNIXClientEndpoint
-from twisted.internet.error import ConnectionDone, ConnectionLost, ConnectionRefusedError
+from twisted.internet.error import ConnectionLost, ConnectionRefusedError
 from twisted.internet.interfaces import (
     IHalfCloseableProtocol,
     IProtocolFactory,
@@ -425,131 +425,6 @@ class RelayTests(SynchronousTestCase):
         self.assertEqual(harness.factory.open_pairs, 0)
 
 
-class SpareTests(SynchronousTestCase):
-    """
-    With C{spare_seconds}, one upstream connection is made in advance after each client, and
-    the next client joins it at once; a spare that expires, is closed or is spoken to is
-    dropped and the client connects as without one.
-    """
-
-    def harness(self, seconds: float = 4.0) -> Harness:
-        """A harness whose limits keep a spare for C{seconds}."""
-        return Harness(ProxyLimits(burst=100, spare_seconds=seconds))
-
-    def complete(self, harness: Harness, index: int) -> tuple[Any, HalfCloseTransport]:
-        """Complete connection attempt C{index}; return its protocol and transport."""
-        factory, d = harness.endpoint.attempts[index]
-        upstream: Any = factory.buildProtocol(None)  # type: ignore[arg-type]
-        transport = HalfCloseTransport()
-        upstream.makeConnection(transport)
-        d.callback(upstream)
-        return upstream, transport
-
-    def first_pair(self, harness: Harness) -> None:
-        """Accept a client and connect its own upstream (the spare's attempt follows it)."""
-        harness.accept()
-        self.complete(harness, -2)
-
-    def spare_made(self, harness: Harness) -> HalfCloseTransport:
-        """Complete the pending spare attempt (the last one); return its transport."""
-        return self.complete(harness, -1)[1]
-
-    def test_none_before_the_first_client(self) -> None:
-        """A server that no client has asked for is not connected to."""
-        harness = self.harness()
-        self.assertEqual(harness.endpoint.attempts, [])
-        self.first_pair(harness)
-        self.assertEqual(len(harness.endpoint.attempts), 2)  # the pair's, then the spare's
-
-    def test_next_client_joins_the_spare(self) -> None:
-        """
-        The second client is paired with the spare at once: it is not paused, its bytes go
-        straight to the spare's socket, the answer comes back, and a new spare is on its way.
-        """
-        harness = self.harness()
-        self.first_pair(harness)
-        spare_transport = self.spare_made(harness)
-        client, client_transport = harness.accept()
-        self.assertEqual(client_transport.producerState, "producing")
-        self.assertEqual(harness.factory.open_pairs, 2)
-        client.dataReceived(b"GET /health HTTP/1.1\r\n\r\n")
-        self.assertEqual(spare_transport.value(), b"GET /health HTTP/1.1\r\n\r\n")
-        self.assertIs(client_transport.producer, spare_transport)
-        self.assertEqual(len(harness.endpoint.attempts), 3)
-
-    def test_expired_spare_closed(self) -> None:
-        """Unused for spare_seconds, the spare is closed; the next client connects afresh."""
-        harness = self.harness(4.0)
-        self.first_pair(harness)
-        spare_transport = self.spare_made(harness)
-        harness.clock.advance(3.9)
-        self.assertFalse(spare_transport.disconnecting)
-        harness.clock.advance(0.1)
-        self.assertTrue(spare_transport.disconnecting)
-        self.assertFalse(harness.factory.spare.ready)
-        _, client_transport = harness.accept()
-        self.assertEqual(client_transport.producerState, "paused")
-
-    def test_spare_closed_by_the_server_dropped(self) -> None:
-        """An EOF on the waiting spare drops it, counts no pair, and the next client waits
-        for its own connection."""
-        harness = self.harness()
-        self.first_pair(harness)
-        spare, spare_transport = self.complete(harness, -1)
-        spare.readConnectionLost()
-        self.assertTrue(spare_transport.disconnecting)
-        spare.connectionLost(Failure(ConnectionDone()))
-        self.assertEqual(harness.factory.open_pairs, 1)
-        self.assertFalse(harness.factory.spare.ready)
-        _, client_transport = harness.accept()
-        self.assertEqual(client_transport.producerState, "paused")
-
-    def test_spare_spoken_to_dropped(self) -> None:
-        """Bytes the server sends on a spare before any request spoil it: it is closed and
-        nothing reaches a client."""
-        harness = self.harness()
-        self.first_pair(harness)
-        spare, spare_transport = self.complete(harness, -1)
-        spare.dataReceived(b"HTTP/1.1 408 Request Timeout\r\n\r\n")
-        self.assertTrue(spare_transport.disconnecting)
-        _, client_transport = harness.accept()
-        self.assertEqual(client_transport.producerState, "paused")
-        self.assertEqual(client_transport.value(), b"")
-
-    def test_failed_spare_quiet(self) -> None:
-        """A spare that cannot connect is only a debug line; the next client connects as
-        usual and a new spare is tried."""
-        harness = self.harness()
-        self.first_pair(harness)
-        with capturedLogs() as events:
-            harness.endpoint.attempts[-1][1].errback(Failure(ConnectionRefusedError()))
-        self.assertEqual([e["log_level"].name for e in events], ["debug"])
-        _, client_transport = harness.accept()
-        self.assertEqual(client_transport.producerState, "paused")
-        self.assertEqual(len(harness.endpoint.attempts), 4)
-
-    def test_none_at_zero(self) -> None:
-        """spare_seconds 0 (the library's default): one upstream connection per client."""
-        harness = self.harness(0)
-        harness.pair()
-        harness.pair()
-        self.assertEqual(len(harness.endpoint.attempts), 2)
-
-    def test_close_drops_spare_and_attempt(self) -> None:
-        """Closing (the service stops) closes a waiting spare and cancels one being made."""
-        harness = self.harness()
-        self.first_pair(harness)
-        spare_transport = self.spare_made(harness)
-        harness.accept()  # joins the spare; a new attempt is pending
-        harness.factory.spare.close()
-        self.assertEqual(harness.endpoint.cancelled, 1)
-        self.assertFalse(spare_transport.disconnecting)  # it belongs to a pair now
-        harness.accept()
-        waiting = self.spare_made(harness)
-        harness.factory.spare.close()
-        self.assertTrue(waiting.disconnecting)
-
-
 class ParseUpstreamTests(SynchronousTestCase):
     """
     L{parse_upstream} reads HOST:PORT and refuses anything else with a reason.
@@ -776,31 +651,6 @@ class ProxySocketTests(TestCase):
         same way, with the same bound.
         """
         return self.check_bounded(slow_upstream=False)
-
-    @inlineCallbacks
-    def test_second_client_joins_the_spare(self) -> Any:
-        """
-        Over real sockets: after the first client the proxy connects a spare upstream
-        before anyone asks, and the second client's bytes arrive on that very connection;
-        both pairs then close as usual.
-        """
-        limits = ProxyLimits(max_connections=64, burst=100, spare_seconds=5.0)
-        upstream = self.start(limits=limits)
-        arrivals = [upstream.next_peer(), upstream.next_peer()]
-        first = yield self.connect()
-        first_server = yield arrivals[0]
-        spare = yield arrivals[1]
-        self.assertEqual(len(upstream.peers), 2)
-        second = yield self.connect()
-        seen: Deferred[bytes] = Deferred()
-        spare.on_data = lambda peer, data: seen.callback(data)
-        second.transport.write(b"ask")
-        data = yield seen
-        self.assertEqual(data, b"ask")
-        self.assertEqual(first_server.received, b"")
-        first.transport.loseConnection()
-        second.transport.loseConnection()
-        yield self.proxy.all_closed()
 
     @inlineCallbacks
     def test_upstream_refuses(self) -> Any:

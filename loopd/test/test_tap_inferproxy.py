@@ -47,14 +47,13 @@ class OptionsTests(SynchronousTestCase):
 
     def test_defaults(self) -> None:
         """
-        Without options the limits are 8 connections, burst 10 and refill 2 per second, and
-        a spare upstream connection is kept 4 s, all numbers (not strings).
+        Without options the limits are 8 connections, burst 10 and refill 2 per second, all
+        numbers (not strings).
         """
         options = self.parse()
         self.assertEqual(options["max-connections"], 8)
         self.assertEqual(options["burst"], 10)
         self.assertEqual(options["refill"], 2.0)
-        self.assertEqual(options["spare-seconds"], 4.0)
         self.assertEqual(options["upstream_address"], ("127.0.0.1", 8080))
 
     def test_overrides(self) -> None:
@@ -64,7 +63,6 @@ class OptionsTests(SynchronousTestCase):
         options = self.parse("--max-connections", "3", "--burst", "4", "--refill", "0.5")
         self.assertEqual((options["max-connections"], options["burst"]), (3, 4))
         self.assertEqual(options["refill"], 0.5)
-        self.assertEqual(self.parse("--spare-seconds", "0")["spare-seconds"], 0.0)
 
     def test_required(self) -> None:
         """
@@ -85,9 +83,6 @@ class OptionsTests(SynchronousTestCase):
             ["--refill", "0"],
             ["--refill", "inf"],
             ["--connect-timeout", "0"],
-            ["--spare-seconds", "-1"],
-            ["--spare-seconds", "inf"],
-            ["--spare-seconds", "nan"],
         ):
             self.assertRaises(UsageError, self.parse, *extra)
         options = Options()
@@ -124,7 +119,6 @@ class MakeServiceTests(SynchronousTestCase):
         assert isinstance(child, InferProxyService)
         self.assertEqual(child.listen_path, self.path)
         self.assertEqual(child.factory.limits.max_connections, 5)
-        self.assertEqual(child.factory.limits.spare_seconds, 4.0)
         self.assertEqual(child.factory.upstream_label, "localhost:9")
 
     def test_live_socket_exits_with_one_line(self) -> None:
