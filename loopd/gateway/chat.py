@@ -73,7 +73,9 @@ class _TextLine:
     def __init__(self, chunks: ChunkStream, sample: Reasoning | Content) -> None:
         """@param sample: a piece of the kind this line carries, with L{_SAMPLE_TEXT}."""
         (chunk,) = chunks.chunks_for(sample)
-        self._before, self._after = data_line(chunk).split(_encoded(_SAMPLE_TEXT).encode())
+        # The text is the chunk's last string: a model name equal to the sample is not cut.
+        line = data_line(chunk)
+        self._before, self._after = line.rsplit(_encoded(_SAMPLE_TEXT).encode(), 1)
 
     def __call__(self, text: str) -> bytes:
         """The line for a piece with C{text}."""

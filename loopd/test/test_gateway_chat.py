@@ -12,7 +12,7 @@ import json
 import math
 from typing import Any
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from twisted.logger import capturedLogs, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
@@ -589,6 +589,7 @@ class TextLineTests(SynchronousTestCase):
         (chunk,) = stream.chunks_for(event)
         return data_line(chunk)
 
+    @example(text="a", model="\x00", content=True, include_usage=False)
     @given(
         text=st.text(min_size=1),
         model=st.text(max_size=20),
@@ -598,7 +599,10 @@ class TextLineTests(SynchronousTestCase):
     def test_same_bytes_as_the_chunk(
         self, text: str, model: str, content: bool, include_usage: bool
     ) -> None:
-        """Any text (escapes, quotes, non-ASCII, control characters), any model name."""
+        """
+        Any text (escapes, quotes, non-ASCII, control characters), any model name, the
+        template's own sample text among them.
+        """
         stream = ChunkStream("chatcmpl-1", model, NOW, include_usage)
         answer = ChatDoor().answer(
             dataclasses.replace(
