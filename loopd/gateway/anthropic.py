@@ -83,7 +83,7 @@ from loopd.gateway.request import (
     ThinkingSwitch,
     read_session,
 )
-from loopd.gateway.web import comment_line
+from loopd.gateway.web import comment_line, compact_json
 from loopd.llama.types import (
     Assistant,
     ChatEvent,
@@ -742,8 +742,7 @@ def anthropic_error(error: GatewayError) -> tuple[int, dict[str, Any]]:
 
 def _event(payload: dict[str, Any]) -> bytes:
     """One Anthropic stream event: C{event: <type>} and C{payload} as compact JSON."""
-    data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-    return encode_event(str(payload["type"]), data)
+    return encode_event(str(payload["type"]), compact_json(payload))
 
 
 def _usage(timings: Timings) -> dict[str, int]:

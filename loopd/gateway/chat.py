@@ -9,7 +9,6 @@ errors in OpenAI's shape. The way between is L{loopd.gateway.exchange}'s, as for
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 
 from loopd.gateway.door import Answer, Header
@@ -17,7 +16,7 @@ from loopd.gateway.errors import GatewayError
 from loopd.gateway.render import ChunkStream, completion_json, loopd_comment, new_completion_id
 from loopd.gateway.request import GatewayRequest, read_session
 from loopd.gateway.translate import parse_request
-from loopd.gateway.web import comment_line, data_line, done_line
+from loopd.gateway.web import comment_line, compact_json, data_line, done_line
 from loopd.llama.types import ChatEvent, Completion, Content, Reasoning
 
 __all__ = ["ChatDoor"]
@@ -75,16 +74,11 @@ class _TextLine:
         (chunk,) = chunks.chunks_for(sample)
         # The text is the chunk's last string: a model name equal to the sample is not cut.
         line = data_line(chunk)
-        self._before, self._after = line.rsplit(_encoded(_SAMPLE_TEXT).encode(), 1)
+        self._before, self._after = line.rsplit(compact_json(_SAMPLE_TEXT).encode(), 1)
 
     def __call__(self, text: str) -> bytes:
         """The line for a piece with C{text}."""
-        return self._before + _encoded(text).encode() + self._after
-
-
-def _encoded(text: str) -> str:
-    """C{text} as a JSON string, as L{data_line} encodes the strings of a chunk."""
-    return json.dumps(text, ensure_ascii=False)
+        return self._before + compact_json(text).encode() + self._after
 
 
 class _ChatAnswer:
@@ -105,14 +99,17 @@ class _ChatAnswer:
         A C{: loopd} comment for loopd's own events, then the event's chunks; a plain text
         piece, nearly every event of a stream, from its template (L{_TextLine}).
         """
-        kind = type(event)
-        if kind is Reasoning or kind is Content:
-            piece: Reasoning | Content = event  # type: ignore[assignment]
-            if piece.text and piece.choice == 0 and not piece.logprobs:
-                text_line = self._text_lines.get(kind)
-                if text_line is None:
-                    text_line = self._text_lines[kind] = _TextLine(self._chunks, kind(_SAMPLE_TEXT))
-                return text_line(piece.text)
+        if (
+            isinstance(event, (Reasoning, Content))
+            and event.text
+            and event.choice == 0
+            and not event.logprobs
+        ):
+            kind = type(event)
+            text_line = self._text_lines.get(kind)
+            if text_line is None:
+                text_line = self._text_lines[kind] = _TextLine(self._chunks, kind(_SAMPLE_TEXT))
+            return text_line(event.text)
         comment = loopd_comment(event)
         lines = [] if comment is None else [comment_line(comment)]
         lines.extend(data_line(chunk) for chunk in self._chunks.chunks_for(event))

@@ -61,6 +61,7 @@ from loopd.gateway.errors import GatewayError
 from loopd.gateway.render import loopd_comment
 from loopd.gateway.request import GatewayRequest, ThinkingSwitch, read_session
 from loopd.gateway.response_store import ResponseStore, StoredResponse
+from loopd.gateway.web import compact_json
 from loopd.llama.types import (
     Assistant,
     ChatEvent,
@@ -672,11 +673,6 @@ def _check_accepted(document: dict[str, Any]) -> None:
 # Writing
 
 
-def _compact(payload: object) -> str:
-    """C{payload} as compact JSON text, non-ASCII text kept as it is."""
-    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-
-
 @dataclass
 class _Item:
     """One output item of a streamed answer, as it was sent so far."""
@@ -892,7 +888,7 @@ class ResponsesAnswer:
         """One event of the stream, with the next sequence number."""
         payload = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
-        return encode_event(kind, _compact(payload))
+        return encode_event(kind, compact_json(payload))
 
     def opening(self) -> bytes:
         """C{response.created} and C{response.in_progress}, with no output yet."""
@@ -929,7 +925,7 @@ class ResponsesAnswer:
         if isinstance(event, ToolCallDelta):
             return self._call_piece(event)
         comment = loopd_comment(event)
-        return b"" if comment is None else encode_comment("loopd " + _compact(comment))
+        return b"" if comment is None else encode_comment("loopd " + compact_json(comment))
 
     @staticmethod
     def _add(item: _Item, text: str) -> str:

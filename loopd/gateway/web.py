@@ -25,6 +25,7 @@ __all__ = [
     "JsonRoute",
     "Root",
     "comment_line",
+    "compact_json",
     "data_line",
     "done_line",
     "open_event_stream",
@@ -42,8 +43,11 @@ class Exchange(Protocol):
         """The daemon is stopping: answer the client with an error and stop."""
 
 
-def _compact(payload: object) -> str:
-    """C{payload} as compact JSON text, non-ASCII text kept as it is."""
+def compact_json(payload: object) -> str:
+    """
+    C{payload} as compact JSON text, non-ASCII text kept as it is: how every event a front
+    door streams is encoded.
+    """
     return json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -66,7 +70,7 @@ def open_event_stream(request: Request) -> None:
 
 def data_line(payload: object) -> bytes:
     """One SSE C{data:} event carrying C{payload} as JSON."""
-    return encode_data(_compact(payload))
+    return encode_data(compact_json(payload))
 
 
 def done_line() -> bytes:
@@ -76,7 +80,7 @@ def done_line() -> bytes:
 
 def comment_line(payload: object) -> bytes:
     """One C{: loopd} comment line carrying C{payload} as JSON (OpenAI clients ignore it)."""
-    return encode_comment("loopd " + _compact(payload))
+    return encode_comment("loopd " + compact_json(payload))
 
 
 class JsonRoute(Resource):
