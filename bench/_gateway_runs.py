@@ -104,7 +104,7 @@ class CpuUse:
     tokens: int
 
 
-CPU_PROCESSES = ("server", "inferproxy", "loopd")
+CPU_PROCESSES = ("llama-server", "inferproxy", "loopd")
 """Part 3's processes, the anchor first."""
 
 

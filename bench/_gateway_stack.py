@@ -39,7 +39,8 @@ QUEUE_DEPTH = 64
 @dataclass(frozen=True)
 class Stack:
     """Where the two paths lead: the server's TCP port and loopd's Unix socket; and the
-    process ids of the server, inferproxy and loopd, by those names (for their CPU time)."""
+    process ids of the children by their names, llama-server, inferproxy and loopd (for
+    their CPU time)."""
 
     port: int
     loopd_socket: str
@@ -100,8 +101,7 @@ def start(children: Children, threads: int, grace_ms: int | None = None) -> Stac
     argv = [sys.executable, "-m", "twisted", "--log-format=text", "loopd", "--config", config]
     proc = children.spawn("loopd", argv, log=True)
     wait_socket(children, proc, "loopd", listen)
-    pids = {name: child.pid for name, child, _log in children.procs}
-    return Stack(port, listen, {"server": pids["llama-server"], **pids})
+    return Stack(port, listen, {name: child.pid for name, child, _log in children.procs})
 
 
 def cpu_seconds(pid: int) -> float:

@@ -167,7 +167,7 @@ def print_cpu(use: CpuUse, args: argparse.Namespace) -> None:
     )
     print("\n" + textwrap.fill(header, 88))
     print("\n" + " " * W + f"{'s/1k tok':>10}{'/server':>10}")
-    anchor = use.seconds["server"]
+    anchor = use.seconds[CPU_PROCESSES[0]]
     for name in CPU_PROCESSES:
         seconds = use.seconds[name]
         ratio = seconds / anchor if anchor else math.nan
