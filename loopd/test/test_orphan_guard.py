@@ -1,15 +1,16 @@
 """
 Tests for L{loopd.demo.orphan_guard}: a child started through it dies with its parent, even
-a parent killed with SIGKILL; real processes, each wait a bounded poll.
+a parent killed with SIGKILL; real processes, each wait bounded, the child's end awaited
+from the kernel (a pidfd) rather than by polling on a clock.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
-import time
 
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
@@ -18,16 +19,16 @@ from loopd.demo.orphan_guard import SCRIPT, guarded_argv, main
 #: Seconds any one wait may take.
 WAIT = 20.0
 
-#: A parent that starts one guarded child sleeping for ever, prints its pid, and waits; the
-#: child, which shares its stdout, says when it sleeps.
+#: A parent that starts one guarded child waiting for ever, prints its pid, and waits; the
+#: child, which shares its stdout, says when it waits.
 PARENT = """
-import subprocess, sys, time
+import signal, subprocess, sys
 sys.path.insert(0, {root!r})
 from loopd.demo.orphan_guard import guarded_argv
-code = "import time; print('sleeping', flush=True); time.sleep(600)"
+code = "import signal; print('waiting', flush=True); signal.pause()"
 child = subprocess.Popen(guarded_argv([sys.executable, "-c", code]))
 print(child.pid, flush=True)
-time.sleep(600)
+signal.pause()
 """
 
 
@@ -41,14 +42,20 @@ def running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def poll(condition: object, timeout: float = WAIT) -> bool:
-    """Check C{condition} every 20 ms until it holds or C{timeout} seconds passed."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():  # type: ignore[operator]
-            return True
-        time.sleep(0.02)
-    return False
+def ended(pid: int, timeout: float = WAIT) -> bool:
+    """
+    Whether process C{pid} ends within C{timeout} seconds: its pidfd turns readable when it
+    exits, whoever its parent is.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        readable, _, _ = select.select([fd], [], [], timeout)
+    finally:
+        os.close(fd)
+    return bool(readable) or not running(pid)
 
 
 class DieWithParentTests(SynchronousTestCase):
@@ -70,11 +77,11 @@ class DieWithParentTests(SynchronousTestCase):
         assert parent.stdout is not None
         child = int(parent.stdout.readline())
         self.addCleanup(_kill_if_running, child)
-        # The child has become the sleeping command (exec kept the pid), past the guard.
-        self.assertEqual(parent.stdout.readline(), b"sleeping\n")
+        # The child has become the waiting command (exec kept the pid), past the guard.
+        self.assertEqual(parent.stdout.readline(), b"waiting\n")
         self.assertNotIn(b"orphan_guard", _cmdline(child))
         parent.kill()
-        self.assertTrue(poll(lambda: not running(child)), f"child {child} outlived its parent")
+        self.assertTrue(ended(child), f"child {child} outlived its parent")
 
     def test_runs_command(self) -> None:
         """The guarded argv runs the command with its arguments and its exit status."""
