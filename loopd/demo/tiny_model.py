@@ -58,8 +58,13 @@ N_LAYER = 2
 N_HEAD = 4
 HEAD_DIM = N_EMBD // N_HEAD
 N_FF = 128
-CONTEXT_LENGTH = 32768
-ROPE_BASE = 1e6
+# A coding agent's system prompt and tools run to 70,000 tokens of this small vocabulary
+# (Claude Code's, 2026), and a llama.cpp slot never gets more than the trained context.
+CONTEXT_LENGTH = 262144
+# RoPE turns the tool head's pairs (dims 12-15) so slowly at this base that a marker
+# 260,000 tokens back still scores as one next door: at 1e6, Claude Code's 60,000 tokens
+# of tools turned pair 6 by ~2 radians and every position read the markers.
+ROPE_BASE = 1e10
 
 
 class BallastError(ValueError):
@@ -408,7 +413,7 @@ def _wire_tool_head(
     o = tensors["blk.0.attn_output.weight"]
     # A 2-hot embedding (D_ONE + own dim) is 1/sqrt(2/64) = sqrt(32) after RMSNorm.
     unit = float(np.sqrt(N_EMBD / 2.0))
-    # Head dims 14/15 turn slowest under RoPE (base 1e6): position hardly matters.
+    # Head dims 12-15 turn slowest under RoPE (ROPE_BASE): position hardly matters.
     # Query from "\n\n" meets marker keys with score 2*unit * 2*unit / 4 = 32.
     q[14, blank] = 2.0
     # Every other position pushes markers away on dims 12/13 (score <= -32), so it
