@@ -36,8 +36,11 @@ def decode_body(body: bytes) -> dict[str, Any]:
 
 
 def fail(code: str, path: str, problem: str) -> NoReturn:
-    """Raise the 400 C{invalid_request_error} C{code} for the field at C{path}."""
-    raise GatewayError(400, f"{path}: {problem}", "invalid_request_error", code)
+    """
+    Raise the 400 C{invalid_request_error} C{code} for the field at C{path}, which is also
+    its C{param}.
+    """
+    raise GatewayError(400, f"{path}: {problem}", "invalid_request_error", code, param=path)
 
 
 def show(value: object) -> str:

@@ -50,7 +50,10 @@ class ChatDoor:
         return _ChatAnswer(ChunkStream.for_request(request, new_completion_id(), model, created))
 
     def error(self, error: GatewayError) -> tuple[int, object]:
-        """OpenAI's error shape, C{{"error": {"message", "type", "code"}}}, with its status."""
+        """
+        OpenAI's error shape, C{{"error": {"message", "type", "code", "param"}}}, with its
+        status (L{GatewayError.body}).
+        """
         return error.status, error.body()
 
 

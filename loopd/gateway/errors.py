@@ -40,6 +40,9 @@ class GatewayError(Exception):
     @ivar code: a stable code for programs (C{busy}, C{missing_messages}, ...).
     @ivar details: more fields of the error object, after those three (the server's own
         C{n_prompt_tokens} and C{n_ctx} of a prompt that does not fit).
+    @ivar param: the request field the error is about, as its message names it
+        (C{messages[1].role}, C{tools[0].type}), for OpenAI's C{param}; C{None} when it is
+        about no one field.
     """
 
     def __init__(
@@ -49,26 +52,33 @@ class GatewayError(Exception):
         type: str,
         code: str,
         details: Mapping[str, Any] | None = None,
+        *,
+        param: str | None = None,
     ) -> None:
-        """Record the status, the three fields of the error body and any more."""
+        """Record the status, the three fields of the error body, any more and the field."""
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.code = code
         self.details: Mapping[str, Any] = details or {}
+        self.param = param
 
     def __repr__(self) -> str:
         """Show every field."""
         more = f", {dict(self.details)!r}" if self.details else ""
+        more += f", param={self.param!r}" if self.param is not None else ""
         return (
             f"GatewayError({self.status!r}, {self.message!r}, {self.type!r}, {self.code!r}{more})"
         )
 
     def body(self) -> dict[str, Any]:
-        """The JSON error body: C{{"error": {"message", "type", "code", ...details}}}."""
+        """
+        The JSON error body in OpenAI's shape: C{{"error": {"message", "type", "code",
+        "param", ...details}}}, C{param} C{null} when the error is about no one field.
+        """
         error = {"message": self.message, "type": self.type, "code": self.code}
-        return {"error": {**error, **self.details}}
+        return {"error": {**error, "param": self.param, **self.details}}
 
 
 _FIXED: tuple[tuple[type[InferError], int, str, str, str], ...] = (

@@ -242,7 +242,11 @@ def refusal(names: tuple[str, ...], where: str) -> GatewayError:
     C{where} they cannot apply (C{"on an openai endpoint"}, C{"on model mesh"}).
     """
     return GatewayError(
-        400, f"{', '.join(names)}: not supported {where}", "invalid_request_error", _CODE
+        400,
+        f"{', '.join(names)}: not supported {where}",
+        "invalid_request_error",
+        _CODE,
+        param=names[0] if names else None,
     )
 
 
@@ -284,11 +288,15 @@ def _checked(name: str, value: object, kind: Kind) -> object:
 def _bad_type(name: str, kind: Kind) -> GatewayError:
     """The 400 of a field whose value has the wrong type."""
     return GatewayError(
-        400, f"{name}: expected {_TYPES[kind]}", "invalid_request_error", "invalid_parameter"
+        400,
+        f"{name}: expected {_TYPES[kind]}",
+        "invalid_request_error",
+        "invalid_parameter",
+        param=name,
     )
 
 
 def _refusal(refused: list[tuple[str, str]]) -> GatewayError:
     """The 400 that names every refused field and why: C{name: why; name: why}."""
     reasons = "; ".join(f"{name}: {why}" for name, why in refused)
-    return GatewayError(400, reasons, "invalid_request_error", _CODE)
+    return GatewayError(400, reasons, "invalid_request_error", _CODE, param=refused[0][0])

@@ -242,16 +242,17 @@ class ResponsesDoor:
 
     def error(self, error: GatewayError) -> tuple[int, object]:
         """
-        OpenAI's error shape: C{{"error": {"message", "type", "code", "param": null}}}, with
-        the error's own status. loopd's C{context_exceeded} goes out as OpenAI's
-        C{context_length_exceeded}, the code Codex acts on.
+        OpenAI's error shape: C{{"error": {"message", "type", "code", "param"}}} (C{param}
+        the field the error is about, else C{null}), with the error's own status. loopd's
+        C{context_exceeded} goes out as OpenAI's C{context_length_exceeded}, the code Codex
+        acts on.
         """
         return error.status, {
             "error": {
                 "message": error.message,
                 "type": error.type,
                 "code": _openai_code(error),
-                "param": None,
+                "param": error.param,
             }
         }
 

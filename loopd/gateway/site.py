@@ -153,6 +153,7 @@ class Gateway:
                 f"no endpoint serves model {model!r}",
                 "invalid_request_error",
                 "model_not_found",
+                param="model",
             ) from None
 
     def route_auto(self, request: GatewayRequest) -> tuple[Endpoint, ...] | None:

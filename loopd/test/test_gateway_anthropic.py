@@ -313,11 +313,15 @@ class RefusalTests(SynchronousTestCase):
     """Every bad or unsupported input is a 400 naming the field."""
 
     def assertRefused(self, body: object, path: str, code: str | None = None) -> GatewayError:
-        """C{body} is a 400 whose message starts with C{path}."""
+        """
+        C{body} is a 400 whose message starts with C{path}, which is its C{param} (none for
+        a body that is not a JSON object).
+        """
         raw = body if isinstance(body, bytes) else encode(body)
         error: GatewayError = self.assertRaises(GatewayError, parse_messages, raw)
         self.assertEqual((error.status, error.type), (400, "invalid_request_error"))
         self.assertTrue(error.message.startswith(path + ":"), error.message)
+        self.assertEqual(error.param, None if path == "body" else path)
         if code is not None:
             self.assertEqual(error.code, code)
         return error

@@ -142,7 +142,7 @@ class BadInputTests(SynchronousTestCase):
         self.assertEqual(response.headers["content-type"], "application/json")
         self.assertEqual(response.headers["connection"], "close")
         error = response.json()["error"]
-        self.assertEqual(sorted(error), ["code", "message", "type"])
+        self.assertEqual(sorted(error), ["code", "message", "param", "type"])
         self.assertEqual((error["code"], error["type"]), (code, "invalid_request_error"))
         self.assertIn(reason.get(name, ""), error["message"])
         self.assertTrue(connection.transport.disconnecting)
@@ -254,7 +254,9 @@ class AnyBytesTests(SynchronousTestCase):
             self.assertTrue(response.complete)
             if response.status >= 400:
                 self.assertEqual(response.headers["content-type"], "application/json")
-                self.assertEqual(sorted(response.json()["error"]), ["code", "message", "type"])
+                self.assertEqual(
+                    sorted(response.json()["error"]), ["code", "message", "param", "type"]
+                )
         self.assertEqual(self.flushLoggedErrors(), [])
         channel = connection.channel
         if not connection.transport.disconnecting:

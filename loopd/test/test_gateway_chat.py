@@ -101,7 +101,7 @@ class ChatTestCase(SynchronousTestCase):
         self.assertEqual((response.status, response.complete), (status, True))
         self.assertEqual(response.headers["content-type"], "application/json")
         error: dict[str, Any] = response.json()["error"]
-        keys = sorted(["code", "message", "type", *more])
+        keys = sorted(["code", "message", "param", "type", *more])
         self.assertEqual((sorted(error), error["code"]), (keys, code))
         return error
 
@@ -113,7 +113,9 @@ class ChatTestCase(SynchronousTestCase):
         self.assertNotIn("[DONE]", data)
         self.assertEqual([d for d in data if "error" in d], [data[-1]])
         error: dict[str, Any] = data[-1]["error"]
-        self.assertEqual((sorted(error), error["code"]), (["code", "message", "type"], code))
+        self.assertEqual(
+            (sorted(error), error["code"]), (["code", "message", "param", "type"], code)
+        )
         return error
 
 

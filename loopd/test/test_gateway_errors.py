@@ -63,10 +63,17 @@ class GatewayErrorTests(SynchronousTestCase):
     """L{GatewayError} carries a status and renders OpenAI's error body."""
 
     def test_body(self) -> None:
-        """body() is the OpenAI error object with message, type and code."""
+        """
+        body() is the OpenAI error object with message, type, code and param: the field the
+        error is about, else null.
+        """
         error = GatewayError(404, "no model", "not_found_error", "model_not_found")
         inner = {"message": "no model", "type": "not_found_error", "code": "model_not_found"}
-        self.assertEqual(error.body(), {"error": inner})
+        self.assertEqual(error.body(), {"error": {**inner, "param": None}})
+        error = GatewayError(
+            400, "tools[0].type: no", "invalid_request_error", "x", param="tools[0].type"
+        )
+        self.assertEqual(error.body()["error"]["param"], "tools[0].type")
 
     def test_fields_and_str(self) -> None:
         """The fields are attributes, and str() is the message."""
@@ -122,6 +129,7 @@ class HttpMappingTests(SynchronousTestCase):
                     "message": CONTEXT_MESSAGE,
                     "type": "exceed_context_size_error",
                     "code": "context_exceeded",
+                    "param": None,
                     "n_prompt_tokens": 9000,
                     "n_ctx": 8192,
                 }

@@ -47,7 +47,7 @@ class RefusalTests(SynchronousTestCase):
         self.assertEqual((response.status, response.complete), (status, True))
         self.assertEqual(response.headers["content-type"], "application/json")
         error = response.json()["error"]
-        self.assertEqual(sorted(error), ["code", "message", "type"])
+        self.assertEqual(sorted(error), ["code", "message", "param", "type"])
         self.assertEqual(error["code"], code)
         self.assertEqual(self.harness.fake.requests, [])
         return response
@@ -63,14 +63,19 @@ class RefusalTests(SynchronousTestCase):
         self.refused(self.harness.post([HI]), 400, "not_an_object")
 
     def test_missing_messages(self) -> None:
-        """A body without messages is 400 missing_messages, and the message names the field."""
+        """
+        A body without messages is 400 missing_messages; the message names the field, and so
+        does C{param}, as OpenAI's errors do.
+        """
         response = self.refused(self.harness.post({"model": "tiny"}), 400, "missing_messages")
         self.assertIn("messages", response.json()["error"]["message"])
+        self.assertEqual(response.json()["error"]["param"], "messages")
 
     def test_unknown_model(self) -> None:
-        """A model no endpoint serves is 404 model_not_found, naming the model."""
+        """A model no endpoint serves is 404 model_not_found, naming the model (its param)."""
         response = self.refused(self.harness.post({**HI, "model": "gpt-9"}), 404, "model_not_found")
         self.assertIn("gpt-9", response.json()["error"]["message"])
+        self.assertEqual(response.json()["error"]["param"], "model")
 
     def test_declared_body_over_cap(self) -> None:
         """A Content-Length over [server] body_bytes is 413 too_large."""
@@ -196,6 +201,7 @@ class ModelsTests(SynchronousTestCase):
                         "message": f"no endpoint serves model {shown}",
                         "type": "invalid_request_error",
                         "code": "model_not_found",
+                        "param": None,
                     }
                 },
             )

@@ -64,7 +64,7 @@ class GuardedGatewayTests(SynchronousTestCase):
         self.assertEqual(response.status, 401)
         self.assertEqual(response.headers["www-authenticate"], 'Bearer realm="loopd"')
         error: dict[str, Any] = response.json()["error"]
-        self.assertEqual(sorted(error), ["code", "message", "type"])
+        self.assertEqual(sorted(error), ["code", "message", "param", "type"])
         self.assertEqual(
             (error["type"], error["code"]), ("invalid_request_error", "invalid_api_key")
         )

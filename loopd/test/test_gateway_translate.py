@@ -452,10 +452,13 @@ class MediaRefusalTests(SynchronousTestCase):
     """Media where it cannot go, or malformed, is a 400 naming the field."""
 
     def refused(self, message: dict[str, Any], field: str, code: str) -> None:
-        """A conversation of C{message} alone is refused with C{code}, naming C{field}."""
+        """
+        A conversation of C{message} alone is refused with C{code}, naming C{field} in its
+        message and as its C{param}.
+        """
         body = json.dumps({"messages": [message]}).encode()
         error = self.assertRaises(GatewayError, parse_request, body)
-        self.assertEqual((error.status, error.code), (400, code))
+        self.assertEqual((error.status, error.code, error.param), (400, code, field))
         self.assertIn(field, error.message)
 
     def test_media_outside_a_user_turn(self) -> None:
