@@ -46,6 +46,7 @@ from loopd._validate import (
 from loopd.settings import (
     Caps,
     Config,
+    Doors,
     Endpoint,
     EndpointKind,
     Expect,
@@ -69,6 +70,7 @@ __all__ = [
     "Caps",
     "Config",
     "ConfigError",
+    "Doors",
     "Endpoint",
     "EndpointKind",
     "Expect",
@@ -473,6 +475,7 @@ _SECTIONS: Final[Mapping[str, _Section]] = {
     "queue": _Section("queue", table_parser(Queue, _QUEUE_RULES)),
     "mesh": _Section("mesh", table_parser(Mesh, {"strong_patience_ms": integer(0, INT32_MAX)})),
     "health": _Section("health", table_parser(HealthProbe, _HEALTH_RULES)),
+    "doors": _Section("doors", table_parser(Doors, {"hosted_tools": one_of("drop", "refuse")})),
 }
 
 

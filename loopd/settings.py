@@ -13,6 +13,7 @@ from typing import Literal
 __all__ = [
     "Caps",
     "Config",
+    "Doors",
     "Endpoint",
     "EndpointKind",
     "Expect",
@@ -269,6 +270,18 @@ class HealthProbe:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Doors:
+    """What the front doors do with what a local model cannot honour ([doors], decision 43)."""
+
+    hosted_tools: Literal["drop", "refuse"] = "drop"
+    """A tool the API's own servers run (OpenAI's C{web_search}, C{file_search},
+    C{code_interpreter} ...; Anthropic's C{web_search_*}, C{web_fetch_*},
+    C{code_execution_*} ...): C{drop} leaves it out of what the model sees and names it in
+    the answer's C{X-Loopd-Dropped} header, the log and C{loopd_dropped_tools_total};
+    C{refuse} answers the request with a 400 C{hosted_tool} naming it."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """The whole of loopd.toml."""
 
@@ -296,6 +309,8 @@ class Config:
     """The mixture of agents."""
     health: HealthProbe = field(default_factory=HealthProbe)
     """The endpoints' health probe."""
+    doors: Doors = field(default_factory=Doors)
+    """The front doors."""
 
     def endpoint(self, name: str) -> Endpoint:
         """Return the endpoint called C{name}; raise KeyError if there is none."""

@@ -12,7 +12,10 @@ What is read, and how:
     L{System}, message. Claude Code's attribution line (C{x-anthropic-billing-header: ...},
     whose C{cch} changes every request) is removed from it first, wherever a system text
     line starts with it, so that two turns of one session share their cached prefix.
-  - C{messages}: C{user} and C{assistant} turns, content a string or blocks. A user turn's
+  - C{messages}: C{user}, C{assistant} and C{system} turns, content a string or blocks (an
+    empty array too: the system prompt alone, which llama-server answers). A C{system} turn
+    (Claude Code sends one after the first user turn) is a L{System} message where it stands
+    (what an endpoint does with it: L{loopd.gateway.late_system}). A user turn's
     C{text} and C{image} blocks (C{base64} and C{url} sources, as OpenAI C{image_url}
     parts) make one L{User}; each of its C{tool_result} blocks becomes a L{Tool} message
     before it, its content a string or text blocks (joined), C{is_error: true} noted by
@@ -38,10 +41,14 @@ Accepted and ignored, because they are hints that change nothing loopd can honou
 C{cache_control} everywhere (llama-server caches every prompt prefix by itself),
 C{context_management} (server-side context editing; loopd never edits the context, the
 client's own compaction still works), C{output_config.effort}, C{service_tier} C{auto} or
-C{standard_only}, C{speed} C{standard}, a custom tool's C{eager_input_streaming}. Anything
+C{standard_only}, C{speed} C{standard}, a custom tool's C{eager_input_streaming}. Server
+tools (C{web_search_*}, C{web_fetch_*}, C{code_execution_*} ...) are left out of what the
+model sees and named in the request's C{dropped} (or refused with C{[doors] hosted_tools =
+"refuse"}), L{loopd.gateway.hosted_tools}. Anything
 else is a 400 C{invalid_request_error} naming it, as Anthropic's API answers fields it does
 not know: the top-level fields loopd cannot honour (C{container}, C{mcp_servers}, ...),
-server tools (C{tools[0].type}), blocks loopd does not translate
+client tools with Anthropic's own schemas (C{bash_*}, C{text_editor_*}: a local model does
+not know them; C{tools[0].type}), blocks loopd does not translate
 (C{messages[2].content[1].type}: C{document}, C{search_result}, C{server_tool_use},
 C{redacted_thinking}, whose encrypted thinking no local model can read), C{file} image
 sources. Nothing is dropped silently. Any field whose value is C{null} reads as absent.
@@ -75,6 +82,7 @@ from loopd import strict_json
 from loopd.gateway.body import decode_body, fail, show
 from loopd.gateway.door import Answer, Header
 from loopd.gateway.errors import GatewayError
+from loopd.gateway.hosted_tools import HostedTools, hosted_messages_tool, refuse_hosted
 from loopd.gateway.render import loopd_comment
 from loopd.gateway.request import (
     NO_SESSION,
@@ -183,13 +191,19 @@ _TOOL_FIELDS: Final = frozenset(
 
 
 def parse_messages(
-    body: bytes, session: SessionRef = NO_SESSION, *, counting: bool = False
+    body: bytes,
+    session: SessionRef = NO_SESSION,
+    *,
+    counting: bool = False,
+    hosted_tools: HostedTools = "drop",
 ) -> GatewayRequest:
     """
     Decode, check and translate a C{POST /v1/messages} body (the module docstring says
     how), for C{session}. C{metadata} is kept in C{extras}.
 
     @param counting: the body is a C{count_tokens} one: C{max_tokens} is optional.
+    @param hosted_tools: what a server tool (C{web_search_*} ...) does to the request: it
+        is left out and named in C{dropped} (C{drop}) or refused (C{refuse}).
     @raise GatewayError: 400 C{invalid_request_error}, the message naming the field; codes
         C{invalid_json}, C{not_an_object}, C{missing_messages}, C{missing_max_tokens},
         C{invalid_message}, C{unsupported_content}, C{invalid_tools}, C{invalid_parameter},
@@ -201,7 +215,7 @@ def parse_messages(
     if model is not None and not isinstance(model, str):
         fail(_PARAM, "model", "expected a string")
     messages = (*_system(document.get("system")), *_messages(document.get("messages")))
-    tools = _tools(document.get("tools"))
+    tools, dropped = _tools(document.get("tools"), hosted_tools)
     tool_choice, tools, parallel = _tool_choice(document.get("tool_choice"), tools)
     max_tokens = _max_tokens(document.get("max_tokens"), required=not counting)
     switches, cap = _thinking(document.get("thinking"))
@@ -228,6 +242,7 @@ def parse_messages(
         thinking_cap=cap,
         fields=fields,
         extras={key: document[key] for key in ("metadata",) if key in document},
+        dropped=dropped,
     )
 
 
@@ -400,14 +415,19 @@ def _system(value: object) -> tuple[ChatMessage, ...]:
     if isinstance(value, str):
         text = without_attribution(value)
     elif isinstance(value, list):
-        texts = (
-            without_attribution(_block_text(block, f"system[{j}]", _SYSTEM_BLOCKS))
-            for j, block in enumerate(value)
-        )
-        text = "\n\n".join(text for text in texts if text)
+        text = _system_text(value, "system")
     else:
         fail(_MSG, "system", "expected a string or an array of text blocks")
     return (System(text),) if text else ()
+
+
+def _system_text(blocks: list[Any], path: str) -> str:
+    """System text blocks joined with a blank line, without Claude Code's attribution."""
+    texts = (
+        without_attribution(_block_text(block, f"{path}[{j}]", _SYSTEM_BLOCKS))
+        for j, block in enumerate(blocks)
+    )
+    return "\n\n".join(text for text in texts if text)
 
 
 def _block(value: object, path: str, kinds: Mapping[str, frozenset[str]]) -> dict[str, Any]:
@@ -437,11 +457,16 @@ def _block_text(value: object, path: str, kinds: Mapping[str, frozenset[str]]) -
 
 
 def _messages(value: object) -> tuple[ChatMessage, ...]:
-    """The C{messages} array, in order, each turn as one or more messages."""
-    if value is None or value == []:
-        fail("missing_messages", "messages", "required: a non-empty array of messages")
+    """
+    The C{messages} array, in order, each turn as one or more messages; a C{system} turn
+    (Claude Code sends one after the first user turn: the agent types of its C{Agent} tool)
+    is a L{System} message where it stands. An empty array is a conversation of the system
+    prompt alone, which llama-server answers too.
+    """
+    if value is None:
+        fail("missing_messages", "messages", "required: an array of messages")
     if not isinstance(value, list):
-        fail(_MSG, "messages", "expected a non-empty array of messages")
+        fail(_MSG, "messages", "expected an array of messages")
     out: list[ChatMessage] = []
     for i, item in enumerate(value):
         path = f"messages[{i}]"
@@ -457,8 +482,10 @@ def _messages(value: object) -> tuple[ChatMessage, ...]:
             out.extend(_user(content, f"{path}.content"))
         elif role == "assistant":
             out.append(_assistant(content, f"{path}.content"))
+        elif role == "system":
+            out.append(System(_system_text(content, f"{path}.content")))
         else:
-            fail(_MSG, f"{path}.role", 'expected "user" or "assistant"')
+            fail(_MSG, f"{path}.role", 'expected "user", "assistant" or "system"')
     return tuple(out)
 
 
@@ -568,17 +595,28 @@ def _assistant(blocks: list[Any], path: str) -> Assistant:
     return Assistant(content, "".join(thoughts) if thoughts else None, tuple(calls))
 
 
-def _tools(value: object) -> tuple[ToolSchema, ...]:
-    """The C{tools}: custom tools C{{name, description?, input_schema}}."""
+def _tools(value: object, hosted: HostedTools) -> tuple[tuple[ToolSchema, ...], tuple[str, ...]]:
+    """
+    The C{tools}: custom tools C{{name, description?, input_schema}}; and the server tools
+    left out (L{loopd.gateway.hosted_tools}), by type, each once (refused when C{hosted}
+    says so).
+    """
     if value is None:
-        return ()
+        return (), ()
     if not isinstance(value, list):
         fail(_TOOLS, "tools", "expected an array of tools")
     tools: list[ToolSchema] = []
+    dropped: list[str] = []
     for i, item in enumerate(value):
         path = f"tools[{i}]"
         tool = _object(item, path, _TOOLS)
         kind = tool.get("type")
+        if isinstance(kind, str) and hosted_messages_tool(kind):
+            if hosted == "refuse":
+                refuse_hosted(f"{path}.type", kind)
+            if kind not in dropped:
+                dropped.append(kind)
+            continue
         if kind not in (None, "custom"):
             shown = show(kind) if isinstance(kind, str) else "this type"
             fail(_TOOLS, f"{path}.type", f"{shown}: only custom tools are supported by loopd")
@@ -596,7 +634,7 @@ def _tools(value: object) -> tuple[ToolSchema, ...]:
             fail(_TOOLS, f"{path}.input_schema", "required: a JSON schema object")
         schema = _object(schema, f"{path}.input_schema", _TOOLS)
         tools.append(ToolSchema(name, description or "", schema))
-    return tuple(tools)
+    return tuple(tools), tuple(dropped)
 
 
 def _tool_choice(
@@ -648,6 +686,13 @@ class MessagesDoor:
 
     name = "messages"
 
+    def __init__(self, hosted_tools: HostedTools = "drop") -> None:
+        """
+        @param hosted_tools: what a server tool does to a request: left out (C{drop}) or
+            refused (C{refuse}), L{loopd.gateway.hosted_tools}.
+        """
+        self._hosted_tools = hosted_tools
+
     def read(self, body: bytes, header: Header, anonymous: Callable[[], str]) -> GatewayRequest:
         """
         The request (L{parse_messages}) and its session: the headers of decision 36, then
@@ -656,7 +701,7 @@ class MessagesDoor:
 
         @raise GatewayError: 400 naming the field.
         """
-        document = parse_messages(body)
+        document = parse_messages(body, hosted_tools=self._hosted_tools)
         return _with_session(document, header, anonymous)
 
     def read_count(self, body: bytes, header: Header) -> GatewayRequest:
@@ -667,7 +712,7 @@ class MessagesDoor:
 
         @raise GatewayError: 400 naming the field.
         """
-        document = parse_messages(body, counting=True)
+        document = parse_messages(body, counting=True, hosted_tools=self._hosted_tools)
         return _with_session(document, header, lambda: "")
 
     def answer(self, request: GatewayRequest, model: str, created: int) -> Answer:

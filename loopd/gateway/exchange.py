@@ -52,6 +52,7 @@ from loopd.gateway.chat import ChatDoor
 from loopd.gateway.door import Door
 from loopd.gateway.errors import GatewayError, error_for
 from loopd.gateway.health import EndpointUnavailableError, means_down
+from loopd.gateway.hosted_tools import DROPPED_HEADER
 from loopd.gateway.mesh import MeshExchange, MeshHost, mesh_pool
 from loopd.gateway.params import refusal, refused_fields
 from loopd.gateway.request import GatewayRequest
@@ -120,6 +121,8 @@ class DoorRoute(Resource):
         body = content.read() if content is not None else b""
         try:
             parsed = self._door.read(body, request.getHeader, lambda: _anonymous(host, request))
+            if parsed.dropped:
+                self._tell_dropped(request, parsed)
             routed = host.route_auto(parsed)
             if parsed.model == MESH_MODEL:
                 pool = mesh_pool(host, parsed)
@@ -147,6 +150,23 @@ class DoorRoute(Resource):
             return write_error(request, e, self._door)
         _Exchange(host, self._door, request, parsed, first, rest).start()
         return NOT_DONE_YET
+
+    def _tell_dropped(self, request: Request, parsed: GatewayRequest) -> None:
+        """
+        Say which hosted tools the door left out of C{parsed} (decision 43): in the answer's
+        C{X-Loopd-Dropped} header, one log line and C{loopd_dropped_tools_total}.
+        """
+        names = ", ".join(parsed.dropped)
+        request.setHeader(DROPPED_HEADER, names.encode("ascii", "replace"))
+        for tool in parsed.dropped:
+            self._host.metrics.observe_dropped_tool(self._door.name, tool)
+        _log.info(
+            "{door} request of session {session}: left out hosted tools {tools} (the local "
+            "model cannot run them)",
+            door=self._door.name,
+            session=parsed.session.id,
+            tools=names,
+        )
 
 
 def _check_media(parsed: GatewayRequest, endpoint: Endpoint) -> None:

@@ -97,6 +97,8 @@ class GatewayMetrics:
         connections the gateway's HTTP channel refused (malformed, too large, too slow, over
         the connection cap) before any route saw them.
     @ivar http_connections_open: C{loopd_http_connections_open}, read from the site.
+    @ivar dropped_tools_total: C{loopd_dropped_tools_total{door, tool}}: hosted tools the
+        front doors left out of requests (DESIGN decision 43), by door and tool type.
     """
 
     def __init__(self) -> None:
@@ -144,6 +146,12 @@ class GatewayMetrics:
             "Client connections open on the gateway's listener.",
             registry=self.registry,
         )
+        self.dropped_tools_total = Counter(
+            "loopd_dropped_tools_total",
+            "Hosted tools (web_search ...) left out of requests, by front door and tool type.",
+            ["door", "tool"],
+            registry=self.registry,
+        )
         # Endpoints whose queue depth is read from a callable at scrape time.
         self._depth_sources: set[str] = set()
 
@@ -154,6 +162,10 @@ class GatewayMetrics:
     def observe_refusal(self, error: GatewayError) -> None:
         """Count one refusal of the HTTP channel (its status and code)."""
         self.http_refusals_total.labels(str(error.status), error.code).inc()
+
+    def observe_dropped_tool(self, door: str, tool: str) -> None:
+        """Count one hosted tool of type C{tool} that door C{door} left out of a request."""
+        self.dropped_tools_total.labels(door, tool).inc()
 
     def watch_connections(self, count: Callable[[], int]) -> None:
         """Read C{loopd_http_connections_open} from C{count} at every scrape."""

@@ -139,6 +139,13 @@ class GatewayRequest:
         server for them; its own C{progress} comments go out either way).
     @ivar extras: the body's top-level fields loopd does not model, as sent, so that no
         later stage has to read the body again.
+    @ivar dropped: the hosted tools the door left out, by type (C{web_search}), each once,
+        in the order met (decision 43, L{loopd.gateway.hosted_tools}): the route names them
+        in the answer's C{X-Loopd-Dropped} header, logs and counts them.
+    @ivar tool_namespaces: the tools the door flattened out of a namespace (Codex CLI's
+        C{{"type": "namespace"}} tools), each by the flat name the model sees
+        (C{multi_agent_v1__spawn_agent}) to its namespace and its name there, so that the
+        answer names their calls the way the client offered them.
     """
 
     model: str | None
@@ -157,6 +164,8 @@ class GatewayRequest:
     fields: Mapping[str, Any] = field(default_factory=dict)
     return_progress: bool = False
     extras: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    dropped: tuple[str, ...] = ()
+    tool_namespaces: Mapping[str, tuple[str, str]] = field(default_factory=dict, compare=False)
 
     @property
     def thinking(self) -> bool:

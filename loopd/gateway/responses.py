@@ -34,8 +34,18 @@ What the reader makes of a body:
     C{reasoning.encrypted_content} (a no-op); C{metadata}, C{user}, C{safety_identifier},
     C{prompt_cache_key} (also the session id, decision 36), C{service_tier} C{auto} or
     C{default}, C{truncation} C{disabled}, C{background} C{false},
-    C{stream_options.include_obfuscation} are accepted and echoed. Any other field, tool
-    type, item type or content part is a 400 naming it: nothing is dropped silently.
+    C{stream_options.include_obfuscation} are accepted and echoed. C{client_metadata}
+    (Codex CLI sends its thread, turn and window ids there on every request) is accepted and
+    neither echoed nor sent upstream: it is the client's own bookkeeping.
+  - C{tools}: function tools; a C{namespace} tool (Codex CLI's C{multi_agent_v1}) is
+    flattened into its function tools, each named C{<namespace>__<name>} for the model, and
+    a call of one is answered as the client offered it: C{name} the tool's own,
+    C{namespace} the namespace (a C{function_call} input item with a C{namespace} reads back
+    as the flat name). Hosted tools (C{web_search}, C{file_search}, C{code_interpreter},
+    C{computer_use}, C{image_generation}, C{mcp}) are left out and named in the request's
+    C{dropped}, or refused under C{[doors] hosted_tools = "refuse"}
+    (L{loopd.gateway.hosted_tools}). Any other field, tool type, item type or content part
+    is a 400 naming it: nothing is dropped silently.
 
 The answer's stream is the SDK's: C{event: <type>} lines whose data carry C{type} and a
 C{sequence_number} counting from 0; C{response.created}, C{response.in_progress}, the
@@ -58,6 +68,7 @@ from typing import Any, Final, NoReturn
 from loopd.gateway.body import decode_body, fail, show
 from loopd.gateway.door import Header
 from loopd.gateway.errors import GatewayError
+from loopd.gateway.hosted_tools import HostedTools, hosted_responses_tool, refuse_hosted
 from loopd.gateway.render import loopd_comment
 from loopd.gateway.request import GatewayRequest, ThinkingSwitch, read_session
 from loopd.gateway.response_store import ResponseStore, StoredResponse
@@ -135,6 +146,7 @@ _ACCEPTED: Final = _MODELLED | {
     "truncation",
     "background",
     "stream_options",
+    "client_metadata",
 }
 
 
@@ -157,12 +169,15 @@ class ResponsesDoor:
 
     name = "responses"
 
-    def __init__(self, store: ResponseStore) -> None:
+    def __init__(self, store: ResponseStore, hosted_tools: HostedTools = "drop") -> None:
         """
         @param store: the finished responses that C{previous_response_id} continues, and
             where the answers of requests that do not say C{store: false} go.
+        @param hosted_tools: what a hosted tool (C{web_search} ...) does to a request: it is
+            left out (C{drop}) or refused (C{refuse}), L{loopd.gateway.hosted_tools}.
         """
         self._store = store
+        self._hosted_tools = hosted_tools
 
     def read(self, body: bytes, header: Header, anonymous: Callable[[], str]) -> GatewayRequest:
         """
@@ -184,9 +199,8 @@ class ResponsesDoor:
         if model is not None:
             _string(model, "model", _INVALID)
         messages = self._messages(document)
-        tool_choice, tools = _tool_choice(
-            document.get("tool_choice"), _tools(document.get("tools"))
-        )
+        offered = _tools(document.get("tools"), self._hosted_tools)
+        tool_choice, tools = _tool_choice(document.get("tool_choice"), offered.tools)
         switches, cap = _reasoning(document.get("reasoning"))
         fields = _text(document.get("text"))
         if _flag(document.get("parallel_tool_calls"), "parallel_tool_calls", True) is False:
@@ -209,6 +223,8 @@ class ResponsesDoor:
             thinking_cap=cap,
             fields=fields,
             extras={k: v for k, v in document.items() if k not in _MODELLED},
+            dropped=offered.dropped,
+            tool_namespaces=offered.namespaces,
         )
 
     def _messages(self, document: dict[str, Any]) -> tuple[ChatMessage, ...]:
@@ -384,10 +400,14 @@ def _input(value: object) -> list[ChatMessage]:
             else:
                 messages.append(System(_text_content(item.get("content"), f"{path}.content")))
         elif kind == "function_call":
+            name = _string(item.get("name"), f"{path}.name")
+            namespace = item.get("namespace")
+            if namespace is not None:
+                name = flat_tool_name(_string(namespace, f"{path}.namespace"), name)
             turn.calls.append(
                 ToolCall(
                     _string(item.get("call_id"), f"{path}.call_id"),
-                    _string(item.get("name"), f"{path}.name"),
+                    name,
                     _string(item.get("arguments"), f"{path}.arguments"),
                 )
             )
@@ -525,39 +545,101 @@ def _reasoning_text(item: dict[str, Any], path: str) -> str:
     return "".join(pieces.get("content") or ()) or "\n\n".join(pieces.get("summary") or ())
 
 
-def _tools(value: object) -> tuple[ToolSchema, ...]:
-    """C{tools}: function tools only (C{name}, C{description}, C{parameters}, C{strict})."""
+@dataclass(frozen=True)
+class _Offered:
+    """
+    What C{tools} offers the model, and what it left out.
+
+    @ivar tools: the function tools, namespaces flattened.
+    @ivar dropped: the hosted tools left out, by type, each once.
+    @ivar namespaces: each flattened tool's flat name to its namespace and own name.
+    """
+
+    tools: tuple[ToolSchema, ...] = ()
+    dropped: tuple[str, ...] = ()
+    namespaces: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+
+
+def flat_tool_name(namespace: str, name: str) -> str:
+    """
+    The name the model sees for tool C{name} of C{namespace}: C{<namespace>__<name>}, as
+    Codex CLI itself flattens a namespaced name (C{multi_agent_v1__spawn_agent}).
+    """
+    return f"{namespace.rstrip('_')}__{name.lstrip('_')}"
+
+
+def _tools(value: object, hosted: HostedTools) -> _Offered:
+    """
+    C{tools}: function tools (C{name}, C{description}, C{parameters}, C{strict}), the
+    function tools of C{namespace} tools under their flat names, hosted tools left out (or
+    refused, by C{hosted}).
+    """
     if value is None:
-        return ()
+        return _Offered()
     if not isinstance(value, list):
         fail(_TOOLS, "tools", "expected an array of tools")
     tools: list[ToolSchema] = []
+    dropped: list[str] = []
+    namespaces: dict[str, tuple[str, str]] = {}
     for i, item in enumerate(value):
         path = f"tools[{i}]"
         tool = _object(item, path, _TOOLS)
         kind = tool.get("type")
-        if kind != "function":
-            shown = show(kind) if isinstance(kind, str) else "a tool without a type"
-            fail(_TOOLS, f"{path}.type", f"only function tools are supported, not {shown}")
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            fail(_TOOLS, f"{path}.name", "expected a non-empty string")
-        if any(offered.name == name for offered in tools):
-            fail(_TOOLS, f"{path}.name", f"{show(name)} is offered twice")
-        description = tool.get("description")
-        if description is not None:
-            _string(description, f"{path}.description", _TOOLS)
-        parameters = tool.get("parameters")
-        if parameters is None:
-            parameters = {"type": "object"}
-        elif not isinstance(parameters, dict):
-            fail(_TOOLS, f"{path}.parameters", "expected a JSON schema object")
-        _flag(tool.get("strict"), f"{path}.strict", True)
-        _no_other_keys(
-            tool, path, frozenset({"type", "name", "description", "parameters", "strict"})
-        )
-        tools.append(ToolSchema(name, description or "", parameters))
-    return tuple(tools)
+        if isinstance(kind, str) and hosted_responses_tool(kind):
+            if hosted == "refuse":
+                refuse_hosted(f"{path}.type", kind)
+            if kind not in dropped:
+                dropped.append(kind)
+        elif kind == "namespace":
+            namespace = tool.get("name")
+            if not isinstance(namespace, str) or not namespace:
+                fail(_TOOLS, f"{path}.name", "expected a non-empty string")
+            if tool.get("description") is not None:
+                _string(tool["description"], f"{path}.description", _TOOLS)
+            _no_other_keys(tool, path, frozenset({"type", "name", "description", "tools"}))
+            members = tool.get("tools")
+            if not isinstance(members, list):
+                fail(_TOOLS, f"{path}.tools", "expected an array of function tools")
+            for j, member in enumerate(members):
+                schema = _function_tool(member, f"{path}.tools[{j}]", [])
+                flat = flat_tool_name(namespace, schema.name)
+                _offer(tools, ToolSchema(flat, schema.description, schema.parameters), path)
+                namespaces[flat] = (namespace, schema.name)
+        else:
+            tools.append(_function_tool(tool, path, tools))
+    return _Offered(tuple(tools), tuple(dropped), namespaces)
+
+
+def _offer(tools: list[ToolSchema], tool: ToolSchema, path: str) -> None:
+    """Add C{tool}, refusing a name already offered."""
+    if any(offered.name == tool.name for offered in tools):
+        fail(_TOOLS, f"{path}.name", f"{show(tool.name)} is offered twice")
+    tools.append(tool)
+
+
+def _function_tool(value: object, path: str, offered: list[ToolSchema]) -> ToolSchema:
+    """One function tool, its name not among C{offered}."""
+    tool = _object(value, path, _TOOLS)
+    kind = tool.get("type")
+    if kind != "function":
+        shown = show(kind) if isinstance(kind, str) else "a tool without a type"
+        fail(_TOOLS, f"{path}.type", f"only function tools are supported, not {shown}")
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        fail(_TOOLS, f"{path}.name", "expected a non-empty string")
+    if any(tool.name == name for tool in offered):
+        fail(_TOOLS, f"{path}.name", f"{show(name)} is offered twice")
+    description = tool.get("description")
+    if description is not None:
+        _string(description, f"{path}.description", _TOOLS)
+    parameters = tool.get("parameters")
+    if parameters is None:
+        parameters = {"type": "object"}
+    elif not isinstance(parameters, dict):
+        fail(_TOOLS, f"{path}.parameters", "expected a JSON schema object")
+    _flag(tool.get("strict"), f"{path}.strict", True)
+    _no_other_keys(tool, path, frozenset({"type", "name", "description", "parameters", "strict"}))
+    return ToolSchema(name, description or "", parameters)
 
 
 def _tool_choice(
@@ -684,6 +766,7 @@ class _Item:
     text: list[str] = field(default_factory=list)
     call_id: str = ""
     name: str = ""
+    namespace: str | None = None
     call_index: int = -1
 
     def json(self, status: str) -> dict[str, Any]:
@@ -693,7 +776,7 @@ class _Item:
             return _reasoning_item(self.id, text, status)
         if self.kind == "message":
             return _message_item(self.id, text, status)
-        return _call_item(self.id, self.call_id, self.name, text, status)
+        return _call_item(self.id, self.call_id, (self.namespace, self.name), text, status)
 
 
 def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -720,17 +803,27 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
 
 
 def _call_item(
-    item_id: str, call_id: str, name: str, arguments: str, status: str
+    item_id: str, call_id: str, name: tuple[str | None, str], arguments: str, status: str
 ) -> dict[str, Any]:
-    """A function call item."""
-    return {
+    """A function call item; C{name} is the tool's namespace (C{None}: none) and name."""
+    namespace, own = name
+    item = {
         "id": item_id,
         "type": "function_call",
         "status": status,
         "call_id": call_id,
-        "name": name,
+        "name": own,
         "arguments": arguments,
     }
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
+
+
+def _split_name(flat: str, namespaces: Mapping[str, tuple[str, str]]) -> tuple[str | None, str]:
+    """A called tool's namespace and name as the client offered it (L{flat_tool_name})."""
+    namespace, own = namespaces.get(flat, (None, flat))
+    return namespace, own
 
 
 def _usage(completion: Completion) -> dict[str, Any]:
@@ -879,7 +972,8 @@ class ResponsesAnswer:
         if completion.content or not completion.tool_calls:
             output.append(_message_item(_new_id("msg"), completion.content or "", status))
         for call in completion.tool_calls:
-            output.append(_call_item(_new_id("fc"), call.id, call.name, call.arguments, status))
+            name = _split_name(call.name, self._request.tool_namespaces)
+            output.append(_call_item(_new_id("fc"), call.id, name, call.arguments, status))
         self._keep(completion)
         return self._response(status, output, completion)
 
@@ -949,7 +1043,8 @@ class ResponsesAnswer:
         if call is not None:
             item.call_index = call.index
             item.call_id = call.id or _new_id("call")
-            item.name = call.name or ""
+            namespaces = self._request.tool_namespaces
+            item.namespace, item.name = _split_name(call.name or "", namespaces)
         self._items.append(item)
         self._open = item
         sent += self._event(

@@ -130,7 +130,9 @@ class Gateway:
         )
         self.metrics.watch_slot_files(self.upstreams.slot_swap.counts)
         # One store for every listener: a follow-up may come on another socket.
-        self._responses = ResponsesDoor(ResponseStore(reactor.seconds))
+        hosted_tools = config.doors.hosted_tools
+        self._responses = ResponsesDoor(ResponseStore(reactor.seconds), hosted_tools)
+        self._messages = MessagesDoor(hosted_tools)
         self.metrics.watch_router(self.router, reactor.seconds)
         self.metrics.watch_health(self.health)
         self.metrics.watch_pacing({name: client.pacer for name, client in self.clients.items()})
@@ -192,7 +194,7 @@ class Gateway:
         """
         routes: dict[bytes, Resource] = {
             b"/v1/chat/completions": DoorRoute(self, ChatDoor()),
-            b"/v1/messages": DoorRoute(self, MessagesDoor()),
+            b"/v1/messages": DoorRoute(self, self._messages),
             b"/v1/messages/count_tokens": CountTokens(self),
             b"/v1/responses": DoorRoute(self, self._responses),
             b"/v1/models": JsonRoute(self._models),

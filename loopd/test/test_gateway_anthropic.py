@@ -47,8 +47,9 @@ from loopd.llama.types import (
     User,
     Waiting,
 )
+from loopd.settings import Doors
 from loopd.testing.fake_llama import CHAT
-from loopd.testing.gateway import GatewayHarness, Response
+from loopd.testing.gateway import GatewayHarness, Response, make_config
 from loopd.testing.llama_replies import answer
 
 USER = {"role": "user", "content": "Hi"}
@@ -104,6 +105,51 @@ class ReaderTests(SynchronousTestCase):
         ]
         self.assertEqual(parse(system=blocks).messages[0], System("One.\n\nTwo."))
         self.assertEqual(parse(system="").messages, (User("Hi"),))
+
+    def test_system_turn_where_it_stands(self) -> None:
+        """
+        A C{system} turn in C{messages} (Claude Code sends its Agent tool's agent types
+        after the first user turn) is a system message in its place; text blocks join.
+        """
+        later = {"role": "system", "content": [{"type": "text", "text": "Agents: a"}]}
+        request = parse(
+            system="Be brief.", messages=[USER, later, {"role": "assistant", "content": "Ok"}]
+        )
+        self.assertEqual(
+            request.messages,
+            (System("Be brief."), User("Hi"), System("Agents: a"), Assistant("Ok")),
+        )
+        self.assertEqual(
+            parse(messages=[USER, {"role": "system", "content": "x"}]).messages[1], System("x")
+        )
+
+    def test_empty_messages(self) -> None:
+        """An empty C{messages} is the system prompt alone, as llama-server answers it."""
+        self.assertEqual(parse(system="Be brief.", messages=[]).messages, (System("Be brief."),))
+        self.assertEqual(parse(messages=[]).messages, ())
+
+    def test_server_tools_left_out(self) -> None:
+        """
+        Server tools are left out of what the model sees and named once each in
+        C{dropped}; custom tools stay; under C{refuse} the first is a 400 naming it.
+        """
+        tools = [
+            {"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
+            TOOL,
+            {"type": "web_fetch_20250910", "name": "web_fetch"},
+            {"type": "code_execution_20250825", "name": "code_execution"},
+            {"type": "web_search_20250305", "name": "web_search"},
+        ]
+        request = parse(tools=tools)
+        self.assertEqual([tool.name for tool in request.tools], ["read"])
+        self.assertEqual(
+            request.dropped,
+            ("web_search_20250305", "web_fetch_20250910", "code_execution_20250825"),
+        )
+        self.assertEqual(parse(tools=[TOOL]).dropped, ())
+        body = encode({"max_tokens": 1, "messages": [USER], "tools": [TOOL, *tools]})
+        error = self.assertRaises(GatewayError, parse_messages, body, hosted_tools="refuse")
+        self.assertEqual((error.code, error.param), ("hosted_tool", "tools[1].type"))
 
     def test_user_blocks(self) -> None:
         """Text blocks join; an image (base64 or url) keeps the turn's OpenAI parts."""
@@ -339,7 +385,6 @@ class RefusalTests(SynchronousTestCase):
         """max_tokens and messages are required; max_tokens is a positive integer."""
         self.assertRefused({"messages": [USER]}, "max_tokens", "missing_max_tokens")
         self.assertRefused({"max_tokens": 1}, "messages", "missing_messages")
-        self.assertRefused({"max_tokens": 1, "messages": []}, "messages", "missing_messages")
         for bad in (0, -1, 1.5, True, "10"):
             self.refused("max_tokens", max_tokens=bad)
 
@@ -376,8 +421,12 @@ class RefusalTests(SynchronousTestCase):
         self.refused("thinking", thinking=True)
 
     def test_tools(self) -> None:
-        """Server tools, missing schemas and names, duplicates, unknown tool fields."""
-        self.refused("tools[0].type", tools=[{"type": "web_search_20250305", "name": "web_search"}])
+        """
+        Client tools with Anthropic's own schemas, missing schemas and names, duplicates,
+        unknown tool fields.
+        """
+        for kind in ("bash_20250124", "text_editor_20250728", "computer_20250124"):
+            self.refused("tools[0].type", tools=[{"type": kind, "name": "t"}])
         self.refused("tools[0].input_schema", tools=[{"name": "f"}])
         self.refused("tools[0].name", tools=[{"input_schema": {}}])
         self.refused("tools[1].name", tools=[TOOL, TOOL])
@@ -398,7 +447,12 @@ class RefusalTests(SynchronousTestCase):
 
     def test_messages(self) -> None:
         """Roles, content shapes, block fields."""
-        self.refused("messages[0].role", messages=[{"role": "system", "content": "x"}])
+        self.refused("messages[0].role", messages=[{"role": "developer", "content": "x"}])
+        self.refused("messages[0].role", messages=[{"role": "tool", "content": "x"}])
+        self.refused(
+            "messages[1].content[0].type",
+            messages=[USER, {"role": "system", "content": [{"type": "image", "source": PNG}]}],
+        )
         self.refused("messages[0].content", messages=[{"role": "user", "content": 3}])
         self.refused("messages[0].name", messages=[{**USER, "name": "me"}])
         self.refused("messages[0]", messages=["Hi"])
@@ -969,6 +1023,34 @@ class GatewayTests(SynchronousTestCase):
         body = response.json()
         self.assertEqual((response.status, body["type"]), (200, "message"))
         self.assertEqual(body["content"], [{"type": "text", "text": "Hello"}])
+
+    def test_dropped_header(self) -> None:
+        """
+        A request with server tools is answered with them named in C{X-Loopd-Dropped} and
+        counted in C{loopd_dropped_tools_total}; the server sees only the custom tools.
+        """
+        self.harness.fake.script("POST", CHAT, answer({"content": "Hello"}))
+        tools = [{"type": "web_search_20250305", "name": "web_search"}, TOOL]
+        document = {"model": "tiny", "max_tokens": 50, "messages": [USER], "tools": tools}
+        response = self.post(document)
+        self.assertEqual(response.status, 200)
+        self.assertEqual(response.headers["x-loopd-dropped"], "web_search_20250305")
+        [sent] = self.harness.fake.requests_to("POST", CHAT)
+        assert sent.json is not None
+        self.assertEqual([t["function"]["name"] for t in sent.json["tools"]], ["read"])
+        key = frozenset({("door", "messages"), ("tool", "web_search_20250305")})
+        self.assertEqual(self.harness.scrape()[("loopd_dropped_tools_total", key)], 1)
+        plain = self.post({"model": "tiny", "max_tokens": 50, "messages": [USER]})
+        self.assertNotIn("x-loopd-dropped", plain.headers)
+
+    def test_hosted_tools_refused(self) -> None:
+        """With C{[doors] hosted_tools = "refuse"} such a request is a 400, nothing sent."""
+        self.harness = GatewayHarness(make_config(doors=Doors(hosted_tools="refuse")))
+        tools = [{"type": "web_fetch_20250910", "name": "web_fetch"}]
+        response = self.post({"model": "tiny", "max_tokens": 5, "messages": [USER], "tools": tools})
+        self.assertEqual(response.status, 400)
+        self.assertIn("tools[0].type: web_fetch_20250910", response.json()["error"]["message"])
+        self.assertEqual(self.harness.fake.requests, [])
 
     def test_refusal(self) -> None:
         """A refused request is a 400 in Anthropic's shape, and nothing reaches the server."""

@@ -67,6 +67,7 @@ class RenderTests(SynchronousTestCase):
                 "loopd_queue_depth": "gauge",
                 "loopd_http_refusals": "counter",
                 "loopd_http_connections_open": "gauge",
+                "loopd_dropped_tools": "counter",
             },
         )
 

@@ -347,8 +347,8 @@ class ReadParameterTests(DoorCase):
         )
 
     def test_other_tool_types(self) -> None:
-        """Built-in, MCP and custom tools are 400s naming them."""
-        for kind in ("web_search", "file_search", "computer_use_preview", "mcp", "custom"):
+        """Custom and unknown tools are 400s naming them (hosted ones: HostedToolTests)."""
+        for kind in ("custom", "local_shell", "apply_patch"):
             self.refused(
                 {"input": "x", "tools": [{"type": kind, "name": "t"}]},
                 "invalid_tools",
@@ -503,9 +503,24 @@ class ReadParameterTests(DoorCase):
             "background": False,
             "stream_options": {"include_obfuscation": False},
             "prompt_cache_key": "pck",
+            "client_metadata": {"thread_id": "t1", "x-codex-window-id": "t1:0"},
         }
         request = self.read(body)
         self.assertEqual(dict(request.extras), {k: v for k, v in body.items() if k != "input"})
+
+    def test_client_metadata(self) -> None:
+        """
+        Codex CLI's C{client_metadata} (an object of its ids, on every request) is accepted
+        whatever it holds, and neither echoed in the response nor part of the request the
+        server gets: it is the client's bookkeeping.
+        """
+        for metadata in ({"turn_id": "u1", "thread_id": "t1"}, {}, {"n": 1}):
+            request = self.read({"input": "x", "client_metadata": metadata})
+            self.assertEqual(request.extras["client_metadata"], metadata)
+            self.assertNotIn("client_metadata", request.fields)
+            body = self.door.answer(request, "m", 1).body(completion())
+            assert isinstance(body, dict)
+            self.assertNotIn("client_metadata", body)
 
     def test_refused_fields(self) -> None:
         """Each field loopd cannot honour is a 400 naming it."""
@@ -592,6 +607,158 @@ _bodies = st.fixed_dictionaries(
         )
     },
 )
+
+
+#: The namespace tool Codex CLI 0.171 sends (captured; descriptions and schemas cut short).
+CODEX_NAMESPACE = {
+    "type": "namespace",
+    "name": "multi_agent_v1",
+    "description": "Tools for spawning and managing sub-agents.",
+    "tools": [
+        {
+            "type": "function",
+            "name": "spawn_agent",
+            "description": "Spawn a sub-agent.",
+            "strict": False,
+            "parameters": {"type": "object", "properties": {"message": {"type": "string"}}},
+        },
+        {"type": "function", "name": "wait_agent", "strict": False, "parameters": {}},
+    ],
+}
+
+
+class HostedToolTests(DoorCase):
+    """Hosted tools (decision 43): left out and named, or refused when so configured."""
+
+    def test_dropped(self) -> None:
+        """
+        Every hosted tool type is left out of what the model sees and named once in
+        C{dropped}, in the order met; function tools stay.
+        """
+        hosted = [
+            {"type": "web_search", "external_web_access": True},
+            {"type": "file_search", "vector_store_ids": ["v"]},
+            {"type": "function", "name": "f"},
+            {"type": "code_interpreter", "container": {"type": "auto"}},
+            {"type": "computer_use_preview", "display_width": 1},
+            {"type": "image_generation"},
+            {"type": "mcp", "server_label": "x"},
+            {"type": "web_search"},
+        ]
+        request = self.read({"input": "x", "tools": hosted})
+        self.assertEqual([tool.name for tool in request.tools], ["f"])
+        self.assertEqual(
+            request.dropped,
+            (
+                "web_search",
+                "file_search",
+                "code_interpreter",
+                "computer_use_preview",
+                "image_generation",
+                "mcp",
+            ),
+        )
+        self.assertEqual(self.read({"input": "x"}).dropped, ())
+
+    def test_refused(self) -> None:
+        """With C{hosted_tools = "refuse"} a hosted tool is a 400 naming it and the setting."""
+        self.door = ResponsesDoor(self.store, "refuse")
+        tools = [{"type": "function", "name": "f"}, {"type": "web_search"}]
+        error = self.refused({"input": "x", "tools": tools}, "hosted_tool", "web_search")
+        self.assertEqual(error.param, "tools[1].type")
+        self.assertIn('hosted_tools = "refuse"', error.message)
+
+
+class NamespaceToolTests(DoorCase):
+    """Codex CLI's C{namespace} tools: flattened for the model, named as offered on the way out."""
+
+    def test_flattened(self) -> None:
+        """Each function tool of a namespace is offered as C{<namespace>__<name>}."""
+        request = self.read(
+            {"input": "x", "tools": [{"type": "function", "name": "f"}, CODEX_NAMESPACE]}
+        )
+        self.assertEqual(
+            [tool.name for tool in request.tools],
+            ["f", "multi_agent_v1__spawn_agent", "multi_agent_v1__wait_agent"],
+        )
+        self.assertEqual(request.tools[1].description, "Spawn a sub-agent.")
+        self.assertEqual(
+            dict(request.tool_namespaces),
+            {
+                "multi_agent_v1__spawn_agent": ("multi_agent_v1", "spawn_agent"),
+                "multi_agent_v1__wait_agent": ("multi_agent_v1", "wait_agent"),
+            },
+        )
+
+    def test_bad_namespaces(self) -> None:
+        """A namespace without a name or tools, a member that is not a function, a clash."""
+        cases: list[tuple[dict[str, Any], str, str]] = [
+            ({**CODEX_NAMESPACE, "name": ""}, "invalid_tools", "tools[0].name"),
+            ({**CODEX_NAMESPACE, "tools": None}, "invalid_tools", "tools[0].tools"),
+            (
+                {**CODEX_NAMESPACE, "tools": [{"type": "web_search"}]},
+                "invalid_tools",
+                "tools[0].tools[0].type",
+            ),
+            (
+                {**CODEX_NAMESPACE, "defer_loading": True},
+                "unsupported_parameter",
+                "tools[0].defer_loading",
+            ),
+        ]
+        for tool, code, path in cases:
+            with self.subTest(path):
+                self.refused({"input": "x", "tools": [tool]}, code, path)
+        clash = {"type": "function", "name": "multi_agent_v1__wait_agent"}
+        self.refused(
+            {"input": "x", "tools": [clash, CODEX_NAMESPACE]}, "invalid_tools", "tools[1].name"
+        )
+
+    def test_history_call_reads_flat(self) -> None:
+        """A C{function_call} input item with a C{namespace} is the flat name's call."""
+        items = [
+            {"role": "user", "content": "go"},
+            {
+                "type": "function_call",
+                "call_id": "c1",
+                "namespace": "multi_agent_v1",
+                "name": "spawn_agent",
+                "arguments": "{}",
+            },
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        ]
+        request = self.read({"input": items, "tools": [CODEX_NAMESPACE]})
+        self.assertEqual(
+            request.messages[1],
+            Assistant(None, None, (ToolCall("c1", "multi_agent_v1__spawn_agent", "{}"),)),
+        )
+
+    def test_answer_names_the_namespace(self) -> None:
+        """The answer's call of a flat name is the tool's own name and its namespace."""
+        request = self.read({"input": "x", "stream": True, "tools": [CODEX_NAMESPACE]})
+        call = ToolCall("call_1", "multi_agent_v1__spawn_agent", "{}")
+        done = completion(None, None, (call,), FinishReason.TOOL_CALLS)
+        body = self.door.answer(request, "m", 1).body(done)
+        assert isinstance(body, dict)
+        [item] = body["output"]
+        self.assertEqual(
+            (item["name"], item["namespace"], item["call_id"]),
+            ("spawn_agent", "multi_agent_v1", "call_1"),
+        )
+        answer = self.door.answer(request, "m", 1)
+        data = answer.opening()
+        data += answer.during(ToolCallDelta(0, "call_1", "multi_agent_v1__spawn_agent", "{}"))
+        data += answer.closing(done)
+        items = [e["item"] for e in events_of(data) if e["type"] == "response.output_item.done"]
+        self.assertEqual(
+            [(i["name"], i.get("namespace")) for i in items], [("spawn_agent", "multi_agent_v1")]
+        )
+        plain = self.read({"input": "x", "tools": [{"type": "function", "name": "f"}]})
+        body = self.door.answer(plain, "m", 1).body(
+            completion(None, None, (ToolCall("c", "f", "{}"),), FinishReason.TOOL_CALLS)
+        )
+        assert isinstance(body, dict)
+        self.assertNotIn("namespace", body["output"][0])
 
 
 class ReadPropertyTests(DoorCase):

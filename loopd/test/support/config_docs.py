@@ -15,6 +15,7 @@ from loopd import config as config_module
 from loopd.config import (
     Caps,
     Config,
+    Doors,
     Endpoint,
     Expect,
     HealthProbe,
@@ -41,6 +42,7 @@ SECTION_TYPES: dict[str, type] = {
     "queue": Queue,
     "mesh": Mesh,
     "health": HealthProbe,
+    "doors": Doors,
 }
 """Each top-level table of a document other than [[endpoint]], with its dataclass."""
 
@@ -233,6 +235,7 @@ configs = st.builds(
         down_interval_ms=st.integers(1, 2**31 - 1),
         timeout_ms=st.integers(1, 2**31 - 1),
     ),
+    doors=st.builds(Doors, hosted_tools=st.sampled_from(["drop", "refuse"])),
     queue=st.builds(
         Queue,
         serve=st.booleans(),
