@@ -129,6 +129,7 @@ class Gateway:
             health=self.health,
         )
         self.metrics.watch_slot_files(self.upstreams.slot_swap.counts)
+        self.late_system = self.upstreams.late_system
         # One store for every listener: a follow-up may come on another socket.
         hosted_tools = config.doors.hosted_tools
         self._responses = ResponsesDoor(ResponseStore(reactor.seconds), hosted_tools)
@@ -195,7 +196,7 @@ class Gateway:
         routes: dict[bytes, Resource] = {
             b"/v1/chat/completions": DoorRoute(self, ChatDoor()),
             b"/v1/messages": DoorRoute(self, self._messages),
-            b"/v1/messages/count_tokens": CountTokens(self),
+            b"/v1/messages/count_tokens": CountTokens(self, self._messages),
             b"/v1/responses": DoorRoute(self, self._responses),
             b"/v1/models": JsonRoute(self._models),
             b"/health": JsonRoute(self._health),

@@ -6,9 +6,10 @@ request would be, counted with the endpoint's own chat template and tokenizer.
 The body is read by L{MessagesDoor.read_count} (a Messages request whose C{max_tokens} is
 optional); the endpoint is the one the request would go to (a named endpoint; for C{auto},
 a group or no model, the first the router would try; C{mesh} counts as C{auto}); its
-server makes the prompt (C{POST /apply-template} with the request's messages, tools and
-thinking switch) and tokenizes it (C{POST /tokenize}, special tokens added as a
-completion adds them), and the answer is C{{"input_tokens": N}}. An C{openai}-kind
+server makes the prompt (C{POST /apply-template} with the request's messages, placed as a
+chat request's are (L{loopd.gateway.late_system}), tools and thinking switch) and tokenizes
+it (C{POST /tokenize}, special tokens added as a completion adds them), and the answer is
+C{{"input_tokens": N}}. An C{openai}-kind
 endpoint has neither route: its request is a 400 that says so. Every error is in
 Anthropic's shape (L{anthropic_error}). Counting takes no slot and no lease.
 """
@@ -28,10 +29,12 @@ from twisted.web.server import NOT_DONE_YET, Request
 from loopd.gateway.anthropic import MessagesDoor, anthropic_error
 from loopd.gateway.door import Header
 from loopd.gateway.errors import GatewayError, error_for
+from loopd.gateway.late_system import LateSystem
 from loopd.gateway.request import GatewayRequest
 from loopd.gateway.web import write_json
 from loopd.llama import Client
 from loopd.llama.request import render_messages, render_tools
+from loopd.llama.types import ChatMessage
 from loopd.moa.roles import VIRTUAL_MODEL_NAME as MESH_MODEL
 from loopd.settings import Endpoint
 
@@ -46,6 +49,10 @@ class CountHost(Protocol):
     @property
     def clients(self) -> Mapping[str, Client]:
         """The llama client of each endpoint, by name."""
+
+    @property
+    def late_system(self) -> LateSystem:
+        """Where each endpoint's template puts system messages after the first."""
 
     def endpoint_for(self, model: str | None) -> Endpoint:
         """
@@ -127,7 +134,17 @@ class CountTokens(Resource):
                 "invalid_request_error",
                 "count_unsupported",
             )
-        return self._host.clients[endpoint.name].prompt_tokens(template_body(parsed))
+        client = self._host.clients[endpoint.name]
+
+        def count(messages: tuple[ChatMessage, ...]) -> Deferred[int]:
+            """Count the request with its messages placed as the endpoint takes them."""
+            placed = dataclasses.replace(parsed, messages=messages)
+            return client.prompt_tokens(template_body(placed))
+
+        counting: Deferred[int] = self._host.late_system.placed(
+            endpoint.name, parsed.messages
+        ).addCallback(count)
+        return counting
 
     def _endpoint(self, request: GatewayRequest) -> Endpoint:
         """The endpoint C{request} would go to first."""

@@ -15,7 +15,9 @@ mesh worker and reducer call go through L{Upstreams.call}.
     while a request runs on it and, under leases, while another session holding a lease on
     the endpoint calls it home, so that session's next turn finds its KV cache where it
     left it.
- 3. B{Call.} The endpoint's robust llama client (L{Client.chat_with_retry}: its slot gate,
+ 3. B{Call.} The request's system messages after the first placed as the endpoint's
+    template takes them (L{LateSystem}, which may ask the template once), then the
+    endpoint's robust llama client (L{Client.chat_with_retry}: its slot gate,
     bounded waits and retries), the request pinned to the slot and carrying the session's
     id and tier (for an C{openai} endpoint's own affinity, decision 42; an anonymous
     session's id stays home); a streaming client's backpressure (a L{Flow}) pauses the
@@ -47,6 +49,7 @@ from twisted.python.failure import Failure
 
 from loopd.errors import Connect, ProxyRefused, WaitTimeout
 from loopd.gateway.health import HealthBoard
+from loopd.gateway.late_system import LateSystem
 from loopd.gateway.leases import GatewayLeases, LeaseHold
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.router import AutoRouter
@@ -55,7 +58,7 @@ from loopd.gateway.slot_swap import SlotSwap
 from loopd.llama import Client, Flow
 from loopd.llama.retry import is_retryable
 from loopd.llama.slot_files import SlotFile
-from loopd.llama.types import ChatEvent, ChatRequest, Completion, Queued
+from loopd.llama.types import ChatEvent, ChatMessage, ChatRequest, Completion, Queued
 from loopd.queue.scheduler_types import Tier
 from loopd.settings import Config
 
@@ -141,6 +144,8 @@ class Upstreams:
         self.slot_swap = SlotSwap(
             self.clients, lambda s: sessions.last_slot(s) is not None, config.cache_loss_tokens
         )
+        #: Where each endpoint's template puts system messages after the first (decision 43).
+        self.late_system = LateSystem(reactor, self.clients, config.limits.poll_ms)
         # The endpoint of each session's last completion, most recent last, bounded like the
         # session table: where the session's cache is, for auto (decision 34).
         self._homes: OrderedDict[str, str] = OrderedDict()
@@ -333,7 +338,13 @@ class _LeasedCall:
         self._on_event = on_event
         self._retryable = retryable
         self._hold: LeaseHold | None = None
-        self._step: Deferred[LeaseHold] | Deferred[SlotFile | None] | Deferred[Completion] | None
+        self._step: (
+            Deferred[LeaseHold]
+            | Deferred[SlotFile | None]
+            | Deferred[tuple[ChatMessage, ...]]
+            | Deferred[Completion]
+            | None
+        )
         self._step = None
         self._slot = -1
         self._restored: SlotFile | None = None
@@ -372,14 +383,23 @@ class _LeasedCall:
         preparing.addCallbacks(self._send, self._failed)
 
     def _send(self, restored: SlotFile | None) -> None:
-        """Send the request upstream, pinned to the chosen slot."""
+        """Place the request's late system messages for the endpoint, then L{_call}."""
         self._restored = restored
+        placing = self._up.late_system.placed(self._endpoint, self._request.messages)
+        if not placing.called:
+            self._step = placing
+        placing.addCallbacks(self._call, self._failed)
+
+    def _call(self, messages: tuple[ChatMessage, ...]) -> None:
+        """Send the request upstream with C{messages}, pinned to the chosen slot."""
         client = self._up.clients[self._endpoint]
         keys = self._keys
         # An anonymous session's id names a connection, not a conversation: an engine's own
         # affinity (decision 42) is left to its prefix-aware routing for it.
         session = None if keys.anonymous or not keys.session else keys.session
-        request = replace(self._request, slot=self._slot, session=session, tier=keys.tier)
+        request = replace(
+            self._request, messages=messages, slot=self._slot, session=session, tier=keys.tier
+        )
         calling = client.chat_with_retry(request, self._on_event, self._retryable, flow=self._flow)
         self._step = calling
         calling.addCallbacks(self._completed, self._failed)

@@ -293,22 +293,38 @@ class Client:
         answer.addCallback(tokens)
         return answer
 
-    def prompt_tokens(self, body: dict[str, Any]) -> Deferred[int]:
+    def apply_template(self, body: dict[str, Any]) -> Deferred[str]:
         """
-        How many tokens the server's prompt for the chat-completions C{body} has: the
-        prompt its chat template makes (C{POST /apply-template}), tokenized as a completion
-        tokenizes it (C{POST /tokenize}, special tokens parsed and added). Fails as
-        L{tokenize} does, and with L{Protocol} for a template answer without a C{prompt}.
-        Both requests name C{endpoint.model} when it is set, as a router needs.
+        The prompt the server's chat template makes of the chat-completions C{body}
+        (C{POST /apply-template}), naming C{endpoint.model} when it is set, as a router
+        needs. Fails as L{get_json} does (an L{Http} for a template that raised), and with
+        L{Protocol} for an answer without a C{prompt}.
         """
         model = {"model": self.endpoint.model} if self.endpoint.model else {}
         answer = self._get("POST", "/apply-template", {**model, **body})
 
-        def tokenize(value: object) -> Deferred[Any]:
-            """Tokenize the answer's C{prompt}."""
-            prompt = _expect_object(value, "/apply-template").get("prompt")
-            if not isinstance(prompt, str):
+        def prompt(value: object) -> str:
+            """The answer's C{prompt}."""
+            text = _expect_object(value, "/apply-template").get("prompt")
+            if not isinstance(text, str):
                 raise Protocol("/apply-template did not answer a prompt")
+            return text
+
+        answer.addCallback(prompt)
+        return answer
+
+    def prompt_tokens(self, body: dict[str, Any]) -> Deferred[int]:
+        """
+        How many tokens the server's prompt for the chat-completions C{body} has: the
+        prompt its chat template makes (L{apply_template}), tokenized as a completion
+        tokenizes it (C{POST /tokenize}, special tokens parsed and added). Fails as
+        L{tokenize} does, and as L{apply_template} does. Both requests name
+        C{endpoint.model} when it is set, as a router needs.
+        """
+        model = {"model": self.endpoint.model} if self.endpoint.model else {}
+
+        def tokenize(prompt: str) -> Deferred[Any]:
+            """Tokenize the template's prompt."""
             content = {"content": prompt, "add_special": True}
             return self._get("POST", "/tokenize", {**model, **content})
 
@@ -319,9 +335,9 @@ class Client:
                 raise Protocol("/tokenize did not answer a list of token ids")
             return len(ids)
 
-        answer.addCallback(tokenize)
-        answer.addCallback(count)
-        return answer
+        counting: Deferred[int] = self.apply_template(body).addCallback(tokenize)
+        counting.addCallback(count)
+        return counting
 
     def save_slot(self, slot: int, filename: str) -> Deferred[SlotFile]:
         """
