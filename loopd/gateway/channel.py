@@ -123,6 +123,17 @@ class GatewayChannel(HTTPChannel):
             self._abortingCall = self.callLater(self.abortTimeout, self.forceAbortClient)
         return False
 
+    def timeoutConnection(self) -> None:
+        """
+        The connection stayed idle past the site's timeout: close it as twisted.web does
+        (forcibly after C{abortTimeout}), without twisted.web's "Timing out client" line.
+        Agents leave idle keep-alive connections open as a matter of course (Claude Code's
+        C{HEAD /} probe leaves one), so that line said nothing worth a log.
+        """
+        if self.abortTimeout is not None and self._abortingCall is None:
+            self._abortingCall = self.callLater(self.abortTimeout, self.forceAbortClient)
+        self.loseConnection()
+
     def _respondToBadRequestAndDisconnect(self) -> None:
         """Every refusal twisted.web itself detects: a JSON 400 instead of a bare one."""
         self._refuse(_bad_request(f"malformed HTTP: {self._parsing} is not valid"))

@@ -201,6 +201,7 @@ class Gateway:
             b"/v1/models": JsonRoute(self._models),
             b"/health": JsonRoute(self._health),
             b"/metrics": _Metrics(self.metrics),
+            b"/": JsonRoute(self._index),
         }
         if self.leases is not None and self.leases.scheduler is not None:
             scheduler = self.leases.scheduler
@@ -234,6 +235,23 @@ class Gateway:
             exchange.shutdown()
         if self.leases is not None:
             self.leases.stop()
+
+    def _index(self) -> tuple[int, object]:
+        """
+        C{GET /} (and C{HEAD /}, the connectivity probe of agents such as Claude Code): what
+        answers here, and where its front doors and its reports are.
+        """
+        return 200, {
+            "service": "loopd",
+            "doors": {
+                "chat_completions": "/v1/chat/completions",
+                "messages": "/v1/messages",
+                "responses": "/v1/responses",
+            },
+            "models": "/v1/models",
+            "health": "/health",
+            "metrics": "/metrics",
+        }
 
     def _model_ids(self) -> list[str]:
         """

@@ -30,7 +30,10 @@ __all__ = ["ErrorShape", "TokenGuard", "openai_shape"]
 ErrorShape = Callable[[GatewayError], tuple[int, Any]]
 """A front door's error answer: the status and JSON body of a L{GatewayError}."""
 
-_HOW = "send Authorization: Bearer TOKEN or x-api-key: TOKEN; `loopd token` prints it"
+_HOW = (
+    "send it as Authorization: Bearer TOKEN or x-api-key: TOKEN (an agent's API key setting "
+    "does); `loopd token` prints it"
+)
 
 
 def openai_shape(error: GatewayError) -> tuple[int, Any]:

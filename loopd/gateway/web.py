@@ -53,11 +53,17 @@ def compact_json(payload: object) -> str:
 
 def write_json(request: Request, status: int, body: object) -> bytes:
     """
-    Set C{status} and a JSON content type on C{request}; return the encoded C{body}.
+    Set C{status} and a JSON content type on C{request}; return the encoded C{body}. A
+    C{HEAD} request gets the headers alone, its C{Content-Length} that of the body a C{GET}
+    would get (twisted.web would log a warning for a body).
     """
     request.setResponseCode(status)
     request.setHeader(b"content-type", b"application/json")
-    return json.dumps(body, separators=(",", ":")).encode()
+    encoded = json.dumps(body, separators=(",", ":")).encode()
+    if request.method == b"HEAD":
+        request.setHeader(b"content-length", b"%d" % len(encoded))
+        return b""
+    return encoded
 
 
 def open_event_stream(request: Request) -> None:

@@ -19,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.protocol import ClientFactory, Protocol, connectionDone
+from twisted.logger import capturedLogs, formatEvent
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
@@ -338,6 +339,21 @@ class DeadlineTests(SynchronousTestCase):
             connection.send(MODELS[5:])
             harness.advance(9)
         self.assertEqual([r.status for r in connection.responses()], [200, 200, 200])
+
+    def test_idle_keepalive_closed_quietly(self) -> None:
+        """
+        A kept-alive connection left idle (Claude Code's C{HEAD /} probe leaves one) is
+        closed at the site's idle timeout, 60 s, with nothing logged.
+        """
+        harness = GatewayHarness()
+        connection = harness.connect()
+        with capturedLogs() as events:
+            connection.send(MODELS)
+            harness.advance(59)
+            self.assertFalse(connection.transport.disconnecting)
+            harness.advance(1)
+        self.assertTrue(connection.transport.disconnecting)
+        self.assertEqual([formatEvent(event) for event in events], [])
 
     def test_idle_keepalive_not_refused(self) -> None:
         """A kept-alive connection idle between requests gets no 408 (the idle timeout rules)."""

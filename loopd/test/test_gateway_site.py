@@ -15,6 +15,7 @@ import gc
 import json
 import math
 
+from twisted.logger import capturedLogs, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.errors import ProxyRefused
@@ -139,6 +140,30 @@ class RefusalTests(SynchronousTestCase):
         connection.request("POST", "/v1/models", b"{}")
         response = self.refused(connection, 405, "method_not_allowed")
         self.assertEqual(response.headers["allow"], "GET, HEAD")
+
+    def test_index(self) -> None:
+        """
+        C{GET /} says what answers and where; C{HEAD /} (agents' connectivity probe) has
+        the same status and length with no body, and logs nothing.
+        """
+        get = self.harness.get("/").response()
+        self.assertEqual(get.status, 200)
+        self.assertEqual(get.json()["service"], "loopd")
+        self.assertEqual(get.json()["doors"]["messages"], "/v1/messages")
+        with capturedLogs() as events:
+            connection = self.harness.connect()
+            connection.request("HEAD", "/")
+            head = connection.response()
+        self.assertEqual((head.status, head.body), (200, b""))
+        self.assertEqual(head.headers["content-length"], str(len(get.body)))
+        self.assertEqual([formatEvent(event) for event in events], [])
+
+    def test_head_of_a_refusal(self) -> None:
+        """A C{HEAD} that is refused (an unknown path) has its status and no body."""
+        connection = self.harness.connect()
+        connection.request("HEAD", "/v2/chat")
+        response = connection.response()
+        self.assertEqual((response.status, response.body), (404, b""))
 
     def test_unknown_path(self) -> None:
         """An unknown path is 404 not_found naming the path, whatever the method."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from twisted.internet.defer import inlineCallbacks
 from twisted.internet.endpoints import TCP4ClientEndpoint, UNIXClientEndpoint
+from twisted.logger import capturedLogs, formatEvent
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, readBody
 from twisted.web.http_headers import Headers
@@ -105,6 +106,18 @@ class GuardedGatewayTests(SynchronousTestCase):
         response = self.ask("GET", "/v1/models", [f"authorization: bearer {TOKEN}"])
         self.assertEqual(response.status, 200)
         self.assertEqual(self.ask("GET", "/nope", [f"x-api-key: {TOKEN}"]).status, 404)
+
+    def test_head_probe(self) -> None:
+        """
+        Claude Code's C{HEAD /} connectivity probe without the token: a 401 with no body
+        and nothing logged; with the token, the index's 200.
+        """
+        with capturedLogs() as events:
+            response = self.ask("HEAD", "/", [])
+        self.assertEqual((response.status, response.body), (401, b""))
+        self.assertEqual([formatEvent(event) for event in events], [])
+        response = self.ask("HEAD", "/", [f"x-api-key: {TOKEN}"])
+        self.assertEqual((response.status, response.body), (200, b""))
 
     def test_anthropic_shape(self) -> None:
         """/v1/messages (and its count_tokens, and ?beta=true) answers in Anthropic's shape."""
