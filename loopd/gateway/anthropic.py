@@ -59,7 +59,10 @@ C{signature} C{""}), a C{text} block, C{tool_use} blocks, C{stop_reason} C{max_t
 in Anthropic's sense: C{input_tokens} are the prompt tokens the server evaluated,
 C{cache_read_input_tokens} the ones it reused (their sum is the prompt). loopd's completion
 does not say which stop string ended it, so a stop sequence reads as C{end_turn} with
-C{stop_sequence} C{null}. A stream is C{message_start}, then per block
+C{stop_sequence} C{null}. A stream is C{message_start} (sent once the server's first
+progress event gives the prompt's size, which its usage carries as llama-server's does, or
+before the first piece without one; loopd's C{ping}s for a wait may come before it, and
+every SDK skips them), then per block
 C{content_block_start}, its deltas (C{thinking_delta} then a C{signature_delta},
 C{text_delta}, C{input_json_delta}) and C{content_block_stop}, a new block each time the
 kind of piece changes, then C{message_delta} (stop reason and the whole usage) and
@@ -99,6 +102,7 @@ from loopd.llama.types import (
     Completion,
     Content,
     FinishReason,
+    Progress,
     Queued,
     Reasoning,
     System,
@@ -865,6 +869,7 @@ class MessagesAnswer:
         self._blocks = 0
         self._open: tuple[str, int] | None = None
         self._pending: dict[int, _Pending] = {}
+        self._started = False
 
     def _message(
         self, content: list[dict[str, Any]], completion: Completion | None
@@ -882,15 +887,47 @@ class MessagesAnswer:
         }
 
     def opening(self) -> bytes:
-        """C{message_start}: the message without content, its usage all zero so far."""
-        return _event({"type": "message_start", "message": self._message([], None)})
+        """
+        Nothing yet: C{message_start} waits for the prompt's size (L{_start}), which Claude
+        Code reads its context window from, as llama-server's own stream gives it.
+        """
+        return b""
+
+    def _start(self, progress: Progress | None) -> bytes:
+        """
+        C{message_start}, once: the message without content, its usage the prompt's tokens
+        to evaluate and those reused as the server's first progress event says (all zero
+        without one: an endpoint that reports no progress).
+        """
+        if self._started:
+            return b""
+        self._started = True
+        message = self._message([], None)
+        if progress is not None:
+            message["usage"] = {
+                **message["usage"],
+                "input_tokens": max(0, progress.total - progress.cache),
+                "cache_read_input_tokens": progress.cache,
+            }
+        return _event({"type": "message_start", "message": message})
 
     def during(self, event: ChatEvent) -> bytes:
         """
         The events of one piece: a block's deltas (with the stop of the block before and
         the start of this one when the kind of piece changes); loopd's own events as a
-        comment, and C{queued} and C{waiting} also as a C{ping}.
+        comment, and C{queued} and C{waiting} also as a C{ping}. C{message_start} goes
+        before the first progress event's comment or the first piece, whichever comes
+        first.
         """
+        if not self._started:
+            if isinstance(event, Progress):
+                return self._start(event) + self._during(event)
+            if isinstance(event, (Reasoning, Content, ToolCallDelta)):
+                return self._start(None) + self._during(event)
+        return self._during(event)
+
+    def _during(self, event: ChatEvent) -> bytes:
+        """L{during}, the message started where it must be."""
         if isinstance(event, Reasoning) and event.text:
             return self._switch(
                 "thinking", 0, {"type": "thinking", "thinking": "", "signature": ""}
@@ -965,7 +1002,8 @@ class MessagesAnswer:
         The stop of the open block (a tool call still without a name starts first, named
         C{""}), C{message_delta} with the stop reason and the whole usage, C{message_stop}.
         """
-        out = b"".join(self._start_tool(index, "") for index in sorted(self._pending))
+        out = self._start(None)
+        out += b"".join(self._start_tool(index, "") for index in sorted(self._pending))
         out += self._stop()
         delta = {"stop_reason": _stop_reason(completion), "stop_sequence": None}
         out += _event(

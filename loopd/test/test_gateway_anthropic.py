@@ -793,15 +793,18 @@ class StreamTests(SynchronousTestCase):
         self.assertEqual(message.model, "tiny")
 
     def test_events(self) -> None:
-        """Each event, in order: blocks start and stop as the kind of piece changes."""
+        """
+        Each event, in order: the waits' pings, the message's start at the first progress
+        event, blocks that start and stop as the kind of piece changes.
+        """
         raw = stream_bytes(PIECES, DONE)
         names = [name for name, _ in events(raw)]
         self.assertEqual(
             names,
             [
+                "ping",
+                "ping",
                 "message_start",
-                "ping",
-                "ping",
                 "content_block_start",
                 "content_block_delta",
                 "content_block_delta",
@@ -859,8 +862,17 @@ class StreamTests(SynchronousTestCase):
                 },
             },
         )
-        start = parsed[0][1]["message"]
+        start = parsed[2][1]["message"]
         self.assertEqual((start["content"], start["stop_reason"]), ([], None))
+        self.assertEqual(
+            start["usage"],
+            {
+                "input_tokens": 10,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 90,
+                "output_tokens": 0,
+            },
+        )
 
     def test_loopd_events_are_comments(self) -> None:
         """loopd's own events are comment lines; queued and waiting also send a ping."""
@@ -869,11 +881,30 @@ class StreamTests(SynchronousTestCase):
             answer.during(Queued(2)),
             b': loopd {"event":"queued","ahead":2}\n\nevent: ping\ndata: {"type":"ping"}\n\n',
         )
+        started = answer.during(Progress(3, 1, 2))
+        self.assertTrue(started.startswith(b"event: message_start\n"))
+        self.assertTrue(
+            started.endswith(b': loopd {"event":"progress","total":3,"cache":1,"processed":2}\n\n')
+        )
         self.assertEqual(
-            answer.during(Progress(3, 1, 2)),
-            b': loopd {"event":"progress","total":3,"cache":1,"processed":2}\n\n',
+            answer.during(Progress(3, 1, 3)),
+            b': loopd {"event":"progress","total":3,"cache":1,"processed":3}\n\n',
         )
         self.assertEqual(answer.during(Content("")), b"")
+
+    def test_start_without_progress(self) -> None:
+        """
+        An endpoint that reports no progress: the message starts, its usage zero, before
+        the first piece; or before the end when there is no piece at all.
+        """
+        answer = MessagesDoor().answer(parse(stream=True), "tiny", 0)
+        self.assertEqual(answer.opening(), b"")
+        first = events(answer.during(Content("Hi")))
+        self.assertEqual([name for name, _ in first][:2], ["message_start", "content_block_start"])
+        self.assertEqual(first[0][1]["message"]["usage"]["input_tokens"], 0)
+        empty = MessagesDoor().answer(parse(stream=True), "tiny", 0)
+        names = [name for name, _ in events(empty.closing(completion(None, None)))]
+        self.assertEqual(names, ["message_start", "message_delta", "message_stop"])
 
     def test_frames(self) -> None:
         """Every event is C{event: <type>}, one C{data:} line of JSON, a blank line."""
