@@ -63,7 +63,8 @@ _SAMPLE_TEXT = "\x00"
 
 class _TextLine:
     """
-    The SSE line of a plain text piece (reasoning or content, the first choice, no logprobs)
+    The SSE line of a plain text piece (reasoning or content, the first choice, no logprobs,
+    no timings asked for)
     from a template: the bytes L{data_line} makes of L{ChunkStream}'s chunk for it, before
     and after the encoded text, so that a piece costs one encoding of its string instead of
     building and encoding the whole chunk. The template is that very rendering, cut where
@@ -107,6 +108,7 @@ class _ChatAnswer:
             and event.text
             and event.choice == 0
             and not event.logprobs
+            and not self._chunks.return_timings
         ):
             kind = type(event)
             text_line = self._text_lines.get(kind)

@@ -12,11 +12,12 @@ silently: a field loopd cannot honour is a 400 that names it.
     llama-server, refused for an C{openai}-kind endpoint (L{refused_fields}).
   - L{LOOPD_FIELDS}: what loopd reads itself and never passes (C{user}, the session id;
     C{return_progress}, whether the client gets the server's C{prompt_progress} chunks;
+    C{timings_per_token}, whether its chunks carry the server's per-token C{timings};
     C{cache_prompt}, which loopd always sets).
   - L{IGNORED_FIELDS}: fields SDKs and agents send that change nothing in the answer
     (C{store}, C{metadata}, C{service_tier}, C{prediction}, ...); accepted and ignored.
   - L{MANAGED_FIELDS}: fields loopd sets itself on every upstream request (C{id_slot},
-    C{timings_per_token}, C{reasoning_control}, ...): a client's value is a 400 naming it.
+    C{reasoning_control}, ...): a client's value is a 400 naming it.
   - L{UNSUPPORTED_FIELDS}: fields whose answer loopd cannot give (C{audio},
     C{web_search_options}, C{functions}, ...): a 400 naming them.
   - Any other field is unknown: a 400 C{unsupported_parameter} naming it.
@@ -119,12 +120,14 @@ LLAMA_FIELDS: Final[Mapping[str, Kind]] = {
 }
 """llama.cpp's own chat fields (its server README's list) that loopd passes to a llama-server."""
 
-LOOPD_FIELDS: Final = frozenset({"user", "return_progress", "cache_prompt"})
+LOOPD_FIELDS: Final = frozenset({"user", "return_progress", "timings_per_token", "cache_prompt"})
 """
 Fields loopd reads itself and never passes: C{user} names the session (DESIGN decision 36);
 C{return_progress} (a boolean) asks for the server's C{prompt_progress} chunks in the
-stream, which loopd always asks the server for; C{cache_prompt} may only be C{true}, which
-loopd always sends.
+stream, which loopd always asks the server for; C{timings_per_token} (a boolean) asks for
+the server's C{timings} on every chunk, which loopd always asks the server for (its
+thinking cap counts tokens from them); C{cache_prompt} may only be C{true}, which loopd
+always sends.
 """
 
 IGNORED_FIELDS: Final = frozenset(
@@ -148,7 +151,6 @@ audio is a 400).
 
 MANAGED_FIELDS: Final[Mapping[str, str]] = {
     "id_slot": "loopd pins each session to its slot itself",
-    "timings_per_token": "loopd sets it itself (its thinking cap counts tokens from it)",
     "reasoning_control": "loopd arms the reasoning-end control itself (its thinking cap)",
     "sse_ping_interval": "loopd keeps the client's stream alive with its own comments",
     "n_predict": "use max_tokens, which loopd bounds by its configured max_tokens",
@@ -252,7 +254,7 @@ def refusal(names: tuple[str, ...], where: str) -> GatewayError:
 
 def _loopd_field(name: str, value: object, refused: list[tuple[str, str]]) -> object:
     """A field loopd reads itself, checked; a bad value adds to C{refused}."""
-    if name == "return_progress":
+    if name in ("return_progress", "timings_per_token"):
         return _checked(name, value, "boolean")
     if name == "cache_prompt":
         _checked(name, value, "boolean")

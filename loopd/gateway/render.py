@@ -102,6 +102,8 @@ class ChunkStream:
     @ivar return_progress: a L{Progress} event is also a chunk with the server's
         C{prompt_progress}, as llama-server's own stream has when the client asked for
         C{return_progress}.
+    @ivar return_timings: a piece's chunk carries the server's C{timings} of its own chunk,
+        as llama-server's own stream has when the client asked for C{timings_per_token}.
     """
 
     completion_id: str
@@ -109,13 +111,24 @@ class ChunkStream:
     created: int
     include_usage: bool
     return_progress: bool = False
+    return_timings: bool = False
 
     @classmethod
     def for_request(
         cls, request: GatewayRequest, completion_id: str, model: str, created: int
     ) -> ChunkStream:
-        """The chunks of C{request}'s answer: its C{include_usage} and C{return_progress}."""
-        return cls(completion_id, model, created, request.include_usage, request.return_progress)
+        """
+        The chunks of C{request}'s answer: its C{include_usage}, C{return_progress} and
+        C{return_timings}.
+        """
+        return cls(
+            completion_id,
+            model,
+            created,
+            request.include_usage,
+            request.return_progress,
+            request.return_timings,
+        )
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         """The envelope every chunk shares."""
@@ -150,7 +163,8 @@ class ChunkStream:
         The chunks for one event: thinking text as a C{reasoning_content} delta, answer
         text as a C{content} delta, a piece of a tool call as a C{tool_calls} delta (with
         C{id} and C{type} when the id first shows, C{name} when the name does), each with
-        its choice's index and its chunk's C{logprobs} when the server sent them; token
+        its choice's index and its chunk's C{logprobs} when the server sent them (and its
+        C{timings} with L{return_timings}); token
         entries without a piece (L{Logprobs}) as an empty delta with them; with
         L{return_progress}, prompt progress as the server's C{prompt_progress} chunk (a
         role delta, C{prompt_progress} C{{total, cache, processed, time_ms}}). Empty
@@ -158,10 +172,10 @@ class ChunkStream:
         """
         if isinstance(event, Reasoning) and event.text:
             delta: dict[str, Any] = {"reasoning_content": event.text}
-            return [self._delta(delta, index=event.choice, logprobs=event.logprobs)]
+            return [self._piece(delta, event)]
         if isinstance(event, Content) and event.text:
             delta = {"content": event.text}
-            return [self._delta(delta, index=event.choice, logprobs=event.logprobs)]
+            return [self._piece(delta, event)]
         if isinstance(event, ToolCallDelta) and (event.id or event.name or event.arguments):
             call: dict[str, Any] = {"index": event.index}
             if event.id is not None:
@@ -169,7 +183,7 @@ class ChunkStream:
             name = {} if event.name is None else {"name": event.name}
             call["function"] = {**name, "arguments": event.arguments}
             delta = {"tool_calls": [call]}
-            return [self._delta(delta, index=event.choice, logprobs=event.logprobs)]
+            return [self._piece(delta, event)]
         if isinstance(event, Logprobs) and event.entries:
             return [self._delta({}, index=event.choice, logprobs=event.entries)]
         if isinstance(event, Progress) and self.return_progress:
@@ -178,6 +192,15 @@ class ChunkStream:
                 progress["time_ms"] = event.time_ms
             return [{**self.role_chunk(), "prompt_progress": progress}]
         return []
+
+    def _piece(
+        self, delta: dict[str, Any], event: Reasoning | Content | ToolCallDelta
+    ) -> dict[str, Any]:
+        """A piece's chunk: its delta, its logprobs, and its timings when they were asked for."""
+        chunk = self._delta(delta, index=event.choice, logprobs=event.logprobs)
+        if self.return_timings and event.timings is not None:
+            chunk["timings"] = event.timings
+        return chunk
 
     def finish_chunks(self, completion: Completion) -> list[dict[str, Any]]:
         """

@@ -137,6 +137,9 @@ class GatewayRequest:
     @ivar return_progress: a streamed answer carries the server's C{prompt_progress}
         chunks, as llama-server's own stream does when asked (loopd always asks the
         server for them; its own C{progress} comments go out either way).
+    @ivar return_timings: a streamed answer's pieces carry the server's per-token
+        C{timings} (C{timings_per_token}), as llama-server's own stream does when asked
+        (loopd always asks the server for them).
     @ivar extras: the body's top-level fields loopd does not model, as sent, so that no
         later stage has to read the body again.
     @ivar dropped: the hosted tools the door left out, by type (C{web_search}), each once,
@@ -163,6 +166,7 @@ class GatewayRequest:
     thinking_cap: int | None = None
     fields: Mapping[str, Any] = field(default_factory=dict)
     return_progress: bool = False
+    return_timings: bool = False
     extras: Mapping[str, Any] = field(default_factory=dict, compare=False)
     dropped: tuple[str, ...] = ()
     tool_namespaces: Mapping[str, tuple[str, str]] = field(default_factory=dict, compare=False)

@@ -37,6 +37,8 @@ What the reader makes of a body:
     C{stream_options.include_obfuscation} are accepted and echoed. C{client_metadata}
     (Codex CLI sends its thread, turn and window ids there on every request) is accepted and
     neither echoed nor sent upstream: it is the client's own bookkeeping.
+    C{timings_per_token} (llama-server's own) puts the server's per-token C{timings} on
+    every delta event.
   - C{tools}: function tools; a C{namespace} tool (Codex CLI's C{multi_agent_v1}) is
     flattened into its function tools, each named C{<namespace>__<name>} for the model, and
     a call of one is answered as the client offered it: C{name} the tool's own,
@@ -147,6 +149,7 @@ _ACCEPTED: Final = _MODELLED | {
     "background",
     "stream_options",
     "client_metadata",
+    "timings_per_token",
 }
 
 
@@ -225,6 +228,7 @@ class ResponsesDoor:
             extras={k: v for k, v in document.items() if k not in _MODELLED},
             dropped=offered.dropped,
             tool_namespaces=offered.namespaces,
+            return_timings=document.get("timings_per_token") is True,
         )
 
     def _messages(self, document: dict[str, Any]) -> tuple[ChatMessage, ...]:
@@ -745,6 +749,7 @@ def _check_accepted(document: dict[str, Any]) -> None:
         _one_of(document["truncation"], "truncation", ("disabled",), _UNSUPPORTED)
     if document.get("background") not in (None, False):
         fail(_UNSUPPORTED, "background", "only false: loopd answers every request at once")
+    _flag(document.get("timings_per_token"), "timings_per_token", False)
     options = document.get("stream_options")
     if options is not None:
         options = _object(options, "stream_options", _INVALID)
@@ -1006,6 +1011,7 @@ class ResponsesAnswer:
                 output_index=item.index,
                 content_index=0,
                 delta=self._add(item, event.text),
+                **self._timings(event),
             )
         if isinstance(event, Content) and event.text:
             item, opened = self._item("message")
@@ -1016,11 +1022,18 @@ class ResponsesAnswer:
                 content_index=0,
                 delta=self._add(item, event.text),
                 logprobs=[],
+                **self._timings(event),
             )
         if isinstance(event, ToolCallDelta):
             return self._call_piece(event)
         comment = loopd_comment(event)
         return b"" if comment is None else encode_comment("loopd " + compact_json(comment))
+
+    def _timings(self, event: Reasoning | Content | ToolCallDelta) -> dict[str, Any]:
+        """The piece's server C{timings}, as an event's field, when the request asked."""
+        if self._request.return_timings and event.timings is not None:
+            return {"timings": event.timings}
+        return {}
 
     @staticmethod
     def _add(item: _Item, text: str) -> str:
@@ -1074,6 +1087,7 @@ class ResponsesAnswer:
                 item_id=item.id,
                 output_index=item.index,
                 delta=self._add(item, event.arguments),
+                **self._timings(event),
             )
         return sent
 

@@ -85,7 +85,8 @@ def parse_request(body: bytes, session: SessionRef = NO_SESSION) -> GatewayReque
     C{NaN}, no number too large for a double, no lone surrogate) and an object. Unknown keys
     are L{loopd.gateway.params.split_fields}'s: the fields for the server become
     C{fields}, the ones loopd reads itself or ignores stay in C{extras}
-    (C{return_progress} is read from them), and any other is a 400 naming it; C{null}
+    (C{return_progress} and C{timings_per_token} are read from them), and any other is a
+    400 naming it; C{null}
     reads as absent. C{developer}
     messages are system messages; content may be a string or an array of text parts
     (joined); a user turn may also carry C{image_url} and C{input_audio} parts, kept as
@@ -133,6 +134,7 @@ def parse_request(body: bytes, session: SessionRef = NO_SESSION) -> GatewayReque
         session=session,
         fields=fields,
         return_progress=extras.get("return_progress") is True,
+        return_timings=extras.get("timings_per_token") is True,
         extras=extras,
     )
 

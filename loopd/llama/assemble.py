@@ -208,7 +208,15 @@ class Assembler:
         if entries is not None:
             parts.logprobs = (parts.logprobs or []) + list(entries)
         pieces = len(events)
-        self._read_delta(parts, index, choice.get("delta"), events, generated)
+        raw_timings = chunk.get("timings")
+        self._read_delta(
+            parts,
+            index,
+            choice.get("delta"),
+            events,
+            generated,
+            raw_timings if isinstance(raw_timings, dict) else None,
+        )
         if entries:
             if len(events) > pieces:
                 first = events[pieces]
@@ -289,11 +297,12 @@ class Assembler:
         delta: object,
         events: list[ChatEvent],
         generated: int | None = None,
+        timings: dict[str, Any] | None = None,
     ) -> None:
         """
         Append the events of one delta of choice C{index} and keep its pieces in C{parts};
         C{generated} is the chunk's count of generated tokens, if it had one, for its text
-        pieces.
+        pieces, and C{timings} its C{timings} object as sent, for every piece.
         """
         if delta is None:
             return
@@ -302,19 +311,19 @@ class Assembler:
         reasoning = _optional_text(delta, "reasoning_content")
         if reasoning:
             parts.reasoning.append(reasoning)
-            events.append(Reasoning(reasoning, generated, choice=index))
+            events.append(Reasoning(reasoning, generated, choice=index, timings=timings))
         content = _optional_text(delta, "content")
         if content:
             self._answering = self._answering or index == 0
             parts.content.append(content)
-            events.append(Content(content, generated, choice=index))
+            events.append(Content(content, generated, choice=index, timings=timings))
         calls = delta.get("tool_calls")
         if calls is None:
             return
         if not isinstance(calls, list):
             raise Protocol(f"tool_calls is not a list: {calls!r}")
         for call in calls:
-            event = _read_call(parts, index, call)
+            event = _read_call(parts, index, call, timings)
             if event is not None:
                 self._answering = self._answering or index == 0
                 events.append(event)
@@ -327,10 +336,13 @@ def _check_calls(parts: _ChoiceParts) -> None:
             raise Protocol(f"tool call {index} has no name")
 
 
-def _read_call(choice: _ChoiceParts, index: int, call: object) -> ToolCallDelta | None:
+def _read_call(
+    choice: _ChoiceParts, index: int, call: object, timings: dict[str, Any] | None = None
+) -> ToolCallDelta | None:
     """
     Keep one tool-call entry of choice C{index}: the id as the latest one sent, name
-    pieces and argument pieces appended. None for an entry that carries nothing.
+    pieces and argument pieces appended (the chunk's C{timings} go with its event). None
+    for an entry that carries nothing.
     """
     if not isinstance(call, dict):
         raise Protocol(f"tool call delta is not an object: {call!r}")
@@ -355,7 +367,7 @@ def _read_call(choice: _ChoiceParts, index: int, call: object) -> ToolCallDelta 
     if name is not None:
         parts.name.append(name)
     parts.arguments.append(arguments)
-    return ToolCallDelta(position, call_id, name, arguments, choice=index)
+    return ToolCallDelta(position, call_id, name, arguments, choice=index, timings=timings)
 
 
 def _read_logprobs(logprobs: object) -> tuple[Any, ...] | None:

@@ -234,12 +234,16 @@ class Reasoning(ChatEvent):
     @ivar logprobs: the C{logprobs.content} entries of the piece's chunk, as the server
         sent them (only when the request asked for C{logprobs}); not part of the equality.
     @ivar choice: the index of the choice it belongs to (a request for C{n} choices).
+    @ivar timings: the C{timings} object of the piece's chunk as the server sent it (per
+        token, since loopd asks for C{timings_per_token}); C{None} when it sent none. Not
+        part of the equality.
     """
 
     text: str
     generated: int | None = field(default=None, compare=False)
     logprobs: tuple[Any, ...] = field(default=(), compare=False)
     choice: int = 0
+    timings: Mapping[str, Any] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -250,12 +254,14 @@ class Content(ChatEvent):
     @ivar generated: as for L{Reasoning}.
     @ivar logprobs: as for L{Reasoning}.
     @ivar choice: as for L{Reasoning}.
+    @ivar timings: as for L{Reasoning}.
     """
 
     text: str
     generated: int | None = field(default=None, compare=False)
     logprobs: tuple[Any, ...] = field(default=(), compare=False)
     choice: int = 0
+    timings: Mapping[str, Any] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -265,6 +271,7 @@ class ToolCallDelta(ChatEvent):
 
     @ivar logprobs: as for L{Reasoning}.
     @ivar choice: as for L{Reasoning}.
+    @ivar timings: as for L{Reasoning}.
     """
 
     index: int
@@ -273,6 +280,7 @@ class ToolCallDelta(ChatEvent):
     arguments: str
     logprobs: tuple[Any, ...] = field(default=(), compare=False)
     choice: int = 0
+    timings: Mapping[str, Any] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -285,6 +285,38 @@ class LoopdEventTests(ChatTestCase):
         self.assertEqual(len(progress), 2)
         self.assertLess(progress[-1], content[0])
 
+    def test_timings_per_token(self) -> None:
+        """
+        With C{timings_per_token} each piece's chunk carries the server's C{timings} of its
+        own chunk, as llama-server's stream does; without it, none does.
+        """
+        per_token = {"predicted_n": 1, "predicted_ms": 4.0, "prompt_n": 3}
+        events = [
+            {**chunk({"reasoning_content": "hm"}), "timings": per_token},
+            {**chunk({"content": "a"}), "timings": {**per_token, "predicted_n": 2}},
+            chunk({"content": "b"}),
+        ]
+        reply = sse_reply([*events, chunk({}, "stop", timings=TIMINGS)], delay_s=0.05)
+        for asked in (True, False):
+            self.script(reply)
+            connection = self.harness.post({**STREAM, "timings_per_token": asked})
+            self.harness.advance(1)
+            data = [d for d in connection.response().data() if isinstance(d, dict)]
+            pieces = [
+                d
+                for d in data
+                if d["choices"]
+                and d["choices"][0]["delta"].get(
+                    "content", d["choices"][0]["delta"].get("reasoning_content")
+                )
+            ]
+            seen = [piece.get("timings") for piece in pieces]
+            expected = [per_token, {**per_token, "predicted_n": 2}, None] if asked else [None] * 3
+            self.assertEqual(seen, expected)
+            sent = self.fake.requests_to("POST", CHAT)[-1].json
+            assert sent is not None
+            self.assertIs(sent["timings_per_token"], True)
+
     def test_waiting(self) -> None:
         """While the server holds the request for a busy slot, waiting comments go out."""
         self.script(dataclasses.replace(answer({"content": "a"}), headers_delay=0.12))

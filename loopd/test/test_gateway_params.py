@@ -58,6 +58,7 @@ class SplitTests(SynchronousTestCase):
     def test_kept_fields(self) -> None:
         """loopd's own and the ignored fields stay out of the fields, kept as sent."""
         extras: dict[str, Any] = {"user": "u", "return_progress": True, "cache_prompt": True}
+        extras |= {"timings_per_token": True}
         extras |= {"store": False, "metadata": {"k": "v"}, "service_tier": "auto"}
         extras |= {"prediction": {"type": "content", "content": "x"}, "modalities": ["text"]}
         extras |= {"prompt_cache_key": "k", "safety_identifier": "s"}
@@ -74,7 +75,7 @@ class SplitTests(SynchronousTestCase):
         """A value of the wrong type is invalid_parameter naming the field."""
         cases = {"seed": 1.5, "top_k": "40", "min_p": True, "logprobs": 1, "grammar": {}}
         cases |= {"response_format": "json", "json_schema": [], "lora": {}, "n": "2"}
-        cases |= {"return_progress": "yes", "cache_prompt": 1}
+        cases |= {"return_progress": "yes", "cache_prompt": 1, "timings_per_token": 1}
         for name, value in cases.items():
             error = refused({name: value})
             self.assertEqual((error.status, error.code), (400, "invalid_parameter"), name)

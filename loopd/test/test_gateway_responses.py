@@ -980,6 +980,29 @@ class AnswerStreamTests(DoorCase):
         self.assertEqual((reasoning.type, reasoning.content[0].text), ("reasoning", "think"))
         self.assertEqual(final.usage.input_tokens_details.cached_tokens, 3)
 
+    def test_timings_per_token(self) -> None:
+        """
+        With C{timings_per_token} every delta event carries its piece's server C{timings};
+        without it, none does; a non-boolean is a 400.
+        """
+        timings = {"predicted_n": 1, "predicted_ms": 4.0}
+        pieces = [
+            Reasoning("hm", timings=timings),
+            Content("hi", timings=timings),
+            ToolCallDelta(0, "c1", "f", "{}", timings=timings),
+        ]
+        for asked in (True, False):
+            body = {"input": "x", "stream": True, "timings_per_token": asked}
+            data = self.stream(pieces, completion("hi", "hm"), body)
+            deltas = [e for e in events_of(data) if e["type"].endswith(".delta")]
+            self.assertEqual(len(deltas), 3)
+            self.assertEqual(
+                [e.get("timings") for e in deltas], [timings] * 3 if asked else [None] * 3
+            )
+        self.refused(
+            {"input": "x", "timings_per_token": "yes"}, "invalid_parameter", "timings_per_token"
+        )
+
     def test_stored_when_streamed(self) -> None:
         """A streamed response is stored at its end, for a follow-up."""
         self.stream([Content("hi there")], completion("hi there"))

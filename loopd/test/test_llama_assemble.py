@@ -281,6 +281,19 @@ class AssembleTests(SynchronousTestCase):
         self.assertEqual([n for n, _ in counts], [0, 1, 2, 3, 4, 4, 4, 4, 4])
         self.assertEqual([a for _, a in counts], [True] * 5 + [False] * 4)
 
+    def test_pieces_carry_their_timings(self) -> None:
+        """
+        Each piece carries its chunk's C{timings} object as sent (a client may ask for
+        them), and a piece of a chunk without one carries none.
+        """
+        reasoning = chunk({"reasoning_content": "hm"}, **timed(5))
+        tool = chunk(call(0, "{}", id="c", name="f"), **timed(9))
+        _, events = assemble([reasoning, tool, chunk({"content": "x"}), chunk(finish="stop")])
+        self.assertEqual(
+            [getattr(event, "timings", None) for event in events],
+            [reasoning["timings"], tool["timings"], None],
+        )
+
     def test_tool_call_ends_reasoning(self) -> None:
         """A tool-call piece ends the reasoning phase as content does."""
         reasoning = chunk({"reasoning_content": "hm"}, **timed(5))
