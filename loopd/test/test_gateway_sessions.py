@@ -470,6 +470,20 @@ class PrefixTests(SynchronousTestCase):
         self.assertEqual(conversation_key([User("q1")]), self.Q1)
         self.assertNotEqual(self.Q1, self.OTHER)
         self.assertEqual(self.TURN2[:1], self.Q1)
+        self.assertNotEqual(conversation_key([System("q1")]), self.Q1)
+
+    def test_key_of_media(self) -> None:
+        """A user turn with media parts (dicts, which do not hash) has a key all the same."""
+        image = ({"type": "image_url", "image_url": {"url": "data:,"}},)
+        key = conversation_key([User("look", image)])
+        self.assertEqual(key, conversation_key([User("look", image)]))
+        self.assertNotEqual(key, conversation_key([User("look")]))
+
+    def test_key_without_thinking(self) -> None:
+        """An assistant turn's key leaves its thinking out, and only its thinking."""
+        plain = conversation_key([Assistant("a")])
+        self.assertEqual(conversation_key([Assistant("a", reasoning_content="hmm")]), plain)
+        self.assertNotEqual(conversation_key([Assistant("b", reasoning_content="hmm")]), plain)
 
 
 class AnonymousTests(SynchronousTestCase):
