@@ -161,7 +161,8 @@ def _placed(host: ExchangeHost, parsed: GatewayRequest) -> GatewayRequest:
     session = parsed.session
     if not session.id:
         return parsed
-    ref = host.upstreams.conversation(session.id, conversation_key(parsed.messages))
+    key = conversation_key(parsed.messages)
+    ref = host.upstreams.conversation(session.id, key, tools=bool(parsed.tools))
     placed = replace(session, conversation=ref.key, continues=ref.continues)
     return replace(parsed, session=placed)
 

@@ -56,17 +56,18 @@ Haiku calls: another system prompt, no tools), a sub-agent, a new task, what a c
 leaves. The table remembers each session's L{MAX_CONVERSATIONS} most recent conversations,
 each by its last request's messages (L{conversation_key}: one hash a message, an assistant
 turn's thinking left out, since clients drop or re-render it), kept as their count and one
-chained hash, and by its first message (the agent's system prompt). The table records a
-request's messages, not the answer: the client sends the answer back as the next request's
-message, so the next turn of a conversation begins with all of this request's messages. A
-request (L{Sessions.conversation_of}):
+chained hash, and by its beginning, as its first request had it: the first message (the
+agent's system prompt) and whether it offers tools (an agent's title or background request
+offers none). The table records a request's messages, not the answer: the client sends the
+answer back as the next request's message, so the next turn of a conversation begins with
+all of this request's messages. A request (L{Sessions.conversation_of}):
 
  1. B{continues} a conversation when its messages begin with all of that conversation's last
     request's messages (the same messages again, a retry, continue it too; the longest such
     conversation wins). It keeps that conversation's key: its slot, its lease and its C{auto}
     home, and its cache outcome is that conversation's.
- 2. B{rewrites} a conversation when it continues none but begins with the same first message
-    as one (the most recent such): the same agent with its history rewritten, by a
+ 2. B{rewrites} a conversation when it continues none but has the same beginning as one
+    (the most recent such): the same agent with its history rewritten, by a
     compaction, a rewind, an edit or a client trimming its context. It keeps that
     conversation's key, since that slot holds the shared beginning (with an agent's system
     prompt and tools, often tens of thousands of tokens), but its cache outcome is not
@@ -90,6 +91,12 @@ no side conversation is keyed as it always was. After a compaction, the conversa
 follows rewrites the one it summarised (rule 2) and its later turns continue it (rule 1).
 Memory is bounded: at most L{MAX_CONVERSATIONS} conversations per session, each four
 numbers, for as many sessions as the table holds.
+
+The beginning tells a title apart from a compaction when an agent sends both with the main
+system prompt: the title offers no tools. A compaction's summary request (Claude Code's
+extends the main conversation's messages, with or without the tools) continues the main
+conversation and leaves its beginning as it was, so the compacted history that follows,
+with the tools, still rewrites it.
 
 Pure: no reactor, no I/O. The table is bounded; the least recently recorded session goes first.
 """
@@ -193,7 +200,7 @@ class ConversationRef:
 class _History:
     """
     One remembered conversation of a session: its last request's messages, as their count
-    and chained hash (L{_chains}), and its beginning (the hash of its first message).
+    and chained hash (L{_chains}), and its beginning (L{_beginning}).
 
     @ivar key: its key; C{None} for a history a rewrite departed from (module docstring).
     """
@@ -202,6 +209,11 @@ class _History:
     length: int
     chain: int
     beginning: int
+
+
+def _beginning(conversation: Conversation, tools: bool) -> int:
+    """What an agent's requests begin with: the first message, and whether tools are offered."""
+    return hash((conversation[0], tools))
 
 
 def _chains(conversation: Conversation) -> list[int]:
@@ -382,19 +394,22 @@ class Sessions:
             if entry is not None:
                 self._homes[entry.slot] -= 1
 
-    def conversation_of(self, session: str, conversation: Conversation) -> ConversationRef:
+    def conversation_of(
+        self, session: str, conversation: Conversation, *, tools: bool = False
+    ) -> ConversationRef:
         """
         Which conversation of C{session} a request belongs to, by the rules of the module
         docstring, and remember the request as that conversation's last.
 
         @param conversation: the request's messages (L{conversation_key}).
+        @param tools: whether the request offers tools (part of its beginning).
         @return: its conversation's key, and how the request stands to it. A request
             without messages is its session's, and nothing is remembered of it.
         """
         if not conversation:
             return ConversationRef(session, Placed.NEW)
         chains = _chains(conversation)
-        beginning = conversation[0]
+        beginning = _beginning(conversation, tools)
         histories = self._histories.pop(session, [])
         self._histories[session] = histories
         extended = [
@@ -405,6 +420,8 @@ class Sessions:
             found = max(extended, key=lambda h: h.length)
             histories.remove(found)
             if found.key is not None:
+                # A turn without the tools (a fork that summarises) leaves its beginning.
+                beginning = found.beginning
                 ref = ConversationRef(found.key, Placed.CONTINUES)
             else:
                 ref = ConversationRef(self._side_key(session), Placed.SIDE)

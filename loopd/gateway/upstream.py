@@ -269,14 +269,18 @@ class Upstreams:
             if self.leases is not None:
                 self.leases.end(key)
 
-    def conversation(self, session: str, conversation: Conversation) -> ConversationRef:
+    def conversation(
+        self, session: str, conversation: Conversation, *, tools: bool = False
+    ) -> ConversationRef:
         """
         The conversation of C{session} a request with C{conversation} (L{conversation_key}
         of its messages) belongs to (L{Sessions.conversation_of}, decision 45): its key is
         the request's lease, slot history and C{auto} home. A side conversation's start and
         a rewritten history are logged.
+
+        @param tools: whether the request offers tools.
         """
-        ref = self.sessions.conversation_of(session, conversation)
+        ref = self.sessions.conversation_of(session, conversation, tools=tools)
         if ref.placed is Placed.SIDE:
             _log.info(
                 "session {session}: side conversation {key} (its messages continue none of "

@@ -175,6 +175,22 @@ class TitleTests(ConversationCase):
         self.assertEqual(self.slots(), [0, 1, 0])
         self.assertEqual(self.losses(), 0.0)
 
+    def test_title_with_the_main_system_prompt(self) -> None:
+        """
+        A title request with the main's own system prompt but no tools is a side
+        conversation too (it begins otherwise than the main, which offers tools).
+        """
+        title = {"messages": [MAIN_SYSTEM, {"role": "user", "content": "A title for: fix it"}]}
+        self.fake.script(
+            "POST", CHAT, reply(MAIN_1_TIMINGS), reply(TITLE_TIMINGS), reply(MAIN_2_TIMINGS)
+        )
+        for document in (MAIN_1, title, MAIN_2):
+            connection = self.chat(document)
+            self.harness.advance(0.5)
+            self.ok(connection)
+        self.assertEqual(self.slots(), [0, 1, 0])
+        self.assertEqual(self.losses(), 0.0)
+
     def test_title_again_continues_the_side_conversation(self) -> None:
         """The same title request again continues the side conversation: back on its slot."""
         self.fake.script(

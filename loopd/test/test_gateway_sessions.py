@@ -541,9 +541,15 @@ class ConversationTests(SynchronousTestCase):
     (decision 45), by its messages.
     """
 
-    def place(self, sessions: Sessions, messages: tuple[object, ...], session: str = "s"):
-        """Place a request of C{session} with C{messages}."""
-        return sessions.conversation_of(session, conversation_key(messages))
+    def place(
+        self,
+        sessions: Sessions,
+        messages: tuple[object, ...],
+        session: str = "s",
+        tools: bool = False,
+    ):
+        """Place a request of C{session} with C{messages}, offering tools or not."""
+        return sessions.conversation_of(session, conversation_key(messages), tools=tools)
 
     def test_first_is_the_session(self) -> None:
         """A session's first conversation has the session's id as its key."""
@@ -629,6 +635,31 @@ class ConversationTests(SynchronousTestCase):
         self.assertFalse(ref.continues)
         nxt = self.place(sessions, (*compacted, Assistant("ok"), User("next")))
         self.assertEqual(nxt, ConversationRef("s", Placed.CONTINUES))
+
+    def test_title_with_the_main_system_prompt(self) -> None:
+        """
+        A title request with the main's system prompt but no tools begins otherwise than
+        the main with its tools: a side conversation, not a rewrite.
+        """
+        sessions = Sessions()
+        self.place(sessions, (MAIN, ASK), tools=True)
+        title = self.place(sessions, (MAIN, User("a title for: fix the failing test")))
+        self.assertEqual(title.placed, Placed.SIDE)
+        nxt = self.place(sessions, (MAIN, ASK, Assistant("a"), User("b")), tools=True)
+        self.assertEqual(nxt, ConversationRef("s", Placed.CONTINUES))
+
+    def test_summary_without_tools_then_compaction(self) -> None:
+        """
+        A summary request that extends the main's messages without its tools continues the
+        main and leaves its beginning: the compacted history, with the tools, rewrites it.
+        """
+        sessions = Sessions()
+        main = (MAIN, ASK, Assistant("a1"), User("u2"))
+        self.place(sessions, main, tools=True)
+        summary = self.place(sessions, (*main, User("Summarise the conversation.")))
+        self.assertEqual(summary, ConversationRef("s", Placed.CONTINUES))
+        compacted = self.place(sessions, (MAIN, User("Summary: ...")), tools=True)
+        self.assertEqual(compacted, ConversationRef("s", Placed.REWRITES))
 
     def test_rewind_rewrites(self) -> None:
         """A shorter history (a rewind, an edit) rewrites the conversation too."""
