@@ -38,6 +38,7 @@ and loopd's buffers stay bounded; reading resumes when the client drains them.
 from __future__ import annotations
 
 import enum
+from dataclasses import replace
 from typing import Protocol
 
 from twisted.internet.defer import CancelledError, Deferred
@@ -56,7 +57,7 @@ from loopd.gateway.hosted_tools import DROPPED_HEADER
 from loopd.gateway.mesh import MeshExchange, MeshHost, mesh_pool
 from loopd.gateway.params import refusal, refused_fields
 from loopd.gateway.request import GatewayRequest
-from loopd.gateway.sessions import Sessions
+from loopd.gateway.sessions import Sessions, conversation_key
 from loopd.gateway.upstream import CallKeys
 from loopd.gateway.web import open_event_stream, write_json
 from loopd.llama import Flow
@@ -123,17 +124,19 @@ class DoorRoute(Resource):
             parsed = self._door.read(body, request.getHeader, lambda: _anonymous(host, request))
             if parsed.dropped:
                 self._tell_dropped(request, parsed)
-            routed = host.route_auto(parsed)
-            if parsed.model == MESH_MODEL:
-                pool = mesh_pool(host, parsed)
-                if len(pool) >= 2:
-                    refused = refused_fields(parsed.fields, "mesh")
-                    if refused:
-                        raise refusal(refused, "on model mesh")
-                    # Chat completions keep the reference's own mesh shapes (§1.12).
-                    door = None if isinstance(self._door, ChatDoor) else self._door
-                    MeshExchange(host, request, parsed, pool, door).start()
-                    return NOT_DONE_YET
+            pool = mesh_pool(host, parsed) if parsed.model == MESH_MODEL else None
+            if pool is not None and len(pool) >= 2:
+                refused = refused_fields(parsed.fields, "mesh")
+                if refused:
+                    raise refusal(refused, "on model mesh")
+                # Chat completions keep the reference's own mesh shapes (§1.12).
+                door = None if isinstance(self._door, ChatDoor) else self._door
+                MeshExchange(host, request, parsed, pool, door).start()
+                return NOT_DONE_YET
+            parsed = _placed(host, parsed)
+            if pool is None:
+                routed = host.route_auto(parsed)
+            else:
                 # Fewer than two workers: the one model serves the request alone (v2).
                 routed = (host.config.endpoint(pool[0].name),)
             first, *rest = routed or (host.endpoint_for(parsed.model),)
@@ -167,6 +170,21 @@ class DoorRoute(Resource):
             session=parsed.session.id,
             tools=names,
         )
+
+
+def _placed(host: ExchangeHost, parsed: GatewayRequest) -> GatewayRequest:
+    """
+    C{parsed} with its session's conversation (DESIGN decision 45,
+    L{loopd.gateway.upstream.Upstreams.conversation}): the key its route, lease and slot
+    are chosen by, and whether it continues that conversation.
+    """
+    session = parsed.session
+    if not session.id:
+        return parsed
+    key = conversation_key(parsed.messages)
+    ref = host.upstreams.conversation(session.id, key, tools=bool(parsed.tools))
+    placed = replace(session, conversation=ref.key, continues=ref.continues)
+    return replace(parsed, session=placed)
 
 
 def _check_media(parsed: GatewayRequest, endpoint: Endpoint) -> None:
@@ -262,7 +280,13 @@ class _Exchange:
         self._alternatives = alternatives
         self._tried: list[str] = []
         session = parsed.session
-        self._keys = CallKeys(session.id, session.tier, session.ends, anonymous=session.anonymous)
+        self._keys = CallKeys(
+            session.key,
+            session.tier,
+            session.ends,
+            anonymous=session.anonymous,
+            continues=session.continues,
+        )
         self._phase = _Phase.QUIET
         self._started_at = host.reactor.seconds()
         self._first_token_seen = False

@@ -13,8 +13,10 @@ wait's) for the holder's expected re-prefill time, learned per endpoint from the
 completions the gateway accounts (L{GatewayLeases.observe}). The release is rescheduled
 whenever the queue's waiters change; the freed slot goes to the waiter the scheduler's tiers
 and aging choose. Concurrent requests of one session share its lease; the grace starts when
-the last of them ends. A session that is gone (L{GatewayLeases.end}: an anonymous session
-whose connection closed) has no grace.
+the last of them ends. The gateway's session key is that of one conversation of a session
+(decision 45, L{loopd.gateway.sessions}): a side conversation holds a lease of its own, so
+its grace holds its own slot and never the main conversation's. A session that is gone
+(L{GatewayLeases.end}: an anonymous session whose connection closed) has no grace.
 
 While a request runs its lease gets keyed activity beats on the lease's own terms; during the
 grace it gets bare TTL refreshes only, so an idle-yield window shorter than the grace can hand

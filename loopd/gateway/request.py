@@ -78,12 +78,24 @@ class SessionRef:
     @ivar tier: its lease tier, from C{X-Session-Role}.
     @ivar ends: the request is the session's last (C{X-Session-End}): no grace after it.
     @ivar anonymous: the request named no session: C{id} is its connection's.
+    @ivar conversation: the key of the session's conversation the request belongs to, once
+        the gateway placed it (DESIGN decision 45, L{loopd.gateway.sessions}); empty: the
+        session's id.
+    @ivar continues: the request continues that conversation's last request (its cache
+        outcome counts).
     """
 
     id: str
     tier: Tier = "parent"
     ends: bool = False
     anonymous: bool = False
+    conversation: str = ""
+    continues: bool = True
+
+    @property
+    def key(self) -> str:
+        """The key of the request's lease, slot history and C{auto} home."""
+        return self.conversation or self.id
 
 
 NO_SESSION: Final = SessionRef("")

@@ -30,7 +30,10 @@ next one is the §5 pick among the rest, so the gateway tries the next on a conn
 L{place} then applies DESIGN §3 decision 34 (replaced 2026-12-01) to that order: a session
 stays on the endpoint that holds its cache (its home) while that endpoint is eligible, and no
 request queues on a full endpoint while an eligible one has a free slot; a new session goes to
-free capacity first, the §5 order deciding among equals.
+free capacity first, the §5 order deciding among equals. The home is that of the request's
+conversation (decision 45, L{loopd.gateway.sessions}): only a continuation of a session's
+conversation has one, and a side conversation (a title, a background call) is placed as a
+new session.
 The random source is injected; the reference seeds a SplitMix64 generator from the clock,
 which loopd does not copy. L{route} orders each request on its own; the session's affinity
 is L{place}'s. Where the reference is silent: the signal words are loopd's own, a

@@ -50,24 +50,84 @@ An anonymous request (no session id, DESIGN §3 decision 36) has no history of i
 its connection; it goes to the free slot whose last conversation is a prefix of its messages,
 when there is one (L{conversation_key}), since that slot's cache holds the turns it resends.
 
+B{A session's conversations} (DESIGN §3 decision 45). One session id may carry several
+conversations: an agent's title or summary request (OpenCode's C{small_model}, Claude Code's
+Haiku calls: another system prompt, no tools), a sub-agent, a new task, what a compaction
+leaves. The table remembers each session's L{MAX_CONVERSATIONS} most recent conversations,
+each by its last request's messages (L{conversation_key}: one hash a message, an assistant
+turn's thinking left out, since clients drop or re-render it), kept as their count and one
+chained hash, and by its beginning, as its first request had it: the first message (the
+agent's system prompt) and whether it offers tools (an agent's title or background request
+offers none). The table records a request's messages, not the answer: the client sends the
+answer back as the next request's message, so the next turn of a conversation begins with
+all of this request's messages. A request (L{Sessions.conversation_of}):
+
+ 1. B{continues} a conversation when its messages begin with all of that conversation's last
+    request's messages (the same messages again, a retry, continue it too; the longest such
+    conversation wins). It keeps that conversation's key: its slot, its lease and its C{auto}
+    home, and its cache outcome is that conversation's.
+ 2. B{rewrites} a conversation when it continues none but has the same beginning as one (the
+    most recent such): the same agent with its history rewritten, by a compaction, a rewind, an
+    edit or a client trimming its context. It keeps that conversation's key, since that slot
+    holds the shared beginning (with an agent's system prompt and tools, often tens of thousands
+    of tokens), but its cache outcome is not counted: the server reuses only the shared part, as
+    it should. The history it departed from is kept without a key: a request that continues that
+    one after all was a parallel conversation of the same agent (two sub-agents of one kind),
+    not a compaction, and becomes a side conversation of its own.
+ 3. Otherwise it is a B{side conversation}: a new key, C{<session> side:<n>}, and so its own
+    lease (of the session's tier) and slot history. It is placed like a new session: rule 3
+    of L{Sessions.choose_slot}, and for C{auto} or a group a free slot first, then the
+    speed-weighted draw. It does not take the slot of another conversation of its session
+    while another slot is free (the C{avoid} slots of L{Sessions.choose_slot}), and under
+    leases that slot is the other conversation's while its lease is held; its first
+    completion is compared with nothing, so it is nobody's cache loss, and its grace holds
+    its own slot. Its completion is remembered as its slot's conversation, so the next
+    request that begins the same way (the next title) finds it. Its own later turns continue
+    it (rule 1).
+
+The session's first conversation has the session's id as its key, so a session that sends
+no side conversation is keyed as it always was. After a compaction, the conversation that
+follows rewrites the one it summarised (rule 2) and its later turns continue it (rule 1).
+Memory is bounded: at most L{MAX_CONVERSATIONS} conversations per session, each four
+numbers, for as many sessions as the table holds.
+
+The beginning tells a title apart from a compaction when an agent sends both with the main
+system prompt: the title offers no tools. A summary request that extends the main
+conversation's messages (with the tools or without them) continues the main conversation
+and leaves its beginning as it was, so the compacted history that follows, with the tools,
+still rewrites it.
+
 Pure: no reactor, no I/O. The table is bounded; the least recently recorded session goes first.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 import weakref
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, replace
+from typing import Final
 
 from loopd.llama.info import CacheOutcome, cache_outcome
-from loopd.llama.types import Timings
+from loopd.llama.types import Assistant, Timings
 
-__all__ = ["DEFAULT_MAX_SESSIONS", "Conversation", "Sessions", "conversation_key"]
+__all__ = [
+    "DEFAULT_MAX_SESSIONS",
+    "MAX_CONVERSATIONS",
+    "Conversation",
+    "ConversationRef",
+    "Placed",
+    "Sessions",
+    "conversation_key",
+]
 
 #: How many sessions a table remembers unless told otherwise.
 DEFAULT_MAX_SESSIONS = 1024
+
+#: How many recent conversations a session's record keeps (module docstring).
+MAX_CONVERSATIONS: Final = 8
 
 #: Slots never recorded are older than any recorded one.
 _NEVER = -1
@@ -79,11 +139,88 @@ Conversation = tuple[int, ...]
 
 def conversation_key(messages: Sequence[object]) -> Conversation:
     """
-    C{messages} as the table compares them: one hash of each message's C{repr} (messages
-    are frozen dataclasses, so equal messages have equal C{repr}s), in order. A slot's
-    last conversation is a prefix of a request's when its key is a prefix of the request's.
+    C{messages} as the table compares them: one hash of each message, in order, from its
+    kind and fields (messages are frozen dataclasses, so equal messages hash alike; a user
+    turn with media parts, whose dicts do not hash, by its C{repr}), an assistant turn's
+    thinking left out (a client may drop or re-render an earlier turn's thinking, and chat
+    templates mostly leave it out of the prompt). A slot's last conversation is a prefix of a
+    request's when its key is a prefix of the request's.
+
+    Python keeps a string's hash once computed, so the key of a request's messages costs
+    its text's length once (0.4 ms a MB of text measured), and little more when asked again.
     """
-    return tuple(hash(repr(message)) for message in messages)
+    return tuple(_message_hash(message) for message in messages)
+
+
+def _message_hash(message: object) -> int:
+    """One message's hash for L{conversation_key}."""
+    if isinstance(message, Assistant):
+        return hash((Assistant, message.content, message.tool_calls))
+    try:
+        return hash((type(message), message))
+    except TypeError:
+        return hash(repr(message))
+
+
+class Placed(enum.Enum):
+    """How a request stands to its session's conversations (module docstring)."""
+
+    NEW = "the session's first conversation the table knows of"
+    CONTINUES = "it continues one of the session's conversations"
+    REWRITES = "it rewrites one of the session's conversations (same beginning)"
+    SIDE = "a side conversation: it continues none and begins like none"
+
+
+@dataclass(frozen=True)
+class ConversationRef:
+    """
+    The conversation of its session a request belongs to (L{Sessions.conversation_of}).
+
+    @ivar key: the key its lease, its slot history and its C{auto} home are kept under: the
+        session's id for the session's first conversation, C{<id> side:<n>} for the others.
+    @ivar placed: how the request stands to that conversation.
+    """
+
+    key: str
+    placed: Placed
+
+    @property
+    def continues(self) -> bool:
+        """Whether its cache outcome counts: it extends its conversation's last request."""
+        return self.placed is Placed.CONTINUES
+
+    @property
+    def side(self) -> bool:
+        """Whether it starts a side conversation: placed like a new session."""
+        return self.placed is Placed.SIDE
+
+
+@dataclass(frozen=True)
+class _History:
+    """
+    One remembered conversation of a session: its last request's messages, as their count
+    and chained hash (L{_chains}), and its beginning (L{_beginning}).
+
+    @ivar key: its key; C{None} for a history a rewrite departed from (module docstring).
+    """
+
+    key: str | None
+    length: int
+    chain: int
+    beginning: int
+
+
+def _beginning(conversation: Conversation, tools: bool) -> int:
+    """What an agent's requests begin with: the first message, and whether tools are offered."""
+    return hash((conversation[0], tools))
+
+
+def _chains(conversation: Conversation) -> list[int]:
+    """The chained hash of each prefix of C{conversation}: C{[0]} is the empty one's."""
+    chains = [0]
+    for message in conversation:
+        chains.append(hash((chains[-1], message)))
+    return chains
 
 
 @dataclass(frozen=True)
@@ -117,6 +254,12 @@ class Sessions:
         self._anonymous_serial = itertools.count(1)
         # The last conversation each endpoint's slot served: at most one per slot.
         self._conversations: dict[tuple[str, int], Conversation] = {}
+        # Each session's recent conversations, most recent first; the session that placed a
+        # request longest ago first.
+        self._histories: OrderedDict[str, list[_History]] = OrderedDict()
+        # The session each remembered conversation's key belongs to.
+        self._owners: dict[str, str] = {}
+        self._side_serial = itertools.count(1)
 
     def __len__(self) -> int:
         """How many sessions the table remembers now."""
@@ -136,11 +279,15 @@ class Sessions:
         *,
         endpoint: str | None = None,
         conversation: Conversation | None = None,
+        avoid: Collection[int] = (),
     ) -> int:
         """
         Pick the slot for C{session}'s next request. The table is not changed.
 
           1. The session's last slot, when it is not busy.
+
+        Then, among the free slots (those of C{avoid} only when no other is free):
+
           2. With C{prefix_of} (an anonymous request): the free slot whose last
              conversation on that endpoint is the longest prefix of that conversation.
           3. Otherwise a free slot, preferring an occupied one to an empty one (module
@@ -162,6 +309,10 @@ class Sessions:
             occupied.
         @param conversation: the request's conversation (L{conversation_key}), for rule 3;
             C{None}: every new session counts as sharing a beginning.
+        @param avoid: slots taken only when no other slot is free: those of the other
+            conversations of the request's session (module docstring, rule 3), so that a
+            side conversation does not take its session's slot (decision 45 comes before
+            decision 39's occupied-before-empty here).
         """
         if n_slots < 1:
             raise ValueError(f"n_slots must be >= 1, got {n_slots}")
@@ -171,6 +322,7 @@ class Sessions:
         if last is not None and not busy(last):
             return last
         free = [slot for slot in range(n_slots) if slot != last and not busy(slot)]
+        free = [slot for slot in free if slot not in avoid] or free
         if free and prefix_of is not None:
             matched = self._longest_prefix(*prefix_of, free)
             if matched is not None:
@@ -195,21 +347,25 @@ class Sessions:
         return min(range(n_slots), key=lambda s: (self._homes[s], self._age(s), s))
 
     def record(
-        self, session: str, slot: int, timings: Timings, threshold: int
+        self, session: str, slot: int, timings: Timings, threshold: int, *, compare: bool = True
     ) -> CacheOutcome | None:
         """
         Remember that C{session}'s latest completion ran on C{slot} with C{timings}.
 
         @param threshold: how many tokens short of the previous context is a cache loss
             (the config's C{cache_loss_tokens}).
+        @param compare: whether the completion continued the previous one's conversation,
+            so that its cache outcome means something (L{ConversationRef.continues}).
         @return: the cache outcome against the session's previous completion, or C{None}
-            when the table had none (a new session, or one evicted since).
+            when the table had none (a new session, or one evicted since) or C{compare} is
+            false.
         """
         previous = self._entries.pop(session, None)
         outcome = None
         if previous is not None:
             self._homes[previous.slot] -= 1
-            outcome = cache_outcome(previous.timings, timings, threshold)
+            if compare:
+                outcome = cache_outcome(previous.timings, timings, threshold)
         self._entries[session] = _Entry(slot, timings)
         self._homes[slot] += 1
         self._slot_used[slot] = next(self._clock)
@@ -226,10 +382,86 @@ class Sessions:
         self._conversations[(endpoint, slot)] = conversation
 
     def forget(self, session: str) -> None:
-        """Drop C{session} from the table (a closed connection's anonymous session)."""
-        entry = self._entries.pop(session, None)
-        if entry is not None:
-            self._homes[entry.slot] -= 1
+        """
+        Drop C{session} from the table (a closed connection's anonymous session), with
+        every conversation of it (L{conversations}).
+        """
+        histories = self._histories.pop(session, [])
+        for key in {session, *(h.key for h in histories if h.key is not None)}:
+            self._owners.pop(key, None)
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self._homes[entry.slot] -= 1
+
+    def conversation_of(
+        self, session: str, conversation: Conversation, *, tools: bool = False
+    ) -> ConversationRef:
+        """
+        Which conversation of C{session} a request belongs to, by the rules of the module
+        docstring, and remember the request as that conversation's last.
+
+        @param conversation: the request's messages (L{conversation_key}).
+        @param tools: whether the request offers tools (part of its beginning).
+        @return: its conversation's key, and how the request stands to it. A request
+            without messages is its session's, and nothing is remembered of it.
+        """
+        if not conversation:
+            return ConversationRef(session, Placed.NEW)
+        chains = _chains(conversation)
+        beginning = _beginning(conversation, tools)
+        histories = self._histories.pop(session, [])
+        self._histories[session] = histories
+        extended = [
+            h for h in histories if h.length <= len(conversation) and chains[h.length] == h.chain
+        ]
+        kin = [h for h in histories if h.key is not None and h.beginning == beginning]
+        if extended:
+            found = max(extended, key=lambda h: h.length)
+            histories.remove(found)
+            if found.key is not None:
+                # A turn without the tools (a fork that summarises) leaves its beginning.
+                beginning = found.beginning
+                ref = ConversationRef(found.key, Placed.CONTINUES)
+            else:
+                ref = ConversationRef(self._side_key(session), Placed.SIDE)
+        elif kin and kin[0].key is not None:
+            # Kept without a key: continued later, it was a parallel conversation.
+            histories[histories.index(kin[0])] = replace(kin[0], key=None)
+            ref = ConversationRef(kin[0].key, Placed.REWRITES)
+        elif not histories:
+            ref = ConversationRef(session, Placed.NEW)
+        else:
+            ref = ConversationRef(self._side_key(session), Placed.SIDE)
+        histories.insert(0, _History(ref.key, len(conversation), chains[-1], beginning))
+        for gone in histories[MAX_CONVERSATIONS:]:
+            if gone.key is not None:
+                self._owners.pop(gone.key, None)
+        del histories[MAX_CONVERSATIONS:]
+        self._owners[ref.key] = session
+        while len(self._histories) > self._max:
+            _, evicted = self._histories.popitem(last=False)
+            for history in evicted:
+                if history.key is not None:
+                    self._owners.pop(history.key, None)
+        return ref
+
+    def conversations(self, session: str) -> tuple[str, ...]:
+        """The keys of C{session}'s remembered conversations, the most recent first."""
+        return tuple(h.key for h in self._histories.get(session, ()) if h.key is not None)
+
+    def siblings(self, key: str) -> tuple[str, ...]:
+        """
+        The keys of the other remembered conversations of the session whose conversation
+        C{key} is (none for a key the table does not know as a conversation's).
+        """
+        owner = self._owners.get(key)
+        if owner is None:
+            return ()
+        return tuple(k for k in self.conversations(owner) if k != key)
+
+    def _side_key(self, session: str) -> str:
+        """A new side conversation's key: unique, and naming its session."""
+        return f"{session} side:{next(self._side_serial)}"
 
     def anonymous_id(
         self, connection_key: object, on_new: Callable[[str], None] | None = None

@@ -163,8 +163,9 @@ class Gateway:
         """
         The endpoints to try, in order, for a request whose C{model} is C{auto} or missing,
         or a group's name (the C{auto} router's order among every endpoint, or among the
-        group's members, placed by L{place}, without the endpoints that
-        are down); C{None} for any other request.
+        group's members, placed by L{place} with the home of the request's conversation, so
+        that a side conversation has none (decision 45), without the endpoints that are
+        down); C{None} for any other request.
 
         @raise GatewayError: the router's errors (C{media_unsupported}, C{no_endpoint}), or
             503 C{endpoint_unavailable} when every candidate is down.
@@ -173,8 +174,10 @@ class Gateway:
         if chosen is None:
             return None
         up = self.upstreams
-        free = {c.name: up.free_slots(c.name, request.session.id) for c in chosen.candidates}
-        chosen = place(chosen, up.home_of(request.session.id), free)
+        # The key of the request's conversation: a side conversation has no home (decision 45).
+        key = request.session.key
+        free = {c.name: up.free_slots(c.name, key) for c in chosen.candidates}
+        chosen = place(chosen, up.home_of(key), free)
         names = [c.name for c in chosen.candidates]
         eligible = [name for name in names if self.health.eligible(name)]
         if not eligible:

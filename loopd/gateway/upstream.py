@@ -10,7 +10,9 @@ mesh worker and reducer call go through L{Upstreams.call}.
  2. B{Slot.} The session's slot on the endpoint: the one it used last when that is free,
     else (an anonymous request) the free one whose last conversation is a prefix of its
     messages, else a free occupied one before an empty one, then one nobody else calls home
-    (L{Sessions.choose_slot}); on a C{slot_save} endpoint the session the slot holds is saved
+    (L{Sessions.choose_slot}), and one that another conversation of the session calls home
+    only when no other is free (a side conversation does not take its session's slot,
+    decision 45); on a C{slot_save} endpoint the session the slot holds is saved
     to its file and the requesting session's file restored first (L{SlotSwap}); a slot is taken
     while a request runs on it and, under leases, while another session holding a lease on
     the endpoint calls it home, so that session's next turn finds its KV cache where it
@@ -24,12 +26,19 @@ mesh worker and reducer call go through L{Upstreams.call}.
     upstream read while the client does not read.
  4. B{Accounting.} A completion's token counts go to the metrics, its speed to the C{auto}
     router, and its cache outcome against the session's previous completion on the endpoint
-    to the session table, the metrics (a loss) and the log; under leases, all of it to the
-    leases' switch costs, which price the grace (L{GatewayLeases.observe}).
+    (only for a request that continues its conversation: a side conversation's first
+    request or a rewritten history is nobody's cache loss) to the session table, the
+    metrics (a loss) and the log; under leases, all of it to the leases' switch costs,
+    which price the grace (L{GatewayLeases.observe}).
  5. B{Give back.} The lease goes back when the call ends: with the grace (the session's next
     turn starts without a switch), or at once when the session said it ends or is gone (an
     anonymous session whose connection closed, L{Upstreams.end_session}), and at once after a
-    refused connection (nothing of the session is cached where nothing answered).
+    refused connection (nothing of the session is cached where nothing answered). A session
+    that says it ends gives back the leases of its other conversations too.
+
+Whose call it is (L{CallKeys}) is one conversation of a session (DESIGN decision 45,
+L{loopd.gateway.sessions}): the gateway asks L{Upstreams.conversation} before it routes a
+request, and the call's lease, slot history and C{auto} home are that conversation's.
 
 Cancelling the Deferred of L{Upstreams.call} withdraws the lease wait or aborts the request
 (which makes llama-server stop generating) and gives the lease back.
@@ -53,7 +62,14 @@ from loopd.gateway.late_system import LateSystem
 from loopd.gateway.leases import GatewayLeases, LeaseHold
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.router import AutoRouter
-from loopd.gateway.sessions import DEFAULT_MAX_SESSIONS, Conversation, Sessions, conversation_key
+from loopd.gateway.sessions import (
+    DEFAULT_MAX_SESSIONS,
+    Conversation,
+    ConversationRef,
+    Placed,
+    Sessions,
+    conversation_key,
+)
 from loopd.gateway.slot_swap import SlotSwap
 from loopd.llama import Client, Flow
 from loopd.llama.retry import is_retryable
@@ -86,6 +102,9 @@ class CallKeys:
         the session's own key when C{None} (a mesh session keeps one per endpoint).
     @ivar anonymous: the request named no session (its connection's): its slot is chosen
         by the prefix of its conversation too (L{Sessions.choose_slot}).
+    @ivar continues: the request continues its conversation's last request, so its cache
+        outcome counts (L{ConversationRef.continues}); false for a new, side or rewritten
+        conversation.
     """
 
     session: str
@@ -93,6 +112,7 @@ class CallKeys:
     ends: bool = False
     slot_key: str | None = None
     anonymous: bool = False
+    continues: bool = True
 
     @property
     def history(self) -> str:
@@ -242,14 +262,45 @@ class Upstreams:
 
     def end_session(self, session: str) -> None:
         """
-        C{session} is gone (an anonymous session whose connection closed): its leases go
-        back with no grace (L{GatewayLeases.end}) and the session table forgets it, so its
-        slot is nobody's home (nor is any endpoint its home for C{auto}).
+        C{session} is gone (an anonymous session whose connection closed): its leases, and
+        those of its other conversations, go back with no grace (L{GatewayLeases.end}) and
+        the session table forgets it, so its slots are nobody's home (nor is any endpoint
+        its home for C{auto}).
         """
+        keys = {session, *self.sessions.conversations(session)}
         self.sessions.forget(session)
-        self._homes.pop(session, None)
-        if self.leases is not None:
-            self.leases.end(session)
+        for key in keys:
+            self._homes.pop(key, None)
+            if self.leases is not None:
+                self.leases.end(key)
+
+    def conversation(
+        self, session: str, conversation: Conversation, *, tools: bool = False
+    ) -> ConversationRef:
+        """
+        The conversation of C{session} a request with C{conversation} (L{conversation_key}
+        of its messages) belongs to (L{Sessions.conversation_of}, decision 45): its key is
+        the request's lease, slot history and C{auto} home. A side conversation's start and
+        a rewritten history are logged.
+
+        @param tools: whether the request offers tools.
+        """
+        ref = self.sessions.conversation_of(session, conversation, tools=tools)
+        if ref.placed is Placed.SIDE:
+            _log.info(
+                "session {session}: side conversation {key} (its messages continue none of "
+                "the session's conversations and begin like none): placed as a new session",
+                session=session,
+                key=ref.key,
+            )
+        elif ref.placed is Placed.REWRITES:
+            _log.info(
+                "session {session}: conversation {key} rewritten (its first message as "
+                "before, its history changed: a compaction or a rewind); not a cache loss",
+                session=session,
+                key=ref.key,
+            )
+        return ref
 
     def choose_slot(
         self, endpoint: str, keys: CallKeys, conversation: Conversation | None = None
@@ -267,6 +318,7 @@ class Upstreams:
         prefix_of = None
         if keys.anonymous and conversation is not None:
             prefix_of = (endpoint, conversation)
+        others = (self.sessions.last_slot(k) for k in self.sessions.siblings(keys.history))
         return self.sessions.choose_slot(
             keys.history,
             self.slot_count(endpoint),
@@ -274,6 +326,7 @@ class Upstreams:
             prefix_of,
             endpoint=endpoint,
             conversation=conversation,
+            avoid={slot for slot in others if slot is not None},
         )
 
     def account(
@@ -298,7 +351,9 @@ class Upstreams:
             self._homes.move_to_end(keys.session)
             while len(self._homes) > DEFAULT_MAX_SESSIONS:
                 self._homes.popitem(last=False)
-        outcome = self.sessions.record(keys.history, slot, timings, self.config.cache_loss_tokens)
+        outcome = self.sessions.record(
+            keys.history, slot, timings, self.config.cache_loss_tokens, compare=keys.continues
+        )
         if self.leases is not None:
             self.leases.observe(endpoint, keys.session, slot, keys.history, timings, outcome)
         if outcome is None:
@@ -433,10 +488,18 @@ class _LeasedCall:
         self._give_back(self._keys.ends)
 
     def _give_back(self, at_once: bool) -> None:
-        """Give the lease back (once), at once or after the grace."""
+        """
+        Give the lease back (once), at once or after the grace; a session that says it ends
+        gives back its other conversations' leases too.
+        """
         hold, self._hold = self._hold, None
-        if hold is not None and self._up.leases is not None:
-            self._up.leases.done(hold, at_once)
+        leases = self._up.leases
+        if hold is None or leases is None:
+            return
+        leases.done(hold, at_once)
+        if self._keys.ends:
+            for key in self._up.sessions.siblings(self._keys.session):
+                leases.end(key)
 
 
 def _lease_timeout(wait_ms: int) -> Callable[[object, float], object]:

@@ -8,9 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.gateway.sessions import DEFAULT_MAX_SESSIONS, Sessions, conversation_key
+from loopd.gateway.sessions import (
+    DEFAULT_MAX_SESSIONS,
+    MAX_CONVERSATIONS,
+    ConversationRef,
+    Placed,
+    Sessions,
+    conversation_key,
+)
 from loopd.llama.info import CacheOutcome
-from loopd.llama.types import Assistant, Timings, User
+from loopd.llama.types import Assistant, System, Timings, User
 
 
 def busy_of(*slots: int):
@@ -270,6 +277,49 @@ class NewSessionTests(SynchronousTestCase):
         self.assertIn(chosen, (0, 1))
 
 
+class AvoidTests(SynchronousTestCase):
+    """
+    choose_slot's avoid: the slots of the session's other conversations are taken only
+    when no other slot is free (decision 45).
+    """
+
+    def test_other_free_slot_first(self) -> None:
+        """A free slot outside avoid is taken, though the avoided one is older."""
+        self.assertEqual(Sessions().choose_slot("side", 3, never_busy, avoid={0}), 1)
+
+    def test_avoided_when_nothing_else_is_free(self) -> None:
+        """Every other slot busy: the avoided slot rather than the gate."""
+        self.assertEqual(Sessions().choose_slot("side", 2, busy_of(1), avoid={0}), 0)
+
+    def test_own_last_slot_first(self) -> None:
+        """A conversation's own free last slot stays its own, even when avoided."""
+        sessions = Sessions()
+        sessions.record("side", 1, T, 64)
+        self.assertEqual(sessions.choose_slot("side", 3, never_busy, avoid={1}), 1)
+
+    def test_before_occupied_first(self) -> None:
+        """
+        An empty slot rather than the session's occupied one: decision 45 before decision
+        39, even for a request sharing that slot's beginning.
+        """
+        sessions = Sessions()
+        kin = conversation_key([System("agent"), User("q")])
+        sessions.record("s", 0, T, 64)
+        sessions.remember_conversation("e", 0, kin)
+        chosen = sessions.choose_slot(
+            "s side:1", 2, never_busy, endpoint="e", conversation=kin[:1], avoid={0}
+        )
+        self.assertEqual(chosen, 1)
+
+    def test_prefix_of_outside_avoid(self) -> None:
+        """An anonymous request's prefix slot too is avoided while another is free."""
+        sessions = Sessions()
+        q1 = conversation_key([User("q1")])
+        sessions.remember_conversation("e", 0, q1)
+        chosen = sessions.choose_slot("anon", 2, never_busy, ("e", q1), avoid={0})
+        self.assertEqual(chosen, 1)
+
+
 class RecordTests(SynchronousTestCase):
     """record, forget and the table's bound."""
 
@@ -305,6 +355,17 @@ class RecordTests(SynchronousTestCase):
         sessions = Sessions()
         sessions.record("a", 0, Timings(prompt_n=1000), 64)
         self.assertIsNone(sessions.record("b", 0, Timings(cache_n=0, prompt_n=5), 64))
+
+    def test_not_compared(self) -> None:
+        """compare=False (no continuation): no outcome, but the slot and timings count."""
+        sessions = Sessions()
+        sessions.record("a", 0, Timings(prompt_n=1000), 64)
+        self.assertIsNone(
+            sessions.record("a", 1, Timings(cache_n=0, prompt_n=5), 64, compare=False)
+        )
+        self.assertEqual(sessions.last_slot("a"), 1)
+        outcome = sessions.record("a", 1, Timings(cache_n=5), 64)
+        self.assertEqual(outcome, CacheOutcome(loss=False, expected=5, cached=5))
 
     def test_record_remembers_slot(self) -> None:
         """The slot of the latest completion is the session's last slot."""
@@ -409,6 +470,20 @@ class PrefixTests(SynchronousTestCase):
         self.assertEqual(conversation_key([User("q1")]), self.Q1)
         self.assertNotEqual(self.Q1, self.OTHER)
         self.assertEqual(self.TURN2[:1], self.Q1)
+        self.assertNotEqual(conversation_key([System("q1")]), self.Q1)
+
+    def test_key_of_media(self) -> None:
+        """A user turn with media parts (dicts, which do not hash) has a key all the same."""
+        image = ({"type": "image_url", "image_url": {"url": "data:,"}},)
+        key = conversation_key([User("look", image)])
+        self.assertEqual(key, conversation_key([User("look", image)]))
+        self.assertNotEqual(key, conversation_key([User("look")]))
+
+    def test_key_without_thinking(self) -> None:
+        """An assistant turn's key leaves its thinking out, and only its thinking."""
+        plain = conversation_key([Assistant("a")])
+        self.assertEqual(conversation_key([Assistant("a", reasoning_content="hmm")]), plain)
+        self.assertNotEqual(conversation_key([Assistant("b", reasoning_content="hmm")]), plain)
 
 
 class AnonymousTests(SynchronousTestCase):
@@ -452,6 +527,212 @@ class AnonymousTests(SynchronousTestCase):
         self.assertNotEqual(sessions.anonymous_id(7), sessions.anonymous_id(8))
         self.assertNotEqual(sessions.anonymous_id(7), sessions.anonymous_id("7"))
         self.assertEqual(sessions.anonymous_id(("a", 1)), sessions.anonymous_id(("a", 1)))
+
+
+MAIN = System("You are an agent. Tools: read, edit, bash.")
+TITLE = System("You are a title generator. Answer with a title only.")
+SUB = System("You are a sub-agent: search the code.")
+ASK = User("fix the failing test")
+
+
+class ConversationTests(SynchronousTestCase):
+    """
+    conversation_of: which of its session's conversations a request belongs to
+    (decision 45), by its messages.
+    """
+
+    def place(
+        self,
+        sessions: Sessions,
+        messages: tuple[object, ...],
+        session: str = "s",
+        tools: bool = False,
+    ):
+        """Place a request of C{session} with C{messages}, offering tools or not."""
+        return sessions.conversation_of(session, conversation_key(messages), tools=tools)
+
+    def test_first_is_the_session(self) -> None:
+        """A session's first conversation has the session's id as its key."""
+        sessions = Sessions()
+        self.assertEqual(self.place(sessions, (MAIN, ASK)), ConversationRef("s", Placed.NEW))
+        self.assertEqual(sessions.conversations("s"), ("s",))
+
+    def test_continues(self) -> None:
+        """A next turn, and a retry of the same messages, continue the conversation."""
+        sessions = Sessions()
+        first = (MAIN, ASK)
+        second = (*first, Assistant("Looking."), User("and the other one"))
+        self.place(sessions, first)
+        for messages in (second, second):
+            ref = self.place(sessions, messages)
+            self.assertEqual(ref, ConversationRef("s", Placed.CONTINUES))
+            self.assertTrue(ref.continues)
+            self.assertFalse(ref.side)
+
+    def test_thinking_dropped_still_continues(self) -> None:
+        """An earlier turn resent without its thinking (or with other thinking) continues."""
+        sessions = Sessions()
+        thought = (MAIN, ASK, Assistant("Done.", reasoning_content="hmm"), User("thanks"))
+        self.place(sessions, thought)
+        dropped = (MAIN, ASK, Assistant("Done."), User("thanks"), Assistant("ok"), User("bye"))
+        self.assertEqual(self.place(sessions, dropped).placed, Placed.CONTINUES)
+
+    def test_title_is_a_side_conversation(self) -> None:
+        """
+        OpenCode's title request (another system prompt) under the main session's id is a
+        side conversation with a key of its own; the main's next turn continues the main.
+        """
+        sessions = Sessions()
+        main = (MAIN, ASK)
+        self.place(sessions, main)
+        title = self.place(sessions, (TITLE, User("fix the failing test")))
+        self.assertEqual(title.placed, Placed.SIDE)
+        self.assertTrue(title.side)
+        self.assertFalse(title.continues)
+        self.assertNotEqual(title.key, "s")
+        self.assertTrue(title.key.startswith("s side:"))
+        nxt = self.place(sessions, (*main, Assistant("Reading."), User("go on")))
+        self.assertEqual(nxt, ConversationRef("s", Placed.CONTINUES))
+        self.assertEqual(sessions.siblings("s"), (title.key,))
+        self.assertEqual(sessions.siblings(title.key), ("s",))
+
+    def test_title_first(self) -> None:
+        """The title may come first: then it is the session's key, and the main a side."""
+        sessions = Sessions()
+        self.assertEqual(self.place(sessions, (TITLE, ASK)).key, "s")
+        main = self.place(sessions, (MAIN, ASK))
+        self.assertEqual(main.placed, Placed.SIDE)
+        later = self.place(sessions, (MAIN, ASK, Assistant("a"), User("b")))
+        self.assertEqual(later, ConversationRef(main.key, Placed.CONTINUES))
+
+    def test_unrelated_conversations(self) -> None:
+        """
+        One session id sending unrelated conversations (other first messages): each its
+        own key, each continued under it, interleaved.
+        """
+        sessions = Sessions()
+        starts = [(User(f"task {n}"),) for n in range(4)]
+        keys = [self.place(sessions, start).key for start in starts]
+        self.assertEqual(len(set(keys)), 4)
+        self.assertEqual(keys[0], "s")
+        for start, key in reversed(list(zip(starts, keys, strict=True))):
+            ref = self.place(sessions, (*start, Assistant("a"), User("more")))
+            self.assertEqual(ref, ConversationRef(key, Placed.CONTINUES))
+
+    def test_compaction_rewrites(self) -> None:
+        """
+        After a compaction (the same system prompt, a summary in place of the history) the
+        request rewrites the main conversation: its key, no cache outcome; its next turn
+        continues it.
+        """
+        sessions = Sessions()
+        history = (MAIN, ASK, Assistant("a1"), User("u2"), Assistant("a2"), User("u3"))
+        self.place(sessions, history)
+        self.place(sessions, (TITLE, ASK))
+        compacted = (MAIN, User("Summary of the conversation so far: ..."))
+        ref = self.place(sessions, compacted)
+        self.assertEqual(ref, ConversationRef("s", Placed.REWRITES))
+        self.assertFalse(ref.continues)
+        nxt = self.place(sessions, (*compacted, Assistant("ok"), User("next")))
+        self.assertEqual(nxt, ConversationRef("s", Placed.CONTINUES))
+
+    def test_title_with_the_main_system_prompt(self) -> None:
+        """
+        A title request with the main's system prompt but no tools begins otherwise than
+        the main with its tools: a side conversation, not a rewrite.
+        """
+        sessions = Sessions()
+        self.place(sessions, (MAIN, ASK), tools=True)
+        title = self.place(sessions, (MAIN, User("a title for: fix the failing test")))
+        self.assertEqual(title.placed, Placed.SIDE)
+        nxt = self.place(sessions, (MAIN, ASK, Assistant("a"), User("b")), tools=True)
+        self.assertEqual(nxt, ConversationRef("s", Placed.CONTINUES))
+
+    def test_summary_without_tools_then_compaction(self) -> None:
+        """
+        A summary request that extends the main's messages without its tools continues the
+        main and leaves its beginning: the compacted history, with the tools, rewrites it.
+        """
+        sessions = Sessions()
+        main = (MAIN, ASK, Assistant("a1"), User("u2"))
+        self.place(sessions, main, tools=True)
+        summary = self.place(sessions, (*main, User("Summarise the conversation.")))
+        self.assertEqual(summary, ConversationRef("s", Placed.CONTINUES))
+        compacted = self.place(sessions, (MAIN, User("Summary: ...")), tools=True)
+        self.assertEqual(compacted, ConversationRef("s", Placed.REWRITES))
+
+    def test_rewind_rewrites(self) -> None:
+        """A shorter history (a rewind, an edit) rewrites the conversation too."""
+        sessions = Sessions()
+        self.place(sessions, (MAIN, ASK, Assistant("a1"), User("u2")))
+        self.assertEqual(self.place(sessions, (MAIN, ASK)).placed, Placed.REWRITES)
+
+    def test_parallel_sub_agents_split(self) -> None:
+        """
+        Two sub-agents of one kind (the same system prompt): the second rewrites the
+        first's key until the first continues its own history; then each has its own key.
+        """
+        sessions = Sessions()
+        self.place(sessions, (MAIN, ASK))
+        a = (SUB, User("find foo"))
+        b = (SUB, User("find bar"))
+        first = self.place(sessions, a)
+        self.assertEqual(first.placed, Placed.SIDE)
+        self.assertEqual(self.place(sessions, b), ConversationRef(first.key, Placed.REWRITES))
+        split = self.place(sessions, (*a, Assistant("x"), User("y")))
+        self.assertEqual(split.placed, Placed.SIDE)
+        self.assertNotIn(split.key, ("s", first.key))
+        self.assertEqual(
+            self.place(sessions, (*b, Assistant("x"), User("y"))),
+            ConversationRef(first.key, Placed.CONTINUES),
+        )
+        self.assertEqual(
+            self.place(sessions, (*a, Assistant("x"), User("y"), Assistant("z"), User("w"))),
+            ConversationRef(split.key, Placed.CONTINUES),
+        )
+
+    def test_sessions_apart(self) -> None:
+        """Two sessions with the same messages each have their own conversation."""
+        sessions = Sessions()
+        self.assertEqual(self.place(sessions, (MAIN, ASK), "a").key, "a")
+        self.assertEqual(self.place(sessions, (MAIN, ASK), "b").key, "b")
+        self.assertEqual(sessions.siblings("a"), ())
+
+    def test_no_messages(self) -> None:
+        """A request without messages is its session's; nothing is remembered."""
+        sessions = Sessions()
+        self.assertEqual(sessions.conversation_of("s", ()), ConversationRef("s", Placed.NEW))
+        self.assertEqual(sessions.conversations("s"), ())
+
+    def test_bounded_per_session(self) -> None:
+        """A session keeps its MAX_CONVERSATIONS most recent conversations."""
+        sessions = Sessions()
+        keys = [self.place(sessions, (User(f"t{n}"),)).key for n in range(MAX_CONVERSATIONS + 2)]
+        self.assertEqual(sessions.conversations("s"), tuple(reversed(keys[2:])))
+        self.assertEqual(sessions.siblings(keys[0]), ())
+        # The forgotten first conversation starts anew, as a side conversation.
+        self.assertEqual(self.place(sessions, (User("t0"),)).placed, Placed.SIDE)
+
+    def test_bounded_sessions(self) -> None:
+        """The conversations of as many sessions as the table holds, the latest placed."""
+        sessions = Sessions(max_sessions=2)
+        for name in ("a", "b", "c"):
+            self.place(sessions, (MAIN, ASK), name)
+            self.place(sessions, (TITLE, ASK), name)
+        self.assertEqual(sessions.conversations("a"), ())
+        self.assertEqual(len(sessions.conversations("b")), 2)
+        self.assertEqual(self.place(sessions, (MAIN, ASK), "a").placed, Placed.NEW)
+
+    def test_forget_every_conversation(self) -> None:
+        """forget(session) forgets its side conversations' slots too."""
+        sessions = Sessions()
+        self.place(sessions, (MAIN, ASK))
+        side = self.place(sessions, (TITLE, ASK)).key
+        sessions.record("s", 0, T, 64)
+        sessions.record(side, 1, T, 64)
+        sessions.forget("s")
+        self.assertEqual((sessions.last_slot("s"), sessions.last_slot(side)), (None, None))
+        self.assertEqual((len(sessions), sessions.siblings(side)), (0, ()))
 
 
 records = st.lists(
@@ -513,6 +794,26 @@ class PropertyTests(SynchronousTestCase):
             # A new session sharing nothing: an empty slot.
             self.assertNotIn(chosen, served)
 
+    @settings(max_examples=200)
+    @given(scenarios(), st.sets(st.integers(min_value=0, max_value=6)))
+    def test_avoid(self, scenario, avoid) -> None:
+        """
+        A slot of avoid is chosen only as the session's own free last slot, or when every
+        free slot is avoided, or when none is free.
+        """
+        history, max_sessions, n_slots, session, busy = scenario
+        sessions = Sessions(max_sessions)
+        for name, slot in history:
+            sessions.record(name, slot, T, 64)
+            sessions.remember_conversation("e", slot, conversation_key([User(name)]))
+        chosen = sessions.choose_slot(
+            session, n_slots, busy.__contains__, endpoint="e", avoid=avoid
+        )
+        last = sessions.last_slot(session)
+        if chosen in avoid and chosen != last:
+            free = [slot for slot in range(n_slots) if slot not in busy and slot != last]
+            self.assertTrue(all(slot in avoid for slot in free), (chosen, free))
+
     @given(history=records, max_sessions=st.integers(min_value=1, max_value=6))
     def test_bounded(self, history, max_sessions) -> None:
         """The table never holds more than max_sessions, and always the latest recorded one."""
@@ -521,3 +822,72 @@ class PropertyTests(SynchronousTestCase):
             sessions.record(name, slot, T, 64)
             self.assertLessEqual(len(sessions), max_sessions)
             self.assertEqual(sessions.last_slot(name), slot)
+
+
+@st.composite
+def interleavings(draw):
+    """
+    Up to MAX_CONVERSATIONS conversations of one session, each beginning with its own first
+    message, and the order their turns come in (a conversation's index per turn).
+    """
+    count = draw(st.integers(min_value=1, max_value=MAX_CONVERSATIONS))
+    order = draw(st.lists(st.integers(min_value=0, max_value=count - 1), min_size=1, max_size=40))
+    retries = draw(st.lists(st.booleans(), min_size=len(order), max_size=len(order)))
+    return order, retries
+
+
+class ConversationPropertyTests(SynchronousTestCase):
+    """Properties of conversation_of over any interleaving of a session's conversations."""
+
+    @given(interleavings())
+    def test_each_conversation_keeps_its_key(self, interleaving) -> None:
+        """
+        The first conversation is the session's, each other one starts as a side
+        conversation, every later turn (or a retry) continues it under the same key, and
+        no two conversations share a key.
+        """
+        order, retries = interleaving
+        sessions = Sessions()
+        messages: dict[int, tuple[object, ...]] = {}
+        keys: dict[int, str] = {}
+        for turn, (index, retry) in enumerate(zip(order, retries, strict=True)):
+            if index not in messages:
+                messages[index] = (User(f"start {index}"),)
+            elif not retry:
+                messages[index] += (Assistant(f"a{turn}"), User(f"u{turn}"))
+            ref = sessions.conversation_of("s", conversation_key(messages[index]))
+            if index in keys:
+                self.assertEqual(ref, ConversationRef(keys[index], Placed.CONTINUES))
+                continue
+            self.assertEqual(ref.placed, Placed.NEW if not keys else Placed.SIDE)
+            self.assertNotIn(ref.key, keys.values())
+            keys[index] = ref.key
+        self.assertEqual(keys.get(order[0]), "s")
+
+    @given(
+        st.lists(
+            st.tuples(
+                st.sampled_from("ab"),
+                st.lists(st.sampled_from(["x", "y", "z"]), min_size=1, max_size=4),
+            ),
+            max_size=40,
+        ),
+        st.integers(min_value=1, max_value=3),
+    )
+    def test_bounded_and_consistent(self, requests, max_sessions) -> None:
+        """
+        Whatever comes: at most MAX_CONVERSATIONS conversations per session and
+        max_sessions sessions remembered; the placed key is the session's most recent
+        conversation, and its siblings are the session's others.
+        """
+        sessions = Sessions(max_sessions)
+        for session, texts in requests:
+            key = conversation_key([User(t) for t in texts])
+            ref = sessions.conversation_of(session, key)
+            mine = sessions.conversations(session)
+            self.assertLessEqual(len(mine), MAX_CONVERSATIONS)
+            self.assertEqual(mine[0], ref.key)
+            self.assertEqual(len(set(mine)), len(mine))
+            self.assertEqual(sessions.siblings(ref.key), mine[1:])
+        remembered = [name for name in "ab" if sessions.conversations(name)]
+        self.assertLessEqual(len(remembered), max_sessions)
