@@ -583,10 +583,10 @@ class InfoTests(ClientTestCase):
         self.assertEqual([r.method for r in self.fake.requests_to("GET", PROPS)], ["GET"])
 
     def test_slots(self) -> None:
-        """slots() is the server's /slots as SlotStates."""
+        """slots() is the server's /slots as SlotStates, with the busy slot's counters."""
         self.fake.script("GET", SLOTS, slots_reply([True, False]))
         slots = self.result(self.client.slots())
-        self.assertEqual(slots, (SlotState(0, True), SlotState(1, False)))
+        self.assertEqual(slots, (SlotState(0, True, (60, 3, 1)), SlotState(1, False)))
 
     def test_tokenize(self) -> None:
         """tokenize() posts the text without special tokens added and returns the ids."""
