@@ -207,6 +207,7 @@ _LIMITS_RULES: Final[Mapping[str, Rule]] = {
     "load_wait_ms": integer(0),
     "idle_grace_ms": integer(0),
     "liveness_ms": integer(1),
+    "prefill_stall_ms": integer(1),
     "queue_depth": integer(0),
 }
 _THINKING_RULES: Final[Mapping[str, Rule]] = {

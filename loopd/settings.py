@@ -43,7 +43,11 @@ class Limits:
     idle_grace_ms: int = 30_000
     """Silence allowed while the slot is idle, before Stalled (>= 0)."""
     liveness_ms: int = 30_000
-    """Silence allowed after the first byte, before Stalled (> 0)."""
+    """Silence allowed after the first byte, before Stalled (> 0); before the first delta
+    a llama-server slot that /slots shows processing extends it (see prefill_stall_ms)."""
+    prefill_stall_ms: int = 600_000
+    """Before the first delta: how long a slot that /slots shows processing may go without
+    advancing (no byte, no progress event, no /slots counter moving), before Stalled (> 0)."""
     queue_depth: int = 8
     """Requests that may wait at loopd's own slot gate; beyond that Busy (>= 0)."""
 

@@ -6,8 +6,10 @@ inferproxy's Unix socket.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import tempfile
 from typing import Any
 
@@ -15,12 +17,14 @@ from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.trial.unittest import SkipTest, TestCase
 
 from loopd.config import Config, Endpoint, Limits, Retry, Thinking
+from loopd.errors import Stalled
 from loopd.llama import (
     Assistant,
     ChatEvent,
     ChatRequest,
     Client,
     FinishReason,
+    Progress,
     Reasoning,
     Retrying,
     System,
@@ -34,7 +38,7 @@ from loopd.test.support.twist import TwistProcess, spawn_twist, stop_twist
 
 try:
     from loopd.demo.real_server import RealServer
-    from loopd.demo.tiny_model import write_tiny_model
+    from loopd.demo.tiny_model import Ballast, write_tiny_model
 except ImportError as e:  # pragma: no cover - the test extra is not installed
     raise SkipTest(f"the real llama.cpp server needs the test extra: {e}") from None
 
@@ -46,6 +50,28 @@ WEATHER = ToolSchema(
 )
 
 
+#: Prompt processing that costs real time: the tiny model with zero-weight ballast, one slot,
+#: batches of 2,048 tokens (llama.cpp's default n_batch), each a few seconds on 2 threads
+#: (3.8 to 4.3 s measured here on a loaded machine).
+PREFILL_BALLAST = Ballast(4096, 6)
+PREFILL_SERVER = {"n_ctx": 16384, "parallel": 1, "batch": 2048}
+#: A liveness limit well below one batch's time. /slots is asked 250 ms before it, then
+#: every 750 ms while it shows the slot working: within what the inferproxy in front
+#: accepts (a burst of 10, then 2 a second).
+PREFILL_LIMITS = Limits(poll_ms=250, liveness_ms=1000)
+
+
+def filler(tokens: int) -> str:
+    """About C{tokens} tokens of text for the tiny model (words it does not merge)."""
+    words, size, index = [], 0, 0
+    while size < tokens:
+        word = f" pq{index % 89}"
+        words.append(word)
+        size += len(word)
+        index += 1
+    return "".join(words)[:tokens]
+
+
 class LlamaEndToEndTests(TestCase):
     """
     The client against the real thing.
@@ -54,9 +80,17 @@ class LlamaEndToEndTests(TestCase):
     timeout = 120
 
     @inlineCallbacks
-    def start(self, model: str, **config: Any) -> Any:
+    def start(
+        self,
+        model: str,
+        *,
+        ballast: Ballast | None = None,
+        server: dict[str, Any] | None = None,
+        **config: Any,
+    ) -> Any:
         """
-        Start the server and an inferproxy in front of it; build a client for them.
+        Start the server (with C{server}, more of L{RealServer}'s options) and an inferproxy
+        in front of it; build a client for them. C{ballast} makes the model cost real time.
         """
         reactor = real_reactor()
         self.directory = tempfile.mkdtemp(prefix="lde", dir="/tmp")
@@ -64,8 +98,8 @@ class LlamaEndToEndTests(TestCase):
         self.socket = os.path.join(self.directory, "infer.sock")
         # The model is written per test (a few milliseconds): trial has no module teardown.
         model_path = os.path.join(self.directory, model)
-        write_tiny_model(model_path, think_forever=model == "tiny-think.gguf")
-        self.server = RealServer(reactor, model_path)
+        write_tiny_model(model_path, think_forever=model == "tiny-think.gguf", ballast=ballast)
+        self.server = RealServer(reactor, model_path, **(server or {}))
         self.addCleanup(self.server.stop)
         yield self.server.start()
         yield self.start_proxy()
@@ -252,3 +286,63 @@ class LlamaEndToEndTests(TestCase):
         yield self.start_proxy()
         completion = yield answer
         self.assert_whole(completion, reference)
+
+    # -- prompt processing (decision 44) ---------------------------------------------
+
+    def long_prompt(self) -> ChatRequest:
+        """A prompt of three to four batches, thinking off, pinned to slot 0."""
+        system = System("You are a test." + filler(7000))
+        return ChatRequest(slot=0, messages=(system, User("Hi")), thinking=False)
+
+    @inlineCallbacks
+    def test_slow_batches_complete(self) -> Any:
+        """
+        Every full batch of the prompt takes longer than liveness_ms by the server's own
+        progress events (their time_ms), and the single attempt completes all the same.
+        """
+        yield self.start(
+            "tiny.gguf", ballast=PREFILL_BALLAST, server=PREFILL_SERVER, limits=PREFILL_LIMITS
+        )
+        completion = yield self.client.chat(self.long_prompt(), self.events.append)
+        self.assertEqual(completion.content, ANSWER)
+        progress = [e for e in self.events if isinstance(e, Progress)]
+        steps = [
+            (later.processed - earlier.processed, (later.time_ms or 0) - (earlier.time_ms or 0))
+            for earlier, later in zip(progress, progress[1:], strict=False)
+        ]
+        full = [ms for tokens, ms in steps if tokens == PREFILL_SERVER["batch"]]
+        self.assertGreaterEqual(len(full), 2, steps)
+        for ms in full:
+            self.assertGreater(ms, PREFILL_LIMITS.liveness_ms, steps)
+        self.assertEqual(progress[-1].processed, completion.timings.prompt_n)
+
+    @inlineCallbacks
+    def test_frozen_server_stalls(self) -> Any:
+        """
+        The server stopped (SIGSTOP) as its prompt processing starts: neither the stream
+        nor /slots answers, and the call is Stalled, saying what /slots did.
+        """
+        yield self.start(
+            "tiny.gguf", ballast=PREFILL_BALLAST, server=PREFILL_SERVER, limits=PREFILL_LIMITS
+        )
+        pid = self.server.pid
+        assert pid is not None
+
+        def resume() -> None:
+            # contextlib.suppress by its full name: trial reads a module's "suppress".
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+        # Runs before the server's stop (cleanups run last added first).
+        self.addCleanup(resume)
+
+        def freeze(event: ChatEvent) -> None:
+            if isinstance(event, Progress) and not self.events:
+                os.kill(pid, signal.SIGSTOP)
+            self.events.append(event)
+
+        stalled = yield self.assertFailure(self.client.chat(self.long_prompt(), freeze), Stalled)
+        # The poll's own time limit ends with the liveness limit; whichever the reactor runs
+        # first, the message says what /slots did.
+        self.assertRegex(str(stalled), r"^no data for \d+ ms; /slots (has not answered|failed)")
+        self.assertEqual([type(e) for e in self.events], [Progress])

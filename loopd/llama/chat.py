@@ -13,6 +13,27 @@ cap (seed section 4, steps 2 to 5). The slot gate and retries wrap this from out
  - Streaming. After the headers, silence longer than C{liveness_ms} is L{Stalled};
    progress events, deltas and pings all count as signs of life. There is no total
    deadline.
+ - Prompt processing (DESIGN.md decision 44). Until the first delta (a piece of reasoning,
+   content or a tool call) the server is reading the prompt, and llama-server reports that
+   only once per batch (a progress event per C{n_batch} tokens, 2,048 by default): a batch
+   may well take longer than C{liveness_ms} on a loaded machine, and that is not a stall.
+   So before the first delta the server's own evidence of work counts as life too. When
+   the stream has been silent for C{liveness_ms} less C{poll_ms} (less a quarter of
+   C{liveness_ms} when C{poll_ms} is longer), the call asks C{/slots}, through the same
+   poll as the first-byte wait; an answer showing the request's slot processing (any slot
+   for a request not pinned to one) counts as life, and the next poll comes as long again
+   after it. The slot must also advance: with no byte and none of its C{/slots} counters
+   (C{n_prompt_tokens}, C{n_prompt_tokens_processed}, C{next_token[0].n_decoded}) moving
+   for C{prefill_stall_ms}, the call is L{Stalled} at the next poll that finds it so, so a
+   server that says "processing" forever is still caught. Everything else is no evidence,
+   and the liveness limit stands: an idle slot, a C{/slots} that fails, answers something
+   that is not slots or has not answered by the limit. A C{/slots} that is not there (404,
+   or 501 from a server started with C{--no-slots}) is not asked again by the call, which
+   keeps the plain liveness limit from then on. On llama.cpp's server (xllamacpp
+   2026.10) C{/slots} answers during a batch and shows the slot processing, but none of
+   its counters moves within a batch: they move when a batch starts and ends, with its
+   progress event. A ping counts as life as before, though it shows only that the
+   server's HTTP side is alive.
  - Thinking cap. At C{thinking.cap} reasoning tokens the call asks the server to end the
    reasoning (C{reasoning_end} on a second connection, for the completion's id: never before
    a chunk has shown it), reports L{ThinkingCapped} and reads on. C{thinking.overrun} more
@@ -23,8 +44,12 @@ cap (seed section 4, steps 2 to 5). The slot gate and retries wrap this from out
    L{StreamClosedEarly}.
 
 An endpoint of kind C{openai} has no C{/slots} and no control: the wait is a plain
-first-byte timeout of C{busy_wait_ms} (L{WaitTimeout}) and only C{max_tokens} bounds
-thinking (DESIGN.md §3.6).
+first-byte timeout of C{busy_wait_ms} (L{WaitTimeout}), only C{max_tokens} bounds
+thinking (DESIGN.md §3.6), and after the headers the plain liveness limit applies from the
+first byte on, prompt processing included: such a server gives no evidence that would tell
+a long prompt from a frozen server, and C{liveness_ms} is the silence its user accepts (an
+engine that sends its headers only with the first token is waited for up to
+C{busy_wait_ms} instead).
 
 Cancelling the returned Deferred closes every connection of the call, which makes
 llama-server stop generating.
@@ -67,9 +92,18 @@ from loopd.errors import (
 )
 from loopd.llama.assemble import Assembler, parse_chunk
 from loopd.llama.flow import Flow, IFlowReader
-from loopd.llama.info import get_json, parse_slots, slot_busy
+from loopd.llama.info import Counters, get_json, parse_slots, slot_busy, slots_serving
 from loopd.llama.request import affinity_headers, chat_body, encode
-from loopd.llama.types import ChatEvent, ChatRequest, Completion, ThinkingCapped, Waiting
+from loopd.llama.types import (
+    ChatEvent,
+    ChatRequest,
+    Completion,
+    Content,
+    Reasoning,
+    ThinkingCapped,
+    ToolCallDelta,
+    Waiting,
+)
 from loopd.sse import SSEDecoder, SSEError, SSEEvent
 
 __all__ = ["CHAT_PATH", "CONTROL_PATH", "ChatCall", "retry_after_seconds"]
@@ -78,6 +112,12 @@ CHAT_PATH = "/v1/chat/completions"
 CONTROL_PATH = "/v1/chat/completions/control"
 
 EventSink = Callable[[ChatEvent], None]
+
+#: The events that are pieces of the answer: the first of them ends prompt processing.
+_DELTAS = (Reasoning, Content, ToolCallDelta)
+#: What a C{/slots} answer says of the slots serving a request: each processing one's id
+#: and counters.
+_Work = tuple[tuple[int, Counters], ...]
 
 
 @implementer(IFlowReader)
@@ -133,6 +173,20 @@ class ChatCall:
         self._state_since: dict[str, float] = {}
         self._capped_at: int | None = None
         self._finished = False
+        # Prompt processing (see the module docstring): whether a 200 stream is being read
+        # and whether an answer's piece has come; then, while the stream is silent before
+        # that, when it fell silent, when life was last seen and when the slot last
+        # advanced, the poll out, what the last processing answer showed, what the last
+        # poll found, and whether /slots is not there.
+        self._streaming = False
+        self._answering = False
+        self._quiet_since: float | None = None
+        self._life_at = 0.0
+        self._advanced_at = 0.0
+        self._prefill_poll: Deferred[Any] | None = None
+        self._work_seen: _Work | None = None
+        self._finding = ""
+        self._no_slots = False
 
     # -- starting and ending -------------------------------------------------------------
 
@@ -232,13 +286,27 @@ class ChatCall:
         Run C{action} in C{ms} milliseconds, in place of whatever the call's one timer was set
         to do. The same action still pending is postponed rather than replaced.
         """
+        self._arm_in(self._seconds(ms), action)
+
+    def _arm_at(self, when: float, action: Callable[[], None]) -> None:
+        """
+        Run C{action} at clock time C{when} (at once if it has passed), as L{_arm} does.
+        A limit counted from an earlier time is armed so: the difference of two clock times
+        is exact where adding two delays would not be.
+        """
+        self._arm_in(max(0.0, when - self._reactor.seconds()), action)
+
+    def _arm_in(self, seconds: float, action: Callable[[], None]) -> None:
+        """
+        L{_arm} in C{seconds}.
+        """
         timer = self._timer
         if timer is not None and timer.active() and self._timer_action == action:
             # Postponing a pending call is cheaper than a new one for every chunk.
-            timer.reset(self._seconds(ms))
+            timer.reset(seconds)
             return
         self._disarm()
-        self._timer = self._reactor.callLater(self._seconds(ms), action)
+        self._timer = self._reactor.callLater(seconds, action)
         self._timer_action = action
 
     def _disarm(self) -> None:
@@ -350,6 +418,7 @@ class ChatCall:
             self._alive()
             self._read_error(response)
             return
+        self._streaming = True
         if self._flow is not None:
             # Attaching pauses the call at once if the flow is paused, or ends it if stopped.
             self._flow.attach(self)
@@ -394,17 +463,134 @@ class ChatCall:
     def _alive(self) -> None:
         """
         A sign of life: the liveness limit counts from now, unless the flow has paused the
-        call (then it counts from the resume).
+        call (then it counts from the resume). While the prompt is processed the slot has
+        advanced too, and the timer is the poll that comes before the limit
+        (L{_prefill_poll_due}); a poll still out is dropped.
         """
+        if self._watching_prefill():
+            now = self._reactor.seconds()
+            self._quiet_since = self._life_at = self._advanced_at = now
+            self._finding = ""
+            self._drop_prefill_poll()
+            if not self._paused:
+                self._arm(self._until_prefill_poll(), self._prefill_poll_due)
+            return
+        self._quiet_since = None
         if not self._paused:
             self._arm(self._config.limits.liveness_ms, self._silent)
 
     def _silent(self) -> None:
         """
-        The liveness limit passed without a sign of life: L{Stalled}.
+        The liveness limit passed without a sign of life: L{Stalled}, saying what the last
+        C{/slots} poll found, if one was asked.
         """
         self._timer = None
-        self._fail(Stalled(f"no data for {self._config.limits.liveness_ms} ms"))
+        waited = self._config.limits.liveness_ms
+        if self._quiet_since is not None:
+            waited = round((self._reactor.seconds() - self._quiet_since) * 1000)
+        finding = "/slots has not answered" if self._prefill_poll is not None else self._finding
+        self._fail(Stalled(f"no data for {waited} ms" + (f"; {finding}" if finding else "")))
+
+    # -- while the prompt is processed (decision 44) --------------------------------------
+
+    def _watching_prefill(self) -> bool:
+        """
+        Whether C{/slots} may show life: a llama-server stream before the first delta, and
+        C{/slots} not found missing.
+        """
+        return self._llama and self._streaming and not self._answering and not self._no_slots
+
+    def _poll_lead(self) -> int:
+        """
+        How long before the liveness limit a poll goes out, in milliseconds: C{poll_ms},
+        the time a poll is allowed, or a quarter of the limit when that is shorter (a
+        stream silent for less than three quarters of its limit is not asked about).
+        """
+        limits = self._config.limits
+        return min(limits.poll_ms, limits.liveness_ms // 4)
+
+    def _until_prefill_poll(self) -> int:
+        """
+        How long after a sign of life the next poll goes out, in milliseconds.
+        """
+        return self._config.limits.liveness_ms - self._poll_lead()
+
+    def _prefill_poll_due(self) -> None:
+        """
+        The stream has been silent until shortly before the liveness limit: the limit is
+        armed for the rest, and C{/slots} is asked (L{_prefill_answered}). When the first
+        delta has come meanwhile, only the limit is armed.
+        """
+        self._timer = None
+        # Armed first: an answer that shows life replaces it, whenever it comes.
+        self._arm_at(self._life_at + self._seconds(self._config.limits.liveness_ms), self._silent)
+        if not self._watching_prefill():
+            return
+        polling = self._track(self._poll_slots())
+        self._prefill_poll = polling
+        polling.addCallbacks(
+            self._prefill_answered,
+            self._prefill_failed,
+            callbackArgs=(polling,),
+            errbackArgs=(polling,),
+        )
+
+    def _drop_prefill_poll(self) -> None:
+        """
+        Cancel the C{/slots} poll of the silence, if one is out (its outcome is ignored).
+        """
+        polling, self._prefill_poll = self._prefill_poll, None
+        if polling is not None:
+            polling.cancel()
+
+    def _prefill_answered(self, value: object, polling: Deferred[Any]) -> None:
+        """
+        Judge a C{/slots} answer during prompt processing. The request's slot processing is
+        life: the next poll comes C{liveness_ms} less the lead after it, in place of the
+        limit; and when its counters differ from the last processing answer's, the slot has
+        advanced. A slot processing without advancing for C{prefill_stall_ms} is
+        L{Stalled}. Anything else is no evidence: the limit stands.
+        """
+        if polling is not self._prefill_poll or self._finished:
+            return
+        self._prefill_poll = None
+        try:
+            serving = slots_serving(parse_slots(value), self._request.slot)
+        except Protocol as e:
+            self._finding = f"/slots answered badly: {e}"
+            return
+        work: _Work = tuple((slot.id, slot.counters) for slot in serving if slot.is_processing)
+        if not work:
+            self._finding = "/slots shows the slot idle"
+            return
+        now = self._reactor.seconds()
+        if self._work_seen is not None and work != self._work_seen:
+            self._advanced_at = now
+        self._work_seen = work
+        # Whole nanoseconds, as in _observe: clock times are float sums.
+        stuck = round((now - self._advanced_at) * 1000, 6)
+        if stuck >= self._config.limits.prefill_stall_ms:
+            self._fail(Stalled(f"slot processing but not advancing for {stuck:.0f} ms"))
+            return
+        self._finding = ""
+        self._life_at = now
+        self._arm(self._until_prefill_poll(), self._prefill_poll_due)
+
+    def _prefill_failed(self, reason: Failure, polling: Deferred[Any]) -> None:
+        """
+        C{/slots} could not be asked, answered a status other than 200 or a body that is not
+        JSON, or took longer than C{poll_ms}: no evidence, the limit stands. A 404 or 501
+        says the server has no C{/slots}: the call does not ask it again.
+        """
+        if polling is not self._prefill_poll or self._finished:
+            return
+        self._prefill_poll = None
+        error = reason.value
+        if isinstance(error, Http) and error.status in (404, 501):
+            self._no_slots = True
+            self._finding = f"/slots is not available (HTTP {error.status})"
+        else:
+            self._finding = f"/slots failed: {reason.getErrorMessage()}"
 
     def _data_received(self, data: bytes) -> None:
         """
@@ -440,6 +626,9 @@ class ChatCall:
         except InferError as e:
             self._fail(e)
             return
+        if not self._answering and any(isinstance(e, _DELTAS) for e in events):
+            # Prompt processing is over: the plain liveness limit from the next byte on.
+            self._answering = True
         for chat_event in events:
             self._on_event(chat_event)
         self._check_thinking()
@@ -474,6 +663,7 @@ class ChatCall:
             return
         self._paused = True
         self._disarm()
+        self._drop_prefill_poll()
         if self._response is not None:
             self._response.pause()
 

@@ -36,6 +36,7 @@ __all__ = [
     "get_json",
     "parse_slots",
     "slot_busy",
+    "slots_serving",
 ]
 
 
@@ -73,14 +74,28 @@ def cache_outcome(previous: Timings, current: Timings, threshold: int = 64) -> C
     )
 
 
+#: The C{/slots} counters of a slot (L{SlotState.counters}); None where the entry has none.
+Counters = tuple[int | None, int | None, int | None]
+_NO_COUNTERS: Counters = (None, None, None)
+
+
 @dataclass(frozen=True)
 class SlotState:
     """
-    One entry of C{/slots}: the slot's id and whether it is running a task.
+    One entry of C{/slots}: the slot's id, whether it is running a task, and how far the task
+    has got.
+
+    @ivar counters: the entry's C{n_prompt_tokens}, C{n_prompt_tokens_processed} and
+        C{next_token[0].n_decoded}, each None when the entry lacks it (a slot that never ran
+        a task) or it is not an integer. They move as the server works, never within one
+        batch: on llama.cpp's server the first moves when a batch of the prompt starts and
+        the second when it ends (together with that batch's progress event), the third with
+        each generated token. Two answers with different counters show the slot advancing.
     """
 
     id: int
     is_processing: bool
+    counters: Counters = _NO_COUNTERS
 
 
 def parse_slots(value: object) -> tuple[SlotState, ...]:
@@ -97,8 +112,38 @@ def parse_slots(value: object) -> tuple[SlotState, ...]:
         # JSON booleans are not numbers, though Python's bool is an int.
         if not isinstance(ident, int) or isinstance(ident, bool):
             raise Protocol("/slots entry without an integer id")
-        slots.append(SlotState(ident, entry.get("is_processing") is True))
+        slots.append(SlotState(ident, entry.get("is_processing") is True, _counters(entry)))
     return tuple(slots)
+
+
+def _counters(entry: dict[str, Any]) -> Counters:
+    """The counters of one C{/slots} entry (L{SlotState.counters})."""
+    next_token = entry.get("next_token")
+    # next_token is a list of one object (older servers: the object itself).
+    if isinstance(next_token, list) and next_token:
+        next_token = next_token[0]
+    decoded = next_token.get("n_decoded") if isinstance(next_token, dict) else None
+    values = (entry.get("n_prompt_tokens"), entry.get("n_prompt_tokens_processed"), decoded)
+    first, second, third = (_integer(value) for value in values)
+    return (first, second, third)
+
+
+def _integer(value: object) -> int | None:
+    """C{value} when it is an integer (a JSON boolean is not), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def slots_serving(slots: Sequence[SlotState], slot: int) -> tuple[SlotState, ...]:
+    """
+    The slots that may be running a request for C{slot}: that slot, taken modulo the number
+    of slots as llama-server does, or every slot for C{slot} -1 (the server chose one and
+    did not say which).
+    """
+    if not slots:
+        return ()
+    if slot < 0:
+        return tuple(slots)
+    return (slots[slot % len(slots)],)
 
 
 def slot_busy(slots: Sequence[SlotState], slot: int) -> bool:

@@ -65,6 +65,7 @@ class DefaultsTests(SynchronousTestCase):
                     load_wait_ms=180_000,
                     idle_grace_ms=30_000,
                     liveness_ms=30_000,
+                    prefill_stall_ms=600_000,
                     queue_depth=8,
                 ),
                 Thinking(cap=4096, overrun=256),

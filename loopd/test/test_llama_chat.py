@@ -14,6 +14,10 @@ cancellation, which must close the control connection too; and endpoints of kind
 which have neither polls nor control. The thinking streams are real transcripts:
 C{reasoning-end.sse} reasons up to C{predicted_n} 13 and then answers; C{error.sse} reasons
 until the server fails, far past any cap used here.
+
+Prompt processing (L{PrefillTests}, decision 44) runs on the shipped limits instead (30 s of
+liveness, 5 s polls, batches a minute long), with C{/slots} answering as llama.cpp's server
+does during a prefill: the slot processing, its counters moving only from batch to batch.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from loopd.errors import (
     WaitTimeout,
 )
 from loopd.llama.chat import ChatCall
+from loopd.llama.flow import Flow
 from loopd.llama.request import LLAMA_ONLY_FIELDS
 from loopd.llama.types import (
     ChatEvent,
@@ -69,6 +74,7 @@ from loopd.testing.fake_llama import (
     ConnectionRecord,
     FakeLlama,
     Piece,
+    RecordedRequest,
     Reply,
     ReplySource,
     error_reply,
@@ -76,7 +82,7 @@ from loopd.testing.fake_llama import (
     json_reply,
     sse_reply,
 )
-from loopd.testing.llama_replies import control_reply, slots_reply
+from loopd.testing.llama_replies import chunk, control_reply, slots_reply
 from loopd.testing.memory_net import MemoryNet
 
 FIXTURES = Path(loopd.__file__).resolve().parent.parent / "fixtures" / "transcripts"
@@ -134,8 +140,14 @@ def last_timings(name: str) -> Timings:
 class Harness:
     """One L{ChatCall} against a L{FakeLlama} on a L{MemoryNet}; events and end timed."""
 
-    def __init__(self, config: Config | None = None, request: ChatRequest = REQUEST) -> None:
-        """A fresh clock, fake and network; C{config} defaults to L{make_config}'s."""
+    def __init__(
+        self, config: Config | None = None, request: ChatRequest = REQUEST, flow: Flow | None = None
+    ) -> None:
+        """
+        A fresh clock, fake and network; C{config} defaults to L{make_config}'s. The call
+        attaches to C{flow}, if given.
+        """
+        self.flow = flow
         self.reactor = MemoryReactorClock()
         self.fake = FakeLlama(self.reactor)
         self.net = MemoryNet(self.reactor)
@@ -152,7 +164,8 @@ class Harness:
         if slots is not None:
             self.fake.set_default("GET", SLOTS, slots)
         endpoint = self.config.endpoints[0]
-        d = ChatCall(self.reactor, self.config, endpoint, self.request, self._event).run()
+        call = ChatCall(self.reactor, self.config, endpoint, self.request, self._event, self.flow)
+        d = call.run()
         d.addBoth(self._ended)
         self.net.pump()
         return d
@@ -795,3 +808,236 @@ class OpenAITests(ChatTestCase):
         body = h.fake.requests[0].json
         self.assertEqual(set(body) & (LLAMA_ONLY_FIELDS | {"reasoning_control"}), set())
         self.assertEqual((body["stream"], body["max_tokens"], body["model"]), (True, 300, "tiny"))
+
+
+#: The shipped limits: liveness_ms 30 s, poll_ms 5 s, so a silent prompt is asked about at
+#: 25 s, and prefill_stall_ms 10 minutes.
+DEFAULTS = Limits()
+#: A prompt of three batches of 2,048 tokens, none from the cache, each batch a minute long.
+BATCH, BATCHES, MINUTE = 2048, 3, 60.0
+TOTAL = BATCH * BATCHES
+
+
+def prefill_config(kind: Any = "llama-server", **limits: Any) -> Config:
+    """L{make_config} with the shipped limits, and C{limits} changed."""
+    return dataclasses.replace(make_config(kind), limits=dataclasses.replace(DEFAULTS, **limits))
+
+
+def progress(processed: int) -> bytes:
+    """A progress event of the prompt of L{TOTAL} tokens: its role-only chunk."""
+    role = {"role": "assistant", "content": None}
+    return event_bytes(chunk(role, progress=(TOTAL, 0, processed)))
+
+
+def answer_events(*deltas: dict[str, Any]) -> list[bytes]:
+    """The chunks of an answer: these deltas, then the finish with its timings."""
+    finish = chunk({}, "stop", timings={"cache_n": 0, "prompt_n": TOTAL, "predicted_n": 2})
+    return [event_bytes(chunk(delta)) for delta in deltas] + [event_bytes(finish)]
+
+
+def slow_prompt(*after: Piece, end: Any = "close") -> Reply:
+    """
+    The headers at 0, then a progress event at the start and one at the end of each batch
+    of L{slow_prompt}'s prompt, a minute apart, then C{after}, then C{[DONE]} when C{end} is
+    C{"close"}.
+    """
+    pieces = [Piece(0 if n == 0 else MINUTE, progress(n * BATCH)) for n in range(BATCHES + 1)]
+    return sse_reply([*pieces, *after], done=end == "close", end=end)
+
+
+def working_slots(request: RecordedRequest, fake: FakeLlama) -> Reply:
+    """
+    C{/slots} as llama.cpp's server answers it during L{slow_prompt}'s prompt: the slot
+    processing, C{n_prompt_tokens} counting the batch under way and
+    C{n_prompt_tokens_processed} the batches done; neither moves within a batch.
+    """
+    done = min(int(fake.clock.seconds() // MINUTE), BATCHES)
+    under_way = min(done + 1, BATCHES)
+    return slots_reply(True, counters=(under_way * BATCH, done * BATCH, 0))
+
+
+class PrefillTests(ChatTestCase):
+    """
+    Before the first delta (decision 44): a slot that /slots shows processing is alive though
+    a batch of the prompt takes longer than liveness_ms; nothing advancing is still Stalled.
+    With the shipped limits (liveness_ms 30 s, poll_ms 5 s) on the clock.
+    """
+
+    def run_prefill(self, h: Harness, chat: Reply, slots: ReplySource | None = None) -> Any:
+        """Run the call on C{h} to its end, over the long clock of the shipped limits."""
+        d = h.start(chat, slots)
+        h.run_to_end(limit=3600)
+        return d
+
+    def test_batches_longer_than_liveness(self) -> None:
+        """
+        Batches a minute apart while /slots shows the slot processing and, batch by batch,
+        advancing: the answer, with no stall; /slots asked 25 s into each silence and 25 s
+        after each answer that showed it working, never reported as Waiting.
+        """
+        h = Harness(prefill_config())
+        reply = slow_prompt(*(Piece(0, event) for event in answer_events({"content": "Hi"})))
+        d = self.run_prefill(h, reply, working_slots)
+        completion = self.assert_answered(h, d, BATCHES * MINUTE)
+        self.assertEqual(completion.content, "Hi")
+        self.assertEqual(h.of(Progress), [Progress(TOTAL, 0, n * BATCH) for n in range(4)])
+        self.assertEqual(h.times(Progress), [0, 60, 120, 180])
+        self.assertEqual(h.slots_polls(), [25, 50, 85, 110, 145, 170])
+        self.assertEqual(h.of(Waiting), [])
+
+    def test_nothing_advancing_stalls_within_liveness(self) -> None:
+        """
+        Silent after a progress event, and /slots shows nothing working: idle, hanging,
+        answering 503, answering what is not slots, or cut. Stalled liveness_ms after the
+        last byte, as before, saying what /slots showed; every connection closed.
+        """
+        hanging = dataclasses.replace(slots_reply(True), headers_delay=NEVER)
+        cut = dataclasses.replace(slots_reply(True), end="cut")
+        findings = [
+            (slots_reply(False), "/slots shows the slot idle"),
+            (hanging, "/slots has not answered"),
+            (LOADING, "/slots failed"),
+            (json_reply(200, {"not": "slots"}), "/slots answered badly"),
+            (cut, "/slots failed"),
+        ]
+        for slots, finding in findings:
+            h = Harness(prefill_config())
+            d = self.run_prefill(h, stream([progress(0)], end="silence"), slots)
+            error = self.assert_failed(h, d, Stalled, 30)
+            self.assertTrue(str(error).startswith(f"no data for 30000 ms; {finding}"), error)
+            self.assertEqual(h.slots_polls(), [25])
+            self.assert_closed_by_client(h.chat_connection(), 30)
+
+    def test_processing_without_advancing_is_bounded(self) -> None:
+        """
+        /slots shows the slot processing forever with the same counters and no byte comes:
+        Stalled at the first poll prefill_stall_ms after the last byte.
+        """
+        h = Harness(prefill_config(prefill_stall_ms=100_000))
+        d = self.run_prefill(h, stream([progress(0)], end="silence"), slots_reply(True))
+        error = self.assert_failed(h, d, Stalled, 100)
+        self.assertEqual(str(error), "slot processing but not advancing for 100000 ms")
+        self.assertEqual(h.slots_polls(), [25, 50, 75, 100])
+
+    def test_slots_counters_alone_show_advance(self) -> None:
+        """
+        No progress event at all, but /slots counters moving at each poll: alive. Once they
+        stop (at 110 s), Stalled at the first poll prefill_stall_ms after the last move.
+        """
+
+        def moving(request: RecordedRequest, fake: FakeLlama) -> Reply:
+            seconds = min(int(fake.clock.seconds()), 110)
+            return slots_reply(True, counters=(seconds, seconds, 0))
+
+        h = Harness(prefill_config(prefill_stall_ms=100_000))
+        d = self.run_prefill(h, stream([], end="silence"), moving)
+        self.assert_failed(h, d, Stalled, 225)
+        self.assertEqual(h.slots_polls(), [25.0 * n for n in range(1, 10)])
+
+    def test_first_delta_ends_prefill(self) -> None:
+        """
+        After the first piece of reasoning, content or a tool call the plain liveness limit
+        applies: silence liveness_ms after it is Stalled, though /slots shows the slot
+        processing, and /slots is not asked.
+        """
+        call = {"tool_calls": [{"index": 0, "id": "c", "type": "function", "function": {}}]}
+        deltas: list[dict[str, Any]] = [{"content": "Hi"}, {"reasoning_content": "Hm"}, call]
+        for delta in deltas:
+            h = Harness(prefill_config())
+            reply = slow_prompt(Piece(0, event_bytes(chunk(delta))), end="silence")
+            d = self.run_prefill(h, reply, working_slots)
+            error = self.assert_failed(h, d, Stalled, BATCHES * MINUTE + 30)
+            self.assertEqual(str(error), "no data for 30000 ms")
+            self.assertEqual(h.slots_polls(), [25, 50, 85, 110, 145, 170])
+
+    def test_byte_drops_the_poll(self) -> None:
+        """A progress event while a poll is out: the poll is closed, its answer unheard."""
+        h = Harness(prefill_config())
+        slow = dataclasses.replace(slots_reply(False), headers_delay=3)
+        pieces = [Piece(0, progress(0)), Piece(26, progress(TOTAL))]
+        pieces += [Piece(0, event) for event in answer_events({"content": "Hi"})]
+        d = self.run_prefill(h, sse_reply(pieces), slow)
+        self.assertEqual(self.assert_answered(h, d, 26).content, "Hi")
+        [poll] = h.fake.requests_to("GET", SLOTS)
+        self.assertEqual(at(poll.received_at), 25)
+        self.assert_closed_by_client(poll.connection, 26)
+
+    def test_slots_unavailable_keeps_old_rule(self) -> None:
+        """
+        /slots not there (404, or 501 from a server run with --no-slots): Stalled
+        liveness_ms after the last byte, as before; the call asks it once only.
+        """
+        no_slots = error_reply(501, "not_supported_error", "This server does not support slots")
+        for slots, status in [(NOT_FOUND, 404), (no_slots, 501)]:
+            h = Harness(prefill_config())
+            pieces = [Piece(0, progress(0)), Piece(28, progress(BATCH))]
+            d = self.run_prefill(h, sse_reply(pieces, done=False, end="silence"), slots)
+            error = self.assert_failed(h, d, Stalled, 58)
+            unavailable = f"/slots is not available (HTTP {status})"
+            self.assertEqual(str(error), f"no data for 30000 ms; {unavailable}")
+            self.assertEqual(h.slots_polls(), [25])
+
+    def test_slots_unavailable_old_times(self) -> None:
+        """A whole minute-long batch without /slots: Stalled at liveness_ms, as before."""
+        h = Harness(prefill_config())
+        d = self.run_prefill(h, slow_prompt(), NOT_FOUND)
+        self.assert_failed(h, d, Stalled, 30)
+        self.assertEqual(h.of(), [Progress(TOTAL, 0, 0)])
+
+    def test_openai_plain_liveness(self) -> None:
+        """An openai endpoint: a minute's silence after the headers, Stalled at liveness_ms."""
+        h = Harness(prefill_config(kind="openai"))
+        d = self.run_prefill(h, slow_prompt(), working_slots)
+        self.assertEqual(str(self.assert_failed(h, d, Stalled, 30)), "no data for 30000 ms")
+        self.assertEqual([r.path for r in h.fake.requests], [CHAT])
+
+    def test_request_slot_decides(self) -> None:
+        """
+        Slot 1 processing, slot 0 idle: a request pinned to slot 0 is Stalled, one that let
+        the server choose (slot -1) is alive, since the server did not say which it chose.
+        """
+        for slot, alive in [(0, False), (-1, True)]:
+            h = Harness(prefill_config(), ChatRequest(slot=slot, messages=(User("Hi"),)))
+            reply = slow_prompt(*(Piece(0, event) for event in answer_events({"content": "Hi"})))
+            d = self.run_prefill(h, reply, slots_reply([False, True]))
+            if alive:
+                self.assertEqual(self.assert_answered(h, d, 180).content, "Hi")
+            else:
+                self.assert_failed(h, d, Stalled, 30)
+
+    def test_cancel_during_poll(self) -> None:
+        """Cancelled while a prefill poll is out: CancelledError, both connections closed."""
+        h = Harness(prefill_config())
+        hanging = dataclasses.replace(slots_reply(True), headers_delay=NEVER)
+        d = h.start(slow_prompt(), hanging)
+        h.net.run_to(27)
+        [poll] = h.fake.requests_to("GET", SLOTS)
+        self.assertTrue(poll.connection.open)
+        d.cancel()
+        self.assert_failed(h, d, CancelledError, 27)
+        self.assert_closed_by_client(h.chat_connection(), 27)
+        self.assert_closed_by_client(poll.connection, 27)
+
+    def test_paused_flow(self) -> None:
+        """
+        A flow paused while a poll is out: the poll is closed, and nothing is asked or judged
+        while paused, however long. From the resume liveness counts afresh and /slots (slow
+        to answer, 3 s) shows the slot processing again until the prompt is done.
+        """
+        flow = Flow()
+        h = Harness(prefill_config(), flow=flow)
+        slow = dataclasses.replace(slots_reply(True), headers_delay=3)
+        pieces = [Piece(0, progress(0)), Piece(1100, progress(TOTAL))]
+        pieces += [Piece(0, event) for event in answer_events({"content": "Hi"})]
+        d = h.start(sse_reply(pieces), slow)
+        h.net.run_to(26)
+        flow.pauseProducing()
+        h.net.pump()
+        [poll] = h.fake.requests_to("GET", SLOTS)
+        self.assert_closed_by_client(poll.connection, 26)
+        h.net.run_to(1000)
+        self.assertNoResult(d)
+        flow.resumeProducing()
+        h.run_to_end(limit=3600)
+        self.assertEqual(self.assert_answered(h, d, 1100).content, "Hi")
+        self.assertEqual(h.slots_polls(), [25, 1025, 1053, 1081])

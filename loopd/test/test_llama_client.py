@@ -369,7 +369,8 @@ class RetryTests(ClientTestCase):
         self.assertEqual([(r.attempt, r.after_ms) for r in call.retries], [(1, 50)])
         # Stalled at start + liveness_ms (100 ms), the retry sent 50 ms later.
         self.assertEqual(ms(self.chats()[2].received_at - start), 150)
-        self.assertTrue(self.fake.connections[1].client_closed)
+        # The stalled attempt's own connection (a /slots poll came before it gave up).
+        self.assertTrue(self.chats()[1].connection.client_closed)
         self.assert_quiet()
 
     def test_400_not_retried(self) -> None:
@@ -583,10 +584,10 @@ class InfoTests(ClientTestCase):
         self.assertEqual([r.method for r in self.fake.requests_to("GET", PROPS)], ["GET"])
 
     def test_slots(self) -> None:
-        """slots() is the server's /slots as SlotStates."""
+        """slots() is the server's /slots as SlotStates, with the busy slot's counters."""
         self.fake.script("GET", SLOTS, slots_reply([True, False]))
         slots = self.result(self.client.slots())
-        self.assertEqual(slots, (SlotState(0, True), SlotState(1, False)))
+        self.assertEqual(slots, (SlotState(0, True, (60, 3, 1)), SlotState(1, False)))
 
     def test_tokenize(self) -> None:
         """tokenize() posts the text without special tokens added and returns the ids."""

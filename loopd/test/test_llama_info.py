@@ -1,6 +1,7 @@
 """
 Tests for the pure parts of L{loopd.llama.info}: the cache-loss judgement between two turns,
-the reading of a C{/slots} answer, and whether a slot must wait.
+the reading of a C{/slots} answer (its counters included), whether a slot must wait, and which
+slots may be running a request.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from loopd.llama.info import (
     cache_outcome,
     parse_slots,
     slot_busy,
+    slots_serving,
 )
 from loopd.llama.types import Timings
 
@@ -125,6 +127,62 @@ class ParseSlotsTests(SynchronousTestCase):
     def test_boolean_id(self) -> None:
         """A boolean id is not an integer id (JSON true is not a number): Protocol."""
         self.assertRaises(Protocol, parse_slots, [{"id": True, "is_processing": False}])
+
+    def test_counters(self) -> None:
+        """
+        A slot that ran a task has its counters: n_prompt_tokens, n_prompt_tokens_processed
+        and next_token[0].n_decoded (the shape of llama.cpp's server during a prefill).
+        """
+        answer = [
+            {
+                "id": 0,
+                "is_processing": True,
+                "id_task": 5,
+                "n_prompt_tokens": 4096,
+                "n_prompt_tokens_processed": 2048,
+                "n_prompt_tokens_cache": 0,
+                "next_token": [{"has_next_token": True, "n_decoded": 0, "n_remain": 5}],
+            },
+            {"id": 1, "n_ctx": 4096, "is_processing": False, "speculative": False},
+        ]
+        self.assertEqual(
+            parse_slots(answer), (SlotState(0, True, (4096, 2048, 0)), SlotState(1, False))
+        )
+
+    def test_counters_of_other_shapes(self) -> None:
+        """
+        A next_token object instead of a list of one, an empty list, and counters that are
+        not integers (null, a boolean, a float, a string) read as None, never as an error.
+        """
+        shapes: list[tuple[dict[str, Any], Any]] = [
+            ({"n_prompt_tokens": 3, "next_token": {"n_decoded": 7}}, (3, None, 7)),
+            ({"n_prompt_tokens_processed": 2, "next_token": []}, (None, 2, None)),
+            ({"n_prompt_tokens": None, "n_prompt_tokens_processed": True}, (None, None, None)),
+            ({"n_prompt_tokens": 1.5, "next_token": [{"n_decoded": "4"}]}, (None, None, None)),
+            ({"next_token": [7]}, (None, None, None)),
+        ]
+        for fields, counters in shapes:
+            (slot,) = parse_slots([{"id": 0, "is_processing": True, **fields}])
+            self.assertEqual(slot.counters, counters, fields)
+
+
+class SlotsServingTests(SynchronousTestCase):
+    """slots_serving: the slots that may be running a request for a slot."""
+
+    SLOTS = (SlotState(0, True), SlotState(1, False), SlotState(2, True))
+
+    def test_pinned(self) -> None:
+        """A pinned request's own slot, taken modulo the slot count."""
+        self.assertEqual(slots_serving(self.SLOTS, 1), (SlotState(1, False),))
+        self.assertEqual(slots_serving(self.SLOTS, 5), (SlotState(2, True),))
+
+    def test_any(self) -> None:
+        """A request for slot -1 may be on any slot: all of them."""
+        self.assertEqual(slots_serving(self.SLOTS, -1), self.SLOTS)
+
+    def test_none(self) -> None:
+        """A server that lists no slots runs the request on none."""
+        self.assertEqual((slots_serving((), 0), slots_serving((), -1)), ((), ()))
 
 
 class SlotBusyTests(SynchronousTestCase):

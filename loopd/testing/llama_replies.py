@@ -28,21 +28,36 @@ __all__ = [
 ]
 
 
-def slots_reply(busy: bool | Sequence[bool] = False, *, n_ctx: int = 4096) -> Reply:
+def slots_reply(
+    busy: bool | Sequence[bool] = False,
+    *,
+    n_ctx: int = 4096,
+    counters: tuple[int, int, int] = (60, 3, 1),
+) -> Reply:
     """
     A C{GET /slots} answer, one slot per entry of C{busy} (a bool is one slot). An idle slot
     has the shape of one that never ran a task; a busy one has a task, params and a
     one-element C{next_token} list, as the real server gives.
+
+    @param counters: a busy slot's C{n_prompt_tokens}, C{n_prompt_tokens_processed} and
+        C{next_token[0].n_decoded}, the numbers that move as the server works.
     """
+    n_prompt_tokens, processed, decoded = counters
     slots: list[dict[str, Any]] = []
     for number, is_busy in enumerate([busy] if isinstance(busy, bool) else busy):
         slot: dict[str, Any] = {"id": number, "n_ctx": n_ctx, "speculative": False}
         slot["is_processing"] = is_busy
         if is_busy:
-            slot.update(id_task=100 + number, n_prompt_tokens=60, n_prompt_tokens_processed=3)
-            slot.update(n_prompt_tokens_cache=22, params={"n_predict": -1, "stream": True})
+            slot.update(id_task=100 + number, n_prompt_tokens=n_prompt_tokens)
+            slot.update(n_prompt_tokens_processed=processed, n_prompt_tokens_cache=22)
+            slot["params"] = {"n_predict": -1, "stream": True}
             slot["next_token"] = [
-                {"has_next_token": True, "has_new_line": False, "n_remain": -1, "n_decoded": 1}
+                {
+                    "has_next_token": True,
+                    "has_new_line": False,
+                    "n_remain": -1,
+                    "n_decoded": decoded,
+                }
             ]
         slots.append(slot)
     return json_reply(200, slots)

@@ -196,6 +196,7 @@ configs = st.builds(
         load_wait_ms=counts(0),
         idle_grace_ms=counts(0),
         liveness_ms=counts(1),
+        prefill_stall_ms=counts(1),
         queue_depth=counts(0),
     ),
     thinking=st.builds(Thinking, cap=counts(1), overrun=counts(0)),
