@@ -215,6 +215,7 @@ class UnavailableTests(SynchronousTestCase):
                     "message": "endpoint tiny is down: connection refused; retry after 1 s",
                     "type": "server_error",
                     "code": "endpoint_unavailable",
+                    "param": None,
                 }
             },
         )
