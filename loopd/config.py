@@ -329,6 +329,7 @@ _SERVER_RULES: Final[Mapping[str, Rule]] = {
     "body_timeout_ms": integer(1, INT32_MAX),
     "body_min_bytes_per_s": integer(0, INT32_MAX),
     "max_connections": integer(1, INT32_MAX),
+    "keepalive_ms": integer(1, INT32_MAX),
     "backlog": integer(1, INT32_MAX),
 }
 

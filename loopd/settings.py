@@ -227,6 +227,11 @@ class Server:
     max_connections: int = 256
     """The open connections the listener keeps at most; a newer one is answered 503 and
     closed, while the open ones carry on."""
+    keepalive_ms: int = 15_000
+    """While a streamed answer has no token yet (a queue or slot wait, a long prompt being
+    processed), a no-op event of its API goes out after this long without one, headers
+    first if none went yet: agents' stream timers count events, not SSE comments (Codex
+    CLI's gives up after 300 s, Qwen Code's after 240 s)."""
     backlog: int = socket.SOMAXCONN
     """
     The listen backlog of loopd's Unix sockets (the gateway's and the lease socket):

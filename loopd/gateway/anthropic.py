@@ -984,6 +984,17 @@ class MessagesAnswer:
             return b""
         return self._start_tool(event.index, event.name)
 
+    def keepalive(self) -> bytes:
+        """
+        A C{message_delta} that changes nothing (no stop reason, no output tokens), after
+        C{message_start} if it has not gone yet (its usage then zero: the prompt's size is
+        not known): Claude Code's stream watchdog counts C{message_*} and
+        C{content_block_*} events, not C{ping}.
+        """
+        delta = {"stop_reason": None, "stop_sequence": None}
+        keep = _event({"type": "message_delta", "delta": delta, "usage": {"output_tokens": 0}})
+        return self._start(None) + keep
+
     def _start_tool(self, index: int, name: str) -> bytes:
         """Start the block of pending tool call C{index}, with its arguments so far."""
         pending = self._pending.pop(index)

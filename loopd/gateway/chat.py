@@ -120,6 +120,14 @@ class _ChatAnswer:
         lines.extend(data_line(chunk) for chunk in self._chunks.chunks_for(event))
         return b"".join(lines)
 
+    def keepalive(self) -> bytes:
+        """
+        A chunk whose first choice has an empty delta: every chat client (the SDKs, the AI
+        SDK, LiteLLM) takes it and adds nothing, and it has the real C{choices[0]} every
+        chunk of loopd's has (decision 17).
+        """
+        return data_line(self._chunks.keepalive_chunk())
+
     def closing(self, completion: Completion) -> bytes:
         """The finish chunk (and the usage chunk when asked), then C{[DONE]}."""
         chunks = self._chunks.finish_chunks(completion)

@@ -48,6 +48,14 @@ class Answer(Protocol):
         keep-alive, such as Anthropic's C{ping}); C{b""} for nothing.
         """
 
+    def keepalive(self) -> bytes:
+        """
+        A no-op data event of this API, sent while the answer has no token yet and nothing
+        else went for a while (decision 44's long prompts, a queue wait): coding agents'
+        stream timers count data events, not SSE comments. It must change nothing the
+        client builds from the stream.
+        """
+
     def closing(self, completion: Completion) -> bytes:
         """The bytes that end a stream that went well (finish, usage, C{[DONE]} ...)."""
 

@@ -30,6 +30,14 @@ stream never opens on a C{retrying} comment first). Otherwise the client's retri
 they always did (a server that restarts under a stream resumes it); a call that still ends
 with its endpoint down is answered with the same 503.
 
+A waiting client is kept (issue 24): coding agents give up on a stream that sends no data
+event for a while (Codex CLI after 300 s, Qwen Code after 240 s, Claude Code's watchdog
+after 300 s) and ignore SSE comments, so until the first token, every C{[server]
+keepalive_ms} (15 s) the door's no-op event goes out (its answer's C{keepalive}), opening
+the stream first if nothing opened it yet (Qwen Code also gives up after 120 s without
+headers). A keep-alive that opened the stream makes a later failure an error event, as any
+opening does.
+
 Backpressure: a streaming exchange registers a L{Flow} as its request's producer, and the
 upstream call reads through it, so a client that stops reading pauses the upstream read
 and loopd's buffers stay bounded; reading resumes when the client drains them.
@@ -42,6 +50,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
@@ -293,6 +302,7 @@ class _Exchange:
         self._created = int(host.wall_clock())
         self._call: Deferred[Completion] | None = None
         self._flow: Flow | None = None
+        self._keepalive: IDelayedCall | None = None
         self._use(endpoint)
 
     def _use(self, endpoint: Endpoint) -> None:
@@ -308,6 +318,7 @@ class _Exchange:
         if self._parsed.stream:
             self._flow = Flow()
             self._request.registerProducer(self._flow, True)
+            self._arm_keepalive()
         self._go()
 
     def _go(self) -> None:
@@ -343,6 +354,32 @@ class _Exchange:
             GatewayError(503, "loopd is shutting down", "server_error", "shutting_down")
         )
 
+    # -- keeping a waiting client -----------------------------------------------------------
+
+    def _arm_keepalive(self) -> None:
+        """Send the door's keep-alive event in C{[server] keepalive_ms}."""
+        seconds = self._host.config.server.keepalive_ms / 1000.0
+        self._keepalive = self._host.reactor.callLater(seconds, self._keep_alive)
+
+    def _keep_alive(self) -> None:
+        """
+        No token yet and the time is up: open the stream if it is not (a client that waits
+        for headers gives up too: Qwen Code after 120 s), send the door's no-op event, and
+        arm again.
+        """
+        self._keepalive = None
+        if self._phase is _Phase.DONE or self._first_token_seen:
+            return
+        self._start_stream()
+        self._request.write(self._answer.keepalive())
+        self._arm_keepalive()
+
+    def _stop_keepalive(self) -> None:
+        """The answer's tokens flow, or it is over: no more keep-alive events."""
+        timer, self._keepalive = self._keepalive, None
+        if timer is not None and timer.active():
+            timer.cancel()
+
     # -- events --------------------------------------------------------------------------
 
     def _event(self, event: ChatEvent) -> None:
@@ -354,6 +391,7 @@ class _Exchange:
             return
         if isinstance(event, _FIRST_TOKEN) and not self._first_token_seen:
             self._first_token_seen = True
+            self._stop_keepalive()
             self._host.metrics.observe_first_token(
                 self._endpoint.name, self._host.reactor.seconds() - self._started_at
             )
@@ -449,6 +487,7 @@ class _Exchange:
         if self._phase is _Phase.DONE:
             return
         self._phase = _Phase.DONE
+        self._stop_keepalive()
         self._host.in_flight.discard(self)
         self._host.metrics.observe_request(self._endpoint.name, "client_gone")
         call, self._call = self._call, None
@@ -458,6 +497,7 @@ class _Exchange:
     def _finish(self, body: bytes = b"") -> None:
         """End the response, with C{body} when given; the producer goes before the end."""
         self._phase = _Phase.DONE
+        self._stop_keepalive()
         self._host.in_flight.discard(self)
         if self._flow is not None:
             self._request.unregisterProducer()

@@ -158,6 +158,10 @@ class ChunkStream:
         """The first chunk: the assistant role, with C{content} null as llama-server's."""
         return self._delta({"role": "assistant", "content": None})
 
+    def keepalive_chunk(self) -> dict[str, Any]:
+        """A chunk that says nothing: the first choice with an empty delta."""
+        return self._delta({})
+
     def chunks_for(self, event: ChatEvent) -> list[dict[str, Any]]:
         """
         The chunks for one event: thinking text as a C{reasoning_content} delta, answer

@@ -997,6 +997,15 @@ class ResponsesAnswer:
             "response.in_progress", response=snapshot
         )
 
+    def keepalive(self) -> bytes:
+        """
+        C{response.in_progress} again, with the next sequence number and the response as
+        it stands: Codex CLI's stream timer counts events with data, not comments, and the
+        SDK's accumulator takes a repeated one as it takes the first.
+        """
+        output = [item.json("in_progress") for item in self._items]
+        return self._event("response.in_progress", response=self._response("in_progress", output))
+
     def during(self, event: ChatEvent) -> bytes:
         """
         Text, thinking and tool call pieces as output item events (a new item when the kind

@@ -228,6 +228,7 @@ configs = st.builds(
         body_timeout_ms=st.integers(1, 2**31 - 1),
         body_min_bytes_per_s=st.integers(0, 2**31 - 1),
         max_connections=st.integers(1, 2**31 - 1),
+        keepalive_ms=st.integers(1, 2**31 - 1),
     ),
     mesh=st.builds(Mesh, strong_patience_ms=st.integers(0, 2**31 - 1)),
     health=st.builds(
