@@ -15,6 +15,9 @@ client (`loopd.llama.Client`, in this process on the real reactor) sends every c
    paces its connections under them;
  - ``unpaced``: the limited proxy, the endpoint claiming limits far above the proxy's,
    so loopd does not pace and meets the proxy's refusals (a refusal is not retried);
+ - ``agent-box``: a proxy with the limits the README gives for an agent box (``--burst
+   100 --refill 20 --max-connections 32``), the endpoint naming them: an agent's turns
+   never wait, a runaway client is held to 20 connections a second;
  - ``open``: the open proxy, the endpoint naming its huge limits (the anchor).
 
 Part 1: ``--requests`` (100) chats one after another per path. Part 2: ``--sessions``
@@ -50,7 +53,11 @@ from loopd.llama import ChatRequest, Client, User
 
 LIMITED_CMD = "{python} -m twisted inferproxy --listen {listen} --upstream {upstream}"
 """The limited inferproxy: the seed's defaults (8 connections, burst 10, refill 2/s)."""
-PATHS = ("paced", "unpaced", "open")
+AGENT_BOX_CMD = LIMITED_CMD + " --max-connections 32 --burst 100 --refill 20"
+"""The inferproxy with the README's limits for an agent box."""
+AGENT_BOX = {"proxy_max_connections": 32, "proxy_burst": 100, "proxy_refill_per_second": 20.0}
+"""The endpoint fields that name the agent box's limits."""
+PATHS = ("paced", "unpaced", "agent-box", "open")
 """Every path, in the order printed; ``open`` is the anchor."""
 HUGE = {"proxy_max_connections": 64, "proxy_burst": 1_000_000, "proxy_refill_per_second": 1e6}
 """Endpoint fields that claim no limits: the open proxy's, or a pretence (``unpaced``)."""
@@ -74,7 +81,8 @@ def make_client(reactor: Any, path: str, socket: str, sessions: int) -> Client:
     """loopd's llama client of one path: the endpoint's limits as the path says."""
     known = {f.name for f in dataclasses.fields(Endpoint)}
     # An older checkout (run for the figures before pacing) has no such fields: left out.
-    fields: dict[str, Any] = {k: v for k, v in HUGE.items() if k in known and path != "paced"}
+    claimed = AGENT_BOX if path == "agent-box" else HUGE
+    fields: dict[str, Any] = {k: v for k, v in claimed.items() if k in known and path != "paced"}
     endpoint = Endpoint(name="tiny", socket=socket, model="tiny", selftest=False, **fields)
     config = Config(endpoints=(endpoint,), limits=Limits(queue_depth=max(2, sessions)))
     return Client(reactor, config, endpoint)
@@ -171,11 +179,12 @@ def run(args: argparse.Namespace) -> None:
     """Start the server and both proxies, measure, print."""
     children = Children()
     try:
-        print("  starting the llama server and two inferproxies ...", file=sys.stderr, flush=True)
+        print("  starting the llama server and three inferproxies ...", file=sys.stderr, flush=True)
         port = start_server(children, write_model(children), args.threads)
         limited = start_forwarder(children, "limited", LIMITED_CMD, port)
+        box = start_forwarder(children, "agent-box", AGENT_BOX_CMD, port)
         anchor = start_forwarder(children, "open", PROXY_CMD, port)
-        sockets = {"paced": limited, "unpaced": limited, "open": anchor}
+        sockets = {"paced": limited, "unpaced": limited, "agent-box": box, "open": anchor}
         results = run_reactor(
             lambda reactor: measure(reactor, sockets, args.requests, args.sessions)
         )
@@ -187,7 +196,8 @@ def run(args: argparse.Namespace) -> None:
         f" to the tiny model on a real llama.cpp server (xllamacpp {version('xllamacpp')},"
         f" 2 slots, --threads {args.threads}). paced: the proxy's defaults (8 connections,"
         " burst 10, refill 2/s) and the endpoint naming them; unpaced: the same proxy, the"
-        " endpoint claiming no limits; open: a proxy with no limits (the anchor). Each run"
+        " endpoint claiming no limits; agent-box: --burst 100 --refill 20 --max-connections"
+        " 32, the endpoint naming them; open: a proxy with no limits (the anchor). Each run"
         f" starts on a full bucket. {os.cpu_count()} CPUs, shared by the server, the"
         " proxies and this process."
     )
