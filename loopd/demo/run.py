@@ -23,7 +23,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Generator, Mapping
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from twisted.internet.defer import Deferred, DeferredList, inlineCallbacks, maybeDeferred, succeed
 from twisted.python.failure import Failure
@@ -54,6 +54,13 @@ STEPS = 6
 #: The endpoint's name in the generated config: the model sessions ask for.
 MODEL = "tiny"
 QUESTION = "Hello! Who are you?"
+#: The demo server's context: two slots of 131,072 tokens, room for a coding agent's prompt
+#: (Claude Code's is ~72,000 tokens of the tiny model's small vocabulary).
+CONTEXT = 2 * 131_072
+SLOTS = 2
+#: The inferproxy's limits, as the README gives them for an agent box: an agent's tool loop
+#: never waits for a connection, a client that loops on errors is held to 20 a second.
+PROXY_LIMITS: Final = {"burst": 100, "refill": 20, "max_connections": 32}
 INTERRUPTED = 130
 _SELFTEST_LINE = re.compile(r"selftest (\S+): ((?:PASS|FAIL) .*)$")
 _TCP_LINE = re.compile(r"TCP listener on (http://\S+):")
@@ -87,6 +94,9 @@ def render_config(
         "[[endpoint]]",
         f"name = {json.dumps(name)}",
         f"socket = {json.dumps(endpoint_socket)}",
+        f"proxy_burst = {PROXY_LIMITS['burst']}",
+        f"proxy_refill_per_second = {float(PROXY_LIMITS['refill'])}",
+        f"proxy_max_connections = {PROXY_LIMITS['max_connections']}",
         "",
         "[endpoint.expect]",
     ]
@@ -229,7 +239,12 @@ class DemoStack:
     def _start_server(self) -> Deferred[int]:
         """Step 2: start the llama.cpp server; fires with its port."""
         self.server = RealServer(
-            self._reactor, self.model_path, port=self._port, start_timeout=self._start_timeout
+            self._reactor,
+            self.model_path,
+            port=self._port,
+            n_ctx=CONTEXT,
+            parallel=SLOTS,
+            start_timeout=self._start_timeout,
         )
         return self.server.start()
 
@@ -241,6 +256,8 @@ class DemoStack:
         assert self.server is not None
         upstream = f"127.0.0.1:{self.server.port}"
         args = ["inferproxy", "--listen", self.infer_socket, "--upstream", upstream]
+        args += ["--burst", str(PROXY_LIMITS["burst"]), "--refill", str(PROXY_LIMITS["refill"])]
+        args += ["--max-connections", str(PROXY_LIMITS["max_connections"])]
         self.proxy = self._spawn(
             "twist inferproxy", "inferproxy listening on", args, self.proxy_log
         )

@@ -459,6 +459,14 @@ class DemoConfigTests(SynchronousTestCase):
         self.assertEqual(endpoint.expect.chat_template_sha256, TEMPLATE_SHA)
         self.assertEqual((endpoint.expect.n_ctx, endpoint.expect.total_slots), (4096, 2))
         self.assertEqual(config.server.listen, "unix:/t/l.sock")
+        self.assertEqual(
+            (
+                endpoint.proxy_burst,
+                endpoint.proxy_refill_per_second,
+                endpoint.proxy_max_connections,
+            ),
+            (100, 20.0, 32),
+        )
 
     def test_config_without_props(self) -> None:
         """Values /props lacks are not expected."""
