@@ -45,9 +45,13 @@ class CacheOutcome:
     """
     How well a request reused the previous request's prompt cache.
 
-    @ivar loss: the cache fell short of the previous request's context by more than the
+    @ivar loss: the cache fell short of the previous request's prompt by more than the
         threshold.
-    @ivar expected: the previous request's whole context (cache_n + prompt_n + predicted_n).
+    @ivar expected: the previous request's prompt (cache_n + prompt_n). Its answer is not
+        counted: a chat template renders an earlier answer again its own way (Qwen3's drops
+        its thinking once a new user turn follows, a tool call's JSON is spaced anew), so
+        those tokens are read again whatever loopd does, and counting them made every turn
+        of every agent look like a loss.
     @ivar cached: what this request reused (its cache_n).
     """
 
@@ -58,17 +62,17 @@ class CacheOutcome:
     @property
     def shortfall(self) -> int:
         """
-        How many tokens of the previous context were not reused.
+        How many tokens of the previous prompt were not reused.
         """
         return max(0, self.expected - self.cached)
 
 
 def cache_outcome(previous: Timings, current: Timings, threshold: int = 64) -> CacheOutcome:
     """
-    Compare C{current.cache_n} with the previous request's total: more than C{threshold}
-    tokens short is a loss.
+    Compare C{current.cache_n} with the previous request's prompt (its answer aside, see
+    L{CacheOutcome.expected}): more than C{threshold} tokens short is a loss.
     """
-    expected = previous.total
+    expected = previous.cache_n + previous.prompt_n
     return CacheOutcome(
         loss=expected - current.cache_n > threshold, expected=expected, cached=current.cache_n
     )

@@ -596,20 +596,20 @@ class SessionTests(ChatTestCase):
             self.turn("a", cache_n=10, prompt_n=200, predicted_n=5)
             self.harness.advance(1)
         (loss,) = [e for e in events if "cache loss" in e["log_format"]]
-        self.assertEqual((loss["cached"], loss["expected"], loss["slot"]), (10, 120, 0))
-        self.assertIn("session a on slot 0: reused 10 of 120 tokens", formatEvent(loss))
+        self.assertEqual((loss["cached"], loss["expected"], loss["slot"]), (10, 100, 0))
+        self.assertIn("session a on slot 0: reused 10 of 100 tokens", formatEvent(loss))
         losses = ("loopd_cache_losses_total", frozenset({("endpoint", "tiny")}))
         self.assertEqual(self.harness.scrape()[losses], 1.0)
 
     def test_cache_hit_logged(self) -> None:
-        """A turn that reuses the whole last context is logged as a hit."""
+        """A turn that reuses the whole last prompt is logged as a hit."""
         self.turn("a", cache_n=0, prompt_n=100, predicted_n=20)
         self.harness.advance(1)
         with capturedLogs() as events:
-            self.turn("a", cache_n=120, prompt_n=30, predicted_n=5)
+            self.turn("a", cache_n=100, prompt_n=30, predicted_n=5)
             self.harness.advance(1)
         texts = [formatEvent(e) for e in events if "cache" in e.get("log_format", "")]
-        self.assertEqual(texts, ["cache hit for session a on slot 0: reused 120 of 120 tokens"])
+        self.assertEqual(texts, ["cache hit for session a on slot 0: reused 100 of 100 tokens"])
 
 
 class TextLineTests(SynchronousTestCase):

@@ -328,18 +328,18 @@ class RecordTests(SynchronousTestCase):
         self.assertIsNone(Sessions().record("a", 0, T, 64))
 
     def test_hit(self) -> None:
-        """Reusing the whole previous context is not a loss."""
+        """Reusing the whole previous prompt (and its answer) is not a loss."""
         sessions = Sessions()
         sessions.record("a", 0, Timings(cache_n=0, prompt_n=100, predicted_n=20), 64)
         outcome = sessions.record("a", 0, Timings(cache_n=120, prompt_n=15, predicted_n=5), 64)
-        self.assertEqual(outcome, CacheOutcome(loss=False, expected=120, cached=120))
+        self.assertEqual(outcome, CacheOutcome(loss=False, expected=100, cached=120))
 
     def test_loss_with_both_numbers(self) -> None:
         """Falling more than the threshold short is a loss reporting expected and cached."""
         sessions = Sessions()
         sessions.record("a", 0, Timings(cache_n=50, prompt_n=100, predicted_n=50), 64)
         outcome = sessions.record("a", 1, Timings(cache_n=10, prompt_n=250), 64)
-        self.assertEqual(outcome, CacheOutcome(loss=True, expected=200, cached=10))
+        self.assertEqual(outcome, CacheOutcome(loss=True, expected=150, cached=10))
 
     def test_threshold_is_passed_through(self) -> None:
         """The same shortfall is a loss or not depending on the threshold given."""

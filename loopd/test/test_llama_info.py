@@ -26,17 +26,17 @@ from loopd.llama.info import (
 from loopd.llama.types import Timings
 
 #: A previous turn whose whole context is 1000 tokens (cache_n + prompt_n + predicted_n).
-PREVIOUS = Timings(cache_n=600, prompt_n=300, predicted_n=100)
+PREVIOUS = Timings(cache_n=600, prompt_n=400, predicted_n=100)
 
 counts = st.integers(min_value=0, max_value=10**7)
 timings = st.builds(Timings, cache_n=counts, prompt_n=counts, predicted_n=counts)
 
 
 class CacheOutcomeTests(SynchronousTestCase):
-    """cache_outcome: more than 64 tokens short of the previous total is a loss."""
+    """cache_outcome: more than 64 tokens short of the previous prompt is a loss."""
 
     def test_exactly_threshold_short_is_no_loss(self) -> None:
-        """A turn that reused all but exactly 64 tokens of the previous context is no loss."""
+        """A turn that reused all but exactly 64 tokens of the previous prompt is no loss."""
         outcome = cache_outcome(PREVIOUS, Timings(cache_n=936, prompt_n=80, predicted_n=5))
         self.assertEqual(outcome, CacheOutcome(loss=False, expected=1000, cached=936))
         self.assertEqual(outcome.shortfall, 64)
@@ -48,16 +48,25 @@ class CacheOutcomeTests(SynchronousTestCase):
         self.assertEqual(outcome.shortfall, 65)
 
     def test_whole_cache_lost(self) -> None:
-        """A turn that reused nothing is a loss of the whole previous context."""
+        """A turn that reused nothing is a loss of the whole previous prompt."""
         outcome = cache_outcome(PREVIOUS, Timings(prompt_n=1200))
         self.assertEqual((outcome.loss, outcome.expected, outcome.cached), (True, 1000, 0))
         self.assertEqual(outcome.shortfall, 1000)
 
     def test_reused_more_than_expected(self) -> None:
-        """Reusing more than the previous total is no loss and no shortfall."""
+        """Reusing more than the previous prompt is no loss and no shortfall."""
         outcome = cache_outcome(PREVIOUS, Timings(cache_n=1010, prompt_n=20))
         self.assertEqual(outcome, CacheOutcome(loss=False, expected=1000, cached=1010))
         self.assertEqual(outcome.shortfall, 0)
+
+    def test_answer_rendered_anew(self) -> None:
+        """
+        The previous answer is not expected to be reused: a template renders it anew (its
+        thinking dropped), so a turn that reused the whole previous prompt and none of the
+        answer is a hit.
+        """
+        outcome = cache_outcome(PREVIOUS, Timings(cache_n=1000, prompt_n=150))
+        self.assertEqual(outcome, CacheOutcome(loss=False, expected=1000, cached=1000))
 
     def test_first_turn(self) -> None:
         """After a turn with no counts at all (all zero) nothing can be lost."""
@@ -73,9 +82,12 @@ class CacheOutcomeTests(SynchronousTestCase):
 
     @given(timings, timings, st.integers(min_value=0, max_value=10**4))
     def test_property(self, previous: Timings, current: Timings, threshold: int) -> None:
-        """A loss is exactly a shortfall over the threshold; only current.cache_n counts."""
+        """
+        A loss is exactly a shortfall of the previous prompt over the threshold; only
+        current.cache_n counts.
+        """
         outcome = cache_outcome(previous, current, threshold)
-        expected = previous.cache_n + previous.prompt_n + previous.predicted_n
+        expected = previous.cache_n + previous.prompt_n
         self.assertEqual((outcome.expected, outcome.cached), (expected, current.cache_n))
         self.assertEqual(outcome.shortfall, max(0, expected - current.cache_n))
         self.assertEqual(outcome.loss, outcome.shortfall > threshold)
