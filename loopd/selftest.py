@@ -596,17 +596,17 @@ def judge_tool_call(completion: Completion) -> CheckResult:
 
 def _cache_expected_text(threshold: int, context: int | None = None) -> str:
     """
-    What the cache check expects; with C{context}, turn 1's context in tokens, the text
+    What the cache check expects; with C{context}, turn 1's prompt in tokens, the text
     says how much turn 2 must reuse.
     """
-    reused = "turn 1's context" if context is None else f"turn 1's {context} tokens"
+    reused = "turn 1's prompt" if context is None else f"turn 1's {context} tokens"
     return f"turn 2 to reuse {reused}, at most {threshold} short"
 
 
 def judge_cache(first: Completion, second: Completion, threshold: int) -> CheckResult:
     """
-    Check 3: turn 2's cache_outcome is not a loss; the line shows turn 1's context and
-    what turn 2 reused.
+    Check 3: turn 2's cache_outcome is not a loss; the line shows turn 1's prompt and what
+    turn 2 reused.
     """
     outcome = cache_outcome(first.timings, second.timings, threshold)
     actual = f"{outcome.cached} reused ({outcome.shortfall} short)"

@@ -169,8 +169,8 @@ class RunSelftestTests(SelftestCase):
         )
         self.assertEqual(
             cache,
-            "PASS cache: expected turn 2 to reuse turn 1's 170 tokens, at most 64 short "
-            "got 168 reused (2 short)",
+            "PASS cache: expected turn 2 to reuse turn 1's 150 tokens, at most 64 short "
+            "got 168 reused (0 short)",
         )
         self.assertEqual(self.reactor.getDelayedCalls(), [])
         self.assertEqual(self.net.open_connections(), [])
@@ -259,8 +259,8 @@ class RunSelftestTests(SelftestCase):
         line = self.assert_only_failure(self.run_checks(), "cache")
         self.assertEqual(
             line,
-            "FAIL cache: expected turn 2 to reuse turn 1's 170 tokens, at most 64 short "
-            "got 10 reused (160 short)",
+            "FAIL cache: expected turn 2 to reuse turn 1's 150 tokens, at most 64 short "
+            "got 10 reused (140 short)",
         )
 
     def test_turn_failure(self) -> None:
