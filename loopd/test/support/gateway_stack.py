@@ -78,11 +78,14 @@ def loopd_toml(listen: str, socket: str, expect: dict[str, Any] | None, long: bo
 
 
 @inlineCallbacks
-def serve_behind_proxy(test: TestCase, model: str, slots: int, **options: Any) -> Any:
+def serve_behind_proxy(
+    test: TestCase, model: str, slots: int, *, n_ctx: int = N_CTX, **options: Any
+) -> Any:
     """
     A real llama.cpp server on a fresh tiny C{model} (C{tiny-think.gguf} thinks forever)
-    with C{slots} slots, and a C{twist inferproxy} in front of it, in a short temp dir; all
-    removed after C{test}. Fires with the dir, the server and the inferproxy's socket.
+    with C{slots} slots sharing C{n_ctx} tokens, and a C{twist inferproxy} in front of it,
+    in a short temp dir; all removed after C{test}. Fires with the dir, the server and the
+    inferproxy's socket.
 
     @param options: more of L{RealServer}'s options (C{cache_ram_mib}, C{slot_save_path}).
     """
@@ -93,7 +96,7 @@ def serve_behind_proxy(test: TestCase, model: str, slots: int, **options: Any) -
     # Writing a tiny model takes milliseconds: each test has its own.
     model_path = os.path.join(directory, model)
     write_tiny_model(model_path, think_forever=model == "tiny-think.gguf")
-    server = RealServer(reactor, model_path, n_ctx=N_CTX, parallel=slots, **options)
+    server = RealServer(reactor, model_path, n_ctx=n_ctx, parallel=slots, **options)
     test.addCleanup(server.stop)
     port = yield server.start()
     proxy = spawn_twist(
