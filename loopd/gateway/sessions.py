@@ -114,6 +114,7 @@ from loopd.llama.info import CacheOutcome, cache_outcome
 from loopd.llama.types import Assistant, Timings
 
 __all__ = [
+    "ANONYMOUS_PREFIX",
     "DEFAULT_MAX_SESSIONS",
     "MAX_CONVERSATIONS",
     "Conversation",
@@ -123,6 +124,8 @@ __all__ = [
     "conversation_key",
 ]
 
+#: How every anonymous session's id starts (L{Sessions.anonymous_id}).
+ANONYMOUS_PREFIX = "anonymous:"
 #: How many sessions a table remembers unless told otherwise.
 DEFAULT_MAX_SESSIONS = 1024
 
@@ -459,6 +462,19 @@ class Sessions:
             return ()
         return tuple(k for k in self.conversations(owner) if k != key)
 
+    def owner(self, key: str) -> str:
+        """The session whose conversation C{key} is; C{key} itself for a session's own key."""
+        return self._owners.get(key, key)
+
+    def is_anonymous(self, key: str) -> bool:
+        """Whether C{key} is an anonymous session's, or one of its conversations'."""
+        return self.owner(key).startswith(ANONYMOUS_PREFIX)
+
+    def continued_on(self, endpoint: str, slot: int, conversation: Conversation) -> bool:
+        """Whether C{conversation} continues what C{endpoint}'s C{slot} served last."""
+        last = self._conversations.get((endpoint, slot))
+        return last is not None and bool(last) and conversation[: len(last)] == last
+
     def _side_key(self, session: str) -> str:
         """A new side conversation's key: unique, and naming its session."""
         return f"{session} side:{next(self._side_serial)}"
@@ -479,9 +495,9 @@ class Sessions:
         try:
             known = self._anonymous.get(connection_key)
         except TypeError:
-            return f"anonymous:{type(connection_key).__name__}:{connection_key!r}"
+            return f"{ANONYMOUS_PREFIX}{type(connection_key).__name__}:{connection_key!r}"
         if known is None:
-            known = f"anonymous:{next(self._anonymous_serial)}"
+            known = f"{ANONYMOUS_PREFIX}{next(self._anonymous_serial)}"
             self._anonymous[connection_key] = known
             if on_new is not None:
                 on_new(known)

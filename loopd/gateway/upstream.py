@@ -274,6 +274,35 @@ class Upstreams:
             if self.leases is not None:
                 self.leases.end(key)
 
+    def hand_over(self, endpoint: str, keys: CallKeys, conversation: Conversation) -> None:
+        """
+        An anonymous request that continues the conversation that another anonymous
+        session's slot of C{endpoint} holds, while that session idles in its grace, is the
+        same agent on a new connection (an agent that sends no session id and does not reuse
+        its connection: Qwen Code measured re-reading its whole 72,000-token prompt on the
+        other slot within one turn). That session ends at once, its lease and slot with it,
+        so the request takes the slot and reuses its cache instead of waiting out the grace
+        or going to another slot.
+        """
+        if self.leases is None or not keys.anonymous:
+            return
+        gate = self.clients[endpoint].gate
+        for holder in self.leases.held_sessions(endpoint):
+            if holder == keys.session or not self.sessions.is_anonymous(holder):
+                continue
+            slot = self.sessions.last_slot(holder)
+            if slot is None or gate.in_flight(slot):
+                continue
+            if self.sessions.continued_on(endpoint, slot, conversation):
+                _log.info(
+                    "anonymous session {new} continues {old}'s conversation on slot {slot}: "
+                    "{old} ends, its slot goes to {new}",
+                    new=keys.session,
+                    old=holder,
+                    slot=slot,
+                )
+                self.end_session(self.sessions.owner(holder))
+
     def conversation(
         self, session: str, conversation: Conversation, *, tools: bool = False
     ) -> ConversationRef:
@@ -407,11 +436,15 @@ class _LeasedCall:
         self._result: Deferred[Completion] = Deferred(self._cancel)
 
     def start(self) -> Deferred[Completion]:
-        """Take the lease (when leasing), then L{_go}."""
+        """
+        Take the lease (when leasing; an anonymous request first takes over its own
+        conversation from another connection, L{Upstreams.hand_over}), then L{_go}.
+        """
         leases = self._up.leases
         if leases is None:
             self._go()
             return self._result
+        self._up.hand_over(self._endpoint, self._keys, self._conversation)
         leasing = leases.acquire(
             self._endpoint,
             self._keys.session,

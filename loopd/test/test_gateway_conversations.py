@@ -438,3 +438,61 @@ class AutoTests(SynchronousTestCase):
         harness = self.harness(TO_BIG, TO_TINY, TO_BIG, slots=2, leases=False)
         self.script(harness, 3)
         self.assertEqual(self.turns(harness, MAIN_1, TITLE, TITLE), ["big", "tiny", "tiny"])
+
+
+class AnonymousContinuationTests(ConversationCase):
+    """
+    An agent that sends no session id and opens a new connection for the request after a
+    tool result (Qwen Code, issue 24): its old connection idles in its grace, holding the
+    slot that has the conversation cached.
+    """
+
+    def test_new_connection_takes_its_slot(self) -> None:
+        """
+        The request that continues the idle anonymous session's conversation ends that
+        session and takes its slot (0, cached), instead of the empty slot 1; the log says
+        so.
+        """
+        self.fake.set_default("POST", CHAT, reply(MAIN_1_TIMINGS))
+        first = self.chat(MAIN_1, session=None)
+        self.harness.advance(0.5)
+        self.ok(first)
+        [old] = self.holders()
+        self.assertTrue(old.startswith("anonymous:"))
+        with capturedLogs() as events:
+            second = self.chat(MAIN_2, session=None)
+            self.harness.advance(0.5)
+        self.ok(second)
+        self.assertEqual(self.slots(), [0, 0])
+        self.assertNotIn(old, self.holders())
+        text = [formatEvent(e) for e in events]
+        self.assertTrue(any(f"continues {old}'s conversation on slot 0" in t for t in text), text)
+
+    def test_unrelated_connection_keeps_out(self) -> None:
+        """
+        Another agent's anonymous request (its own conversation) neither ends the idle
+        session nor takes its slot: it goes to the empty slot.
+        """
+        self.fake.set_default("POST", CHAT, reply(MAIN_1_TIMINGS))
+        first = self.chat(MAIN_1, session=None)
+        self.harness.advance(0.5)
+        self.ok(first)
+        [old] = self.holders()
+        other = self.chat(TITLE, session=None)
+        self.harness.advance(0.5)
+        self.ok(other)
+        self.assertEqual(self.slots(), [0, 1])
+        self.assertIn(old, self.holders())
+
+    def test_running_session_not_ended(self) -> None:
+        """A session whose request still runs on the slot is not ended by a continuation."""
+        self.fake.set_default("POST", CHAT, reply(MAIN_1_TIMINGS, deltas=20))
+        first = self.chat(MAIN_1, session=None)
+        self.harness.advance(0.1)
+        [old] = self.holders()
+        second = self.chat(MAIN_2, session=None)
+        self.harness.advance(0.1)
+        self.assertIn(old, self.holders())
+        self.harness.advance(5)
+        self.ok(first)
+        self.ok(second)
