@@ -471,9 +471,15 @@ class Sessions:
         return self.owner(key).startswith(ANONYMOUS_PREFIX)
 
     def continued_on(self, endpoint: str, slot: int, conversation: Conversation) -> bool:
-        """Whether C{conversation} continues what C{endpoint}'s C{slot} served last."""
+        """
+        Whether C{conversation} goes on from what C{endpoint}'s C{slot} served last: it
+        begins with all of it and has more (the same messages again may be another client
+        that sends the same request).
+        """
         last = self._conversations.get((endpoint, slot))
-        return last is not None and bool(last) and conversation[: len(last)] == last
+        if not last or len(conversation) <= len(last):
+            return False
+        return conversation[: len(last)] == last
 
     def _side_key(self, session: str) -> str:
         """A new side conversation's key: unique, and naming its session."""
