@@ -51,10 +51,11 @@ WEATHER = ToolSchema(
 
 
 #: Prompt processing that costs real time: the tiny model with zero-weight ballast, one slot,
-#: batches of 2,048 tokens (llama.cpp's default n_batch), each a few seconds on 2 threads
-#: (3.8 to 4.3 s measured here on a loaded machine).
+#: batches of 8,192 tokens, each several seconds on 2 threads (a 2,048-token batch took
+#: 0.96 s on an idle machine and 4.3 s on a loaded one: four times that leaves the liveness
+#: limit below a batch on either).
 PREFILL_BALLAST = Ballast(4096, 6)
-PREFILL_SERVER = {"n_ctx": 16384, "parallel": 1, "batch": 2048}
+PREFILL_SERVER = {"n_ctx": 32768, "parallel": 1, "batch": 8192}
 #: A liveness limit well below one batch's time. /slots is asked 250 ms before it, then
 #: every 750 ms while it shows the slot working: within what the inferproxy in front
 #: accepts (a burst of 10, then 2 a second).
@@ -290,8 +291,8 @@ class LlamaEndToEndTests(TestCase):
     # -- prompt processing (decision 44) ---------------------------------------------
 
     def long_prompt(self) -> ChatRequest:
-        """A prompt of three to four batches, thinking off, pinned to slot 0."""
-        system = System("You are a test." + filler(7000))
+        """A prompt of two full batches and a part of a third, thinking off, on slot 0."""
+        system = System("You are a test." + filler(20000))
         return ChatRequest(slot=0, messages=(system, User("Hi")), thinking=False)
 
     @inlineCallbacks
