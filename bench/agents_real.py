@@ -19,10 +19,11 @@ by two paths:
 Two cases: ``alone``, one agent; ``sharing``, two agents of the same kind at once, each its
 own session and its own three turns, sharing the one slot. Each path of each case runs on a
 fresh server (nothing cached from the other path), the paths one after the other, in turn
-first (``--rounds``). Per path it prints the wall time (from the first turn's start to the
-last turn's end) and the prompt tokens the server evaluated (its
-``llamacpp:prompt_tokens_total`` before and after), and the ratio loopd/direct, with the
-goals (issue 24): alone, loopd's wall time at most 1.05x direct's; sharing, fewer prompt
+first (``--rounds``). ``--cache-ram`` sets the server's host-RAM prompt cache (llama.cpp's
+default, 8 GiB, restores a session switched out of the slot; ``0`` has none). Per path it
+prints the wall time (from the first turn's start to the last turn's end) and the prompt
+tokens the server evaluated (its ``llamacpp:prompt_tokens_total`` before and after), and
+the ratio loopd/direct, with the goals (issue 24): alone, loopd's wall time at most 1.05x direct's; sharing, fewer prompt
 tokens and less wall time than direct. A turn that fails (an exit code other than 0, no
 answer) is printed with its output's tail and the run counts as failed. The exit status is
 0 when every run completed (goals met or not), else 1.
@@ -112,6 +113,7 @@ class Bench:
             n_ctx=SLOT_CTX,
             parallel=1,
             threads=self.args.threads,
+            cache_ram_mib=self.args.cache_ram,
             start_timeout=120.0,
         )
         await server.start()
@@ -224,7 +226,9 @@ def report(
     header = (
         f"The real coding agents, a three-turn task each, through loopd and straight to a real"
         f" llama.cpp server (xllamacpp {version('xllamacpp')}, one slot of {SLOT_CTX} tokens,"
-        f" --threads {args.threads}) on the tiny model with ballast {args.ballast.ff}:"
+        f" --threads {args.threads}, --cache-ram"
+        f" {'default' if args.cache_ram is None else args.cache_ram}) on the tiny model with"
+        f" ballast {args.ballast.ff}:"
         f"{args.ballast.layers}; {args.rounds} round(s), medians; {os.cpu_count()} CPUs shared"
         " by the server, loopd and the agents."
     )
@@ -304,6 +308,13 @@ def main() -> int:
     parser.add_argument("--ballast", type=_ballast, default=Ballast(4096, 6), metavar="FF:LAYERS")
     parser.add_argument("--rounds", type=positive, default=1, help="runs of each path")
     parser.add_argument("--threads", type=positive, default=2, help="llama-server threads")
+    parser.add_argument(
+        "--cache-ram",
+        type=int,
+        default=None,
+        metavar="MIB",
+        help="the server's host-RAM prompt cache (0: none; default: llama.cpp's, 8 GiB)",
+    )
     parser.add_argument(
         "--turn-timeout", type=float, default=3600.0, help="seconds a turn may take"
     )
