@@ -22,11 +22,11 @@ fresh server (nothing cached from the other path), the paths one after the other
 first (``--rounds``). ``--cache-ram`` sets the server's host-RAM prompt cache (llama.cpp's
 default, 8 GiB, restores a session switched out of the slot; ``0`` has none). Per path it
 prints the wall time (from the first turn's start to the last turn's end) and the prompt
-tokens the server evaluated (its ``llamacpp:prompt_tokens_total`` before and after), and
-the ratio loopd/direct, with the goals (issue 24): alone, loopd's wall time at most 1.05x direct's; sharing, fewer prompt
-tokens and less wall time than direct. A turn that fails (an exit code other than 0, no
-answer) is printed with its output's tail and the run counts as failed. The exit status is
-0 when every run completed (goals met or not), else 1.
+tokens the server evaluated (its ``llamacpp:prompt_tokens_total`` before and after), and the
+ratio loopd/direct, with the goals (issue 24): alone, loopd's wall time at most 1.05x
+direct's; sharing, fewer prompt tokens and less wall time than direct. A turn that fails (an
+exit code other than 0, no answer) is printed with its output's tail and the run counts as
+failed. The exit status is 0 when every run completed (goals met or not), else 1.
 """
 
 from __future__ import annotations
