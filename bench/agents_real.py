@@ -17,16 +17,19 @@ by two paths:
  - ``direct``: the agent talks to the server's own TCP port (the anchor).
 
 Two cases: ``alone``, one agent; ``sharing``, two agents of the same kind at once, each its
-own session and its own three turns, sharing the one slot. Each path of each case runs on a
-fresh server (nothing cached from the other path), the paths one after the other, in turn
-first (``--rounds``). ``--cache-ram`` sets the server's host-RAM prompt cache (llama.cpp's
-default, 8 GiB, restores a session switched out of the slot; ``0`` has none). Per path it
-prints the wall time (from the first turn's start to the last turn's end) and the prompt
-tokens the server evaluated (its ``llamacpp:prompt_tokens_total`` before and after), and the
-ratio loopd/direct, with the goals (issue 24): alone, loopd's wall time at most 1.05x
-direct's; sharing, fewer prompt tokens and less wall time than direct. A turn that fails (an
-exit code other than 0, no answer) is printed with its output's tail and the run counts as
-failed. The exit status is 0 when every run completed (goals met or not), else 1.
+own session and its own three turns, sharing the one slot. Codex CLI runs with its multi-
+agent tools off on both paths (``same_prompt``): llama-server skips their namespace tool,
+loopd flattens and offers it, and the paths would not send the same prompt. Each path of
+each case runs on a fresh server (nothing cached from the other path), the paths one after
+the other, in turn first (``--rounds``). ``--cache-ram`` sets the server's host-RAM prompt
+cache (llama.cpp's default, 8 GiB, restores a session switched out of the slot; ``0`` has
+none). Per path it prints the wall time (from the first turn's start to the last turn's end)
+and the prompt tokens the server evaluated (its ``llamacpp:prompt_tokens_total`` before and
+after), and the ratio loopd/direct, with the goals (issue 24): alone, loopd's wall time at
+most 1.05x direct's; sharing, fewer prompt tokens and less wall time than direct. A turn
+that fails (an exit code other than 0, no answer) is printed with its output's tail and the
+run counts as failed. The exit status is 0 when every run completed (goals met or not), else
+1.
 """
 
 from __future__ import annotations
@@ -81,6 +84,23 @@ class PathRun:
     wall: float = 0.0
     evaluated: int = 0
     failures: list[str] = field(default_factory=list)
+
+
+def same_prompt(files: dict[str, str]) -> dict[str, str]:
+    """
+    The recipe's files, changed so that both paths send the model the same prompt: Codex
+    CLI's multi-agent tools come as a C{namespace} tool, which llama-server skips and loopd
+    flattens and offers (about 7,500 more tokens of this tiny vocabulary on every request),
+    so they are turned off on both paths; the comparison is of loopd's overhead, not of its
+    extra tools.
+    """
+    codex = "~/.codex/config.toml"
+    if codex in files:
+        files = {
+            **files,
+            codex: files[codex].replace("[features]\n", "[features]\nmulti_agent = false\n"),
+        }
+    return files
 
 
 def prompt_tokens(port: int) -> int:
@@ -176,7 +196,9 @@ class Bench:
             recipe = self.recipes[spec.heading].filled(address, "tiny")
             for index in range(agents):
                 root = where / f"agent{index}"
-                homes.append(AgentHome(self.reactor, kit, spec, recipe, root, token=token))
+                homes.append(
+                    AgentHome(self.reactor, kit, spec, recipe, root, token=token, files=same_prompt)
+                )
             before = prompt_tokens(server.port)
             start = time.perf_counter()
             tasks = [Deferred.fromCoroutine(self.agent_turns(home, run)) for home in homes]
