@@ -23,7 +23,10 @@ loopd flattens and offers it, and the paths would not send the same prompt. Each
 each case runs on a fresh server (nothing cached from the other path), the paths one after
 the other, in turn first (``--rounds``). ``--cache-ram`` sets the server's host-RAM prompt
 cache (llama.cpp's default, 8 GiB, restores a session switched out of the slot; ``0`` has
-none). Per path it prints the wall time (from the first turn's start to the last turn's end)
+none); ``--slot-save`` starts the server with ``--slot-save-path`` (both paths) and gives
+loopd's endpoint ``slot_save = true``, so loopd saves a switched-out session's slot to a
+file and restores it when the session is back (direct, nobody calls the server's slot
+routes). Per path it prints the wall time (from the first turn's start to the last turn's end)
 and the prompt tokens the server evaluated (its ``llamacpp:prompt_tokens_total`` before and
 after), and the ratio loopd/direct, with the goals (issue 24): alone, loopd's wall time at
 most 1.05x direct's; sharing, fewer prompt tokens and less wall time than direct. A turn
@@ -125,8 +128,16 @@ class Bench:
         self.model = str(self.scratch / "heavy.gguf")
         write_tiny_model(self.model, ballast=args.ballast)
 
-    async def serve(self) -> RealServer:
-        """A fresh one-slot server on the heavy model."""
+    async def serve(self, where: Path) -> RealServer:
+        """
+        A fresh one-slot server on the heavy model; with C{--slot-save}, its slot files in
+        C{where}.
+        """
+        more: dict[str, Any] = {}
+        if self.args.slot_save:
+            slots = where / "slots"
+            slots.mkdir(mode=0o700)
+            more["slot_save_path"] = str(slots)
         server = RealServer(
             self.reactor,
             self.model,
@@ -135,6 +146,7 @@ class Bench:
             threads=self.args.threads,
             cache_ram_mib=self.args.cache_ram,
             start_timeout=120.0,
+            **more,
         )
         await server.start()
         return server
@@ -159,7 +171,9 @@ class Bench:
             "[[endpoint]]\n"
             'name = "tiny"\n'
             f"socket = {json.dumps(infer)}\n"
-            "selftest = false\n" + ENDPOINT_LIMITS
+            "selftest = false\n"
+            + ENDPOINT_LIMITS
+            + ("slot_save = true\n" if self.args.slot_save else "")
         )
         loopd = spawn_twist(self.reactor, b"loopd serving", "loopd", "--config", str(config))
         await loopd.ready
@@ -182,7 +196,7 @@ class Bench:
         from twisted.internet.defer import Deferred, gatherResults
 
         where = Path(tempfile.mkdtemp(prefix="p", dir=self.scratch))
-        server = await self.serve()
+        server = await self.serve(where)
         children: list[Any] = []
         homes: list[AgentHome] = []
         run = PathRun()
@@ -249,7 +263,9 @@ def report(
         f"The real coding agents, a three-turn task each, through loopd and straight to a real"
         f" llama.cpp server (xllamacpp {version('xllamacpp')}, one slot of {SLOT_CTX} tokens,"
         f" --threads {args.threads}, --cache-ram"
-        f" {'default' if args.cache_ram is None else args.cache_ram}) on the tiny model with"
+        f" {'default' if args.cache_ram is None else args.cache_ram}"
+        f"{', --slot-save-path (loopd: slot_save)' if args.slot_save else ''}) on the tiny"
+        " model with"
         f" ballast {args.ballast.ff}:"
         f"{args.ballast.layers}; {args.rounds} round(s), medians; {os.cpu_count()} CPUs shared"
         " by the server, loopd and the agents."
@@ -336,6 +352,11 @@ def main() -> int:
         default=None,
         metavar="MIB",
         help="the server's host-RAM prompt cache (0: none; default: llama.cpp's, 8 GiB)",
+    )
+    parser.add_argument(
+        "--slot-save",
+        action="store_true",
+        help="start the server with --slot-save-path and loopd's endpoint with slot_save",
     )
     parser.add_argument(
         "--turn-timeout", type=float, default=3600.0, help="seconds a turn may take"
