@@ -101,7 +101,7 @@ def same_prompt(files: dict[str, str]) -> dict[str, str]:
     if codex in files:
         files = {
             **files,
-            codex: files[codex].replace("[features]\n", "[features]\nmulti_agent = false\n"),
+            codex: files[codex] + "\n[agents]\nenabled = false\n",
         }
     return files
 
