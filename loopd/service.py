@@ -24,10 +24,9 @@ from twisted.logger import Logger, LoggingFile
 from twisted.python.failure import Failure
 
 from loopd.access_token import load_or_create_token, token_path
-from loopd.gateway.anthropic import anthropic_error
 from loopd.gateway.leases import GatewayLeases
 from loopd.gateway.site import Gateway
-from loopd.gateway.token_guard import ErrorShape, TokenGuard
+from loopd.gateway.token_guard import TokenGuard
 from loopd.llama import Client
 from loopd.queue.eventlog import EventLog
 from loopd.queue.host import QueueHost
@@ -41,7 +40,6 @@ from loopd.unixsocket import listen_unix
 __all__ = [
     "LoopdService",
     "default_socket_path",
-    "door_error_shapes",
     "listen_path",
     "queue_socket_path",
 ]
@@ -299,7 +297,7 @@ class LoopdService(Service):
         """
         guarded = gateway.site(
             guard=lambda root: TokenGuard(
-                root, token, door_error_shapes(), on_refusal=gateway.metrics.observe_refusal
+                root, token, gateway.error_shapes(), on_refusal=gateway.metrics.observe_refusal
             )
         )
         backlog = self.config.server.backlog
@@ -350,14 +348,6 @@ class LoopdService(Service):
         if not stopping:
             return None
         return gatherResults(stopping).addCallback(lambda _: None)
-
-
-def door_error_shapes() -> list[tuple[bytes, ErrorShape]]:
-    """
-    The error shape of each front door by path prefix, for the TCP listener's 401s:
-    Anthropic's for C{/v1/messages} (and C{/v1/messages/count_tokens}); OpenAI's elsewhere.
-    """
-    return [(b"/v1/messages", anthropic_error)]
 
 
 def _say_problems(problems: tuple[str, ...]) -> None:

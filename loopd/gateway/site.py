@@ -17,9 +17,10 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
-from loopd.gateway.anthropic import MessagesDoor, anthropic_error
-from loopd.gateway.channel import GatewaySite
+from loopd.gateway.anthropic import MessagesDoor
+from loopd.gateway.channel import ErrorShape, GatewaySite
 from loopd.gateway.chat import ChatDoor
+from loopd.gateway.door import Door
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.exchange import DoorRoute
 from loopd.gateway.health import HealthBoard, ProbePace
@@ -132,8 +133,13 @@ class Gateway:
         self.late_system = self.upstreams.late_system
         # One store for every listener: a follow-up may come on another socket.
         hosted_tools = config.doors.hosted_tools
-        self._responses = ResponsesDoor(ResponseStore(reactor.seconds), hosted_tools)
         self._messages = MessagesDoor(hosted_tools)
+        #: The front doors by path: the site's routes and every error shape come from here.
+        self.doors: tuple[tuple[bytes, Door], ...] = (
+            (b"/v1/chat/completions", ChatDoor()),
+            (b"/v1/messages", self._messages),
+            (b"/v1/responses", ResponsesDoor(ResponseStore(reactor.seconds), hosted_tools)),
+        )
         self.metrics.watch_router(self.router, reactor.seconds)
         self.metrics.watch_health(self.health)
         self.metrics.watch_pacing({name: client.pacer for name, client in self.clients.items()})
@@ -196,16 +202,16 @@ class Gateway:
         @param guard: wraps the root resource, such as the TCP listener's token check
             (L{loopd.gateway.token_guard.TokenGuard}); None: the routes as they are.
         """
-        routes: dict[bytes, Resource] = {
-            b"/v1/chat/completions": DoorRoute(self, ChatDoor()),
-            b"/v1/messages": DoorRoute(self, self._messages),
-            b"/v1/messages/count_tokens": CountTokens(self, self._messages),
-            b"/v1/responses": DoorRoute(self, self._responses),
-            b"/v1/models": JsonRoute(self._models),
-            b"/health": JsonRoute(self._health),
-            b"/metrics": _Metrics(self.metrics),
-            b"/": JsonRoute(self._index),
-        }
+        routes: dict[bytes, Resource] = {path: DoorRoute(self, door) for path, door in self.doors}
+        routes.update(
+            {
+                b"/v1/messages/count_tokens": CountTokens(self, self._messages),
+                b"/v1/models": JsonRoute(self._models),
+                b"/health": JsonRoute(self._health),
+                b"/metrics": _Metrics(self.metrics),
+                b"/": JsonRoute(self._index),
+            }
+        )
         if self.leases is not None and self.leases.scheduler is not None:
             scheduler = self.leases.scheduler
             routes[b"/v1/queue"] = JsonRoute(
@@ -217,7 +223,7 @@ class Gateway:
             root if guard is None else guard(root),
             self.config.server,
             on_refusal=self.metrics.observe_refusal,
-            shapes=[(b"/v1/messages", anthropic_error)],
+            shapes=self.error_shapes(),
             reactor=self.reactor,
         )
         self._sites.append(site)
@@ -238,6 +244,15 @@ class Gateway:
             exchange.shutdown()
         if self.leases is not None:
             self.leases.stop()
+
+    def error_shapes(self) -> list[tuple[bytes, ErrorShape]]:
+        """
+        Each front door's error shape by its path, which also covers the paths under it
+        (C{/v1/messages/count_tokens}): for the refusals of the HTTP channel and of the TCP
+        listener's token guard, so that every error under a door's path is in that door's
+        shape. Any other path gets OpenAI's.
+        """
+        return [(path, door.error) for path, door in self.doors]
 
     def _index(self) -> tuple[int, object]:
         """

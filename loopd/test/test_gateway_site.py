@@ -19,6 +19,7 @@ from twisted.logger import capturedLogs, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.errors import ProxyRefused
+from loopd.gateway.channel import GatewaySite
 from loopd.testing.fake_llama import CHAT, LOADING, Reply, json_reply
 from loopd.testing.gateway import (
     BODY_BYTES,
@@ -101,6 +102,26 @@ class RefusalTests(SynchronousTestCase):
         self.assertEqual(body["type"], "error")
         self.assertEqual(body["error"]["type"], "request_too_large")
         self.assertEqual(self.harness.fake.requests, [])
+
+    def test_every_door_shapes_its_own_refusals(self) -> None:
+        """
+        The gateway has one table of its front doors by path; the channel answers a refusal
+        under each door's path (with a query, or a path under it) in that door's own error
+        shape from it, and any other path in OpenAI's.
+        """
+        gateway = self.harness.gateway
+        site = self.harness.site
+        assert isinstance(site, GatewaySite)
+        errors = [door.error for _, door in gateway.doors]
+        self.assertEqual(
+            [path for path, _ in gateway.doors],
+            [b"/v1/chat/completions", b"/v1/messages", b"/v1/responses"],
+        )
+        for path, door in gateway.doors:
+            for target in (path, path + b"?beta=true", path + b"/count_tokens"):
+                self.assertEqual(site.shape_for(target), door.error)
+        for other in (b"/v1/models", b"/health", b"/", None):
+            self.assertNotIn(site.shape_for(other), errors)
 
     def test_chunked_body_over_cap(self) -> None:
         """A chunked body that grows past the cap is 413 too_large too."""

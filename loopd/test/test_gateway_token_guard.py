@@ -23,10 +23,10 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
 
+from loopd.gateway.anthropic import anthropic_error
 from loopd.gateway.channel import GatewaySite
 from loopd.gateway.token_guard import TokenGuard, openai_shape
 from loopd.gateway.web import JsonRoute, Root
-from loopd.service import door_error_shapes
 from loopd.settings import Server
 from loopd.test.support.peers import real_reactor
 from loopd.testing.fake_llama import CHAT
@@ -49,7 +49,7 @@ class GuardedGatewayTests(SynchronousTestCase):
         self.open_site = self.harness.site
         self.harness.site = gateway.site(
             guard=lambda root: TokenGuard(
-                root, TOKEN, door_error_shapes(), on_refusal=gateway.metrics.observe_refusal
+                root, TOKEN, gateway.error_shapes(), on_refusal=gateway.metrics.observe_refusal
             )
         )
 
@@ -199,7 +199,9 @@ class RealListenerTests(TestCase):
         self.reactor = real_reactor()
         routes = {b"/health": JsonRoute(lambda: (200, {"status": "ok"}))}
         guarded = GatewaySite(
-            TokenGuard(Root(routes), TOKEN, door_error_shapes()), Server(), reactor=self.reactor
+            TokenGuard(Root(routes), TOKEN, [(b"/v1/messages", anthropic_error)]),
+            Server(),
+            reactor=self.reactor,
         )
         self.port = self.reactor.listenTCP(0, guarded, interface="127.0.0.1")
         self.addCleanup(self.port.stopListening)
