@@ -1,7 +1,8 @@
 # -*- test-case-name: loopd.test.test_gateway_channel -*-
 """
 The gateway's HTTP connection, hardened against careless and hostile clients:
-L{GatewayChannel} (a twisted.web C{HTTPChannel}) and the L{GatewaySite} that makes it.
+L{GatewayChannel} (a twisted.web C{HTTPChannel}, through the private names that
+L{loopd.gateway.web_internals} lists) and the L{GatewaySite} that makes it.
 
 What twisted.web leaves open and the channel closes:
  - every protocol-level refusal is one JSON error in the shape of the front door the
@@ -30,16 +31,12 @@ from typing import Any
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
-from twisted.web.http import (
-    RESPONSES,
-    HTTPChannel,
-    _ChunkedTransferDecoder,
-    _IdentityTransferDecoder,
-)
+from twisted.web.http import RESPONSES, HTTPChannel
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
 from loopd.gateway.errors import GatewayError
+from loopd.gateway.web_internals import ChunkedTransferDecoder, IdentityTransferDecoder
 from loopd.settings import Server
 
 __all__ = ["ErrorShape", "GatewayChannel", "GatewaySite", "error_response"]
@@ -215,7 +212,7 @@ class GatewayChannel(HTTPChannel):
             if len(digits) > len(str(cap)) or int(digits) > cap:
                 return self._refuse(self._too_large())
             self.length = int(digits)
-            self._transferDecoder = _IdentityTransferDecoder(
+            self._transferDecoder = IdentityTransferDecoder(
                 self.length, self._body_chunk, self._finishRequestBody
             )
             return True
@@ -228,7 +225,7 @@ class GatewayChannel(HTTPChannel):
                     _bad_request("more than one Content-Length or Transfer-Encoding")
                 )
             self.length = None
-            self._transferDecoder = _ChunkedTransferDecoder(
+            self._transferDecoder = ChunkedTransferDecoder(
                 self._body_chunk, self._finishRequestBody
             )
             return True
