@@ -44,10 +44,10 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 from twisted.python.failure import Failure
 
-from loopd.config import Config, Endpoint
 from loopd.llama import ChatEvent, ChatRequest, Client, Content, InferError, User
 from loopd.llama.chat import CHAT_PATH
 from loopd.llama.request import chat_body, encode
+from loopd.settings import Config, Endpoint
 
 PATHS = ("loopd", "proxied", "direct")
 """Every path, in the order printed: loopd's client through inferproxy, http.client

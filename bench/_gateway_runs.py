@@ -28,9 +28,9 @@ from typing import Any
 from _gateway_stack import MODEL, Result, Stack, cpu_seconds, stream_chat
 from _servers import BenchError
 
-from loopd.config import Config, Endpoint
 from loopd.llama import Assistant, ChatMessage, ChatRequest, User
 from loopd.llama.request import chat_body, encode
+from loopd.settings import Config, Endpoint
 
 LONG_QUESTION = "Think it over at length, please."
 """Part 1's one user message."""

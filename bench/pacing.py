@@ -47,9 +47,9 @@ from _report import W, percentile, positive
 from _servers import BenchError, Children, ignore_exit_signals, run_guarded, start_forwarder
 from twisted.internet.defer import gatherResults
 
-from loopd.config import Config, Endpoint, Limits
 from loopd.errors import InferError
 from loopd.llama import ChatRequest, Client, User
+from loopd.settings import Config, Endpoint, Limits
 
 LIMITED_CMD = "{python} -m twisted inferproxy --listen {listen} --upstream {upstream}"
 """The limited inferproxy: the seed's defaults (8 connections, burst 10, refill 2/s)."""

@@ -26,9 +26,10 @@ from twisted.python.failure import Failure
 from loopd.access_token import TokenError, load_or_create_token, token_path
 from loopd.chatloop import restore_blocking, terminal_chat
 from loopd.chatui import Conversation
-from loopd.config import Config, ConfigError, Server, load_config
+from loopd.config import ConfigError, load_config
 from loopd.selftest import SelftestFailed, SelftestReport, require_selftests
 from loopd.service import default_socket_path, listen_path, queue_socket_path
+from loopd.settings import Config, Server
 from loopd.tap.loopd import default_config_path
 from loopd.unixsocket import UnixSocketError, check_peer_socket
 

@@ -33,7 +33,6 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from loopd import strict_json
-from loopd.config import Config, Expect
 from loopd.digest import sha256_hex
 from loopd.errors import Connect, Http, ProxyRefused, StreamClosedEarly
 from loopd.llama import (
@@ -50,6 +49,7 @@ from loopd.llama import (
     User,
     cache_outcome,
 )
+from loopd.settings import Config, Expect
 
 __all__ = [
     "RETRY_STEPS_S",

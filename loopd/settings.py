@@ -17,6 +17,7 @@ __all__ = [
     "Endpoint",
     "EndpointKind",
     "Expect",
+    "HealthProbe",
     "Limits",
     "Mesh",
     "Queue",

@@ -16,7 +16,6 @@ from typing import Any
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.trial.unittest import SkipTest, TestCase
 
-from loopd.config import Config, Endpoint, Limits, Retry, Thinking
 from loopd.errors import Stalled
 from loopd.llama import (
     Assistant,
@@ -33,6 +32,7 @@ from loopd.llama import (
     User,
     cache_outcome,
 )
+from loopd.settings import Config, Endpoint, Limits, Retry, Thinking
 from loopd.test.support.peers import real_reactor
 from loopd.test.support.twist import TwistProcess, spawn_twist, stop_twist
 

@@ -14,11 +14,11 @@ from typing import Any
 from twisted.internet.defer import inlineCallbacks
 from twisted.trial.unittest import SkipTest, TestCase
 
-from loopd.config import Config, Endpoint, Expect
 from loopd.digest import sha256_hex
 from loopd.inferproxy import InferProxyFactory, InferProxyService, ProxyLimits, upstream_endpoint
 from loopd.llama import Client
 from loopd.selftest import SelftestFailed, require_selftests, run_selftest
+from loopd.settings import Config, Endpoint, Expect
 from loopd.test.support.peers import real_reactor
 
 try:

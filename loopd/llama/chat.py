@@ -79,7 +79,6 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from loopd import http
-from loopd.config import Config, Endpoint
 from loopd.errors import (
     Http,
     InferError,
@@ -104,6 +103,7 @@ from loopd.llama.types import (
     ToolCallDelta,
     Waiting,
 )
+from loopd.settings import Config, Endpoint
 from loopd.sse import SSEDecoder, SSEError, SSEEvent
 
 __all__ = ["CHAT_PATH", "CONTROL_PATH", "ChatCall", "retry_after_seconds"]

@@ -31,7 +31,6 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from loopd import http
-from loopd.config import Config, Endpoint
 from loopd.errors import Protocol, Stalled
 from loopd.llama.chat import ChatCall, EventSink
 from loopd.llama.flow import Flow
@@ -56,6 +55,7 @@ from loopd.llama.slot_files import (
     slot_action_path,
 )
 from loopd.llama.types import ChatEvent, ChatRequest, Completion
+from loopd.settings import Config, Endpoint
 
 __all__ = ["Client"]
 

@@ -22,9 +22,9 @@ from twisted.internet.defer import TimeoutError as DeferredTimeout
 from twisted.python.failure import Failure
 
 from loopd import http, strict_json
-from loopd.config import Endpoint
 from loopd.errors import Connect, Http, Protocol, ProxyRefused
 from loopd.llama.types import Timings
+from loopd.settings import Endpoint
 
 __all__ = [
     "CacheOutcome",

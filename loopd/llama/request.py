@@ -12,7 +12,6 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from loopd.config import Config, Endpoint
 from loopd.llama.types import (
     Assistant,
     ChatMessage,
@@ -23,6 +22,7 @@ from loopd.llama.types import (
     ToolSchema,
     User,
 )
+from loopd.settings import Config, Endpoint
 
 __all__ = [
     "LLAMA_ONLY_FIELDS",

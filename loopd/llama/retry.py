@@ -27,9 +27,9 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from loopd.config import Retry
 from loopd.errors import Connect, Http, LoadTimeout, Stalled, StreamClosedEarly
 from loopd.llama.types import ChatEvent, Retrying
+from loopd.settings import Retry
 
 __all__ = ["backoff_schedule", "backoff_wait", "is_retryable", "with_retry"]
 

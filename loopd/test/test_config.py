@@ -19,9 +19,14 @@ from loopd import config as config_module
 from loopd._message_style import key_path, render
 from loopd.config import (
     SOCKET_PATH_MAX,
+    ConfigError,
+    config_from_mapping,
+    load_config,
+    parse_config,
+)
+from loopd.settings import (
     Caps,
     Config,
-    ConfigError,
     Endpoint,
     Expect,
     HealthProbe,
@@ -30,9 +35,6 @@ from loopd.config import (
     Sampling,
     Server,
     Thinking,
-    config_from_mapping,
-    load_config,
-    parse_config,
 )
 from loopd.test.support.config_docs import (
     EP,

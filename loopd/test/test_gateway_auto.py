@@ -17,13 +17,12 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.config import Config
 from loopd.errors import ProxyRefused
 from loopd.gateway.mesh import mesh_pool
 from loopd.gateway.request import SessionRef
 from loopd.gateway.router import group_member
 from loopd.gateway.translate import parse_request
-from loopd.settings import Endpoint, Expect, Retry
+from loopd.settings import Config, Endpoint, Expect, Retry
 from loopd.testing.fake_llama import CHAT, LOADING, Reply, error_reply
 from loopd.testing.gateway import HI, GatewayHarness, make_config
 from loopd.testing.llama_replies import TIMINGS, answer

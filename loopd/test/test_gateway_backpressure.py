@@ -23,9 +23,9 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 from twisted.web.server import Site
 
-from loopd.config import Config, Endpoint, Limits
 from loopd.gateway.site import Gateway
 from loopd.llama import Client
+from loopd.settings import Config, Endpoint, Limits
 from loopd.test.support.peers import buffered, real_reactor
 from loopd.test.support.streaming import ReadCounter, StreamingUpstream
 from loopd.testing.fake_llama import sse_reply

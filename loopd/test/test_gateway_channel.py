@@ -23,9 +23,9 @@ from twisted.logger import capturedLogs, formatEvent
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from loopd.config import Config, Endpoint, Limits, Server
 from loopd.gateway.site import Gateway
 from loopd.llama import Client
+from loopd.settings import Config, Endpoint, Limits, Server
 from loopd.test.support.peers import buffered, real_reactor
 from loopd.testing.gateway import (
     BODY_BYTES,

@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 from twisted.logger import capturedLogs, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.config import Retry
 from loopd.gateway.chat import ChatDoor
 from loopd.gateway.render import ChunkStream
 from loopd.gateway.translate import parse_request
 from loopd.gateway.web import data_line
 from loopd.llama.types import Content, Reasoning
+from loopd.settings import Retry
 from loopd.testing.fake_llama import CHAT, LOADING, SLOTS, error_reply, sse_reply
 from loopd.testing.gateway import (
     HI,

@@ -22,7 +22,7 @@ from typing import Any
 from twisted.logger import capturedLogs, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.config import Config
+from loopd.settings import Config
 from loopd.testing.fake_llama import CHAT, FakeLlama
 from loopd.testing.gateway import LIMITS, ClientConnection, GatewayHarness, make_config
 from loopd.testing.llama_replies import answer

@@ -23,7 +23,6 @@ from twisted.internet.testing import StringTransport
 from twisted.logger import capturedLogs, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.config import Config
 from loopd.gateway.grace import LEARN_SAMPLES, SwitchCosts
 from loopd.gateway.leases import GatewayLeases, LeaseHold, queue_status
 from loopd.llama.info import CacheOutcome
@@ -32,6 +31,7 @@ from loopd.queue.protocol import LeaseProtocol
 from loopd.queue.scheduler import Scheduler
 from loopd.queue.scheduler_types import QueuePolicy, StaticRouter, Tier
 from loopd.queue.terms import LeaseTerms
+from loopd.settings import Config
 from loopd.testing.fake_llama import CHAT
 from loopd.testing.gateway import (
     HI,

@@ -20,7 +20,7 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.config import Config, Retry
+from loopd.settings import Config, Retry
 from loopd.testing.fake_llama import CHAT
 from loopd.testing.gateway import Response
 from loopd.testing.mesh import (

@@ -17,6 +17,7 @@ from pathlib import Path
 from twisted.trial.unittest import SynchronousTestCase
 
 import loopd
+from loopd import config, settings
 
 ROOT = Path(loopd.__file__).parent.parent
 
@@ -247,4 +248,22 @@ class LayoutTests(SynchronousTestCase):
                     names = [f"{node.module}.{alias.name}" for alias in node.names]
                     if any(part.startswith("test_") for name in names for part in name.split(".")):
                         offenders.append(f"{path.relative_to(ROOT)}: {node.module}")
+        self.assertEqual(offenders, [])
+
+    def test_one_import_path_for_the_config_values(self) -> None:
+        """
+        The config's values (L{loopd.settings}: C{Config}, C{Endpoint}, ...) are imported
+        from C{loopd.settings} only; C{loopd.config} is the parser and exports none of them.
+        """
+        values = set(settings.__all__)
+        self.assertEqual(values & set(config.__all__), set())
+        offenders = []
+        for path in python_files():
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom) and node.module == "loopd.config":
+                    offenders += [
+                        f"{path.relative_to(ROOT)}: {alias.name}"
+                        for alias in node.names
+                        if alias.name in values
+                    ]
         self.assertEqual(offenders, [])

@@ -35,7 +35,6 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
 import loopd
-from loopd.config import Caps, Config, Endpoint, Limits, Thinking
 from loopd.errors import (
     Http,
     LoadTimeout,
@@ -63,6 +62,7 @@ from loopd.llama.types import (
     User,
     Waiting,
 )
+from loopd.settings import Caps, Config, Endpoint, Limits, Thinking
 from loopd.testing.fake_llama import (
     CHAT,
     CONTROL,

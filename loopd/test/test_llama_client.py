@@ -21,7 +21,6 @@ from twisted.logger import capturedLogs, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
 import loopd.llama
-from loopd.config import Config, Endpoint, Limits, Retry
 from loopd.errors import ProxyRefused
 from loopd.llama import (
     Busy,
@@ -44,6 +43,7 @@ from loopd.llama import (
     StreamClosedEarly,
     User,
 )
+from loopd.settings import Config, Endpoint, Limits, Retry
 from loopd.testing.fake_llama import (
     CHAT,
     LOADING,

@@ -23,11 +23,11 @@ from twisted.web.http import HTTPChannel, Request
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
-from loopd.config import Config, Endpoint, Limits, Retry
 from loopd.errors import Http, Stalled
 from loopd.llama import ChatEvent, ChatRequest, Client, Completion, Content, Retrying, User
 from loopd.llama.chat import ChatCall
 from loopd.llama.flow import Flow, IFlowReader
+from loopd.settings import Config, Endpoint, Limits, Retry
 from loopd.test.support.peers import real_reactor
 from loopd.test.support.streaming import ReadCounter, StreamingUpstream
 from loopd.testing.fake_llama import (

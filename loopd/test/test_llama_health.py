@@ -14,8 +14,8 @@ from twisted.internet.defer import CancelledError
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.config import Config, Endpoint, EndpointKind, Limits
 from loopd.llama import Client, Health
+from loopd.settings import Config, Endpoint, EndpointKind, Limits
 from loopd.testing.fake_llama import LOADING, NOT_FOUND, FakeLlama, json_reply
 from loopd.testing.memory_net import MemoryNet
 

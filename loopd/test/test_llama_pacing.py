@@ -23,14 +23,13 @@ from twisted.logger import capturedLogs
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from loopd import http
-from loopd.config import Config, Limits, Retry
 from loopd.errors import Busy, Connect, LoadTimeout, ProxyRefused
 from loopd.inferproxy import InferProxyService, ProxyLimits, upstream_endpoint
 from loopd.llama.client import Client
 from loopd.llama.info import Health
 from loopd.llama.pacing import PacedOpener, Pacer, Ticket
 from loopd.llama.types import ChatRequest, User
-from loopd.settings import Endpoint
+from loopd.settings import Config, Endpoint, Limits, Retry
 from loopd.test.support.peers import ObservedProxyFactory, Peer, UpstreamFactory, real_reactor
 from loopd.testing.fake_llama import FakeLlama, Piece, Reply, json_reply
 from loopd.testing.memory_net import MemoryNet

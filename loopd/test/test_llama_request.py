@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.config import SENT_FIELDS, Config, Endpoint, Sampling
+from loopd.config import SENT_FIELDS
 from loopd.llama.request import (
     LLAMA_ONLY_FIELDS,
     PRIORITY_HEADER,
@@ -32,6 +32,7 @@ from loopd.llama.types import (
     ToolSchema,
     User,
 )
+from loopd.settings import Config, Endpoint, Sampling
 
 LLAMA = Endpoint(name="local", socket="/tmp/ld-infer.sock", model="tiny")
 OPENAI = Endpoint(name="remote", socket="/tmp/ld-remote.sock", kind="openai", model="gpt-x")

@@ -11,7 +11,6 @@ from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.config import Retry
 from loopd.errors import (
     Busy,
     Connect,
@@ -27,6 +26,7 @@ from loopd.errors import (
 from loopd.llama.gate import IGrant, SlotGate
 from loopd.llama.retry import backoff_schedule, backoff_wait, is_retryable, with_retry
 from loopd.llama.types import ChatEvent, Queued, Retrying
+from loopd.settings import Retry
 
 DEFAULT = Retry()
 

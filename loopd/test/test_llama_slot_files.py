@@ -15,10 +15,10 @@ from twisted.internet.defer import CancelledError
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.config import Config, Endpoint, Limits
 from loopd.errors import Busy, Http, Protocol, Stalled
 from loopd.llama import Client, SlotGate
 from loopd.llama.slot_files import SlotFile, check_filename, parse_slot_file, slot_action_path
+from loopd.settings import Config, Endpoint, Limits
 from loopd.testing.fake_llama import FakeLlama, SlotFiles, json_reply
 from loopd.testing.memory_net import MemoryNet
 

@@ -22,7 +22,6 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.config import Config, Endpoint
 from loopd.gateway.translate import parse_request
 from loopd.llama.request import chat_body
 from loopd.llama.types import ChatRequest, Completion, FinishReason, Timings, ToolCall
@@ -32,6 +31,7 @@ from loopd.moa.fanout import RateLimited
 from loopd.moa.response import TurnLabel, TurnReport
 from loopd.moa.roles import Worker
 from loopd.moa.turn import ToolLoop, Turn, read_turn
+from loopd.settings import Config, Endpoint
 
 #: The endpoint every call's wire body is rendered for: an OpenAI-compatible server.
 WIRE = Endpoint(name="wire", socket="/tmp/ld/wire.sock", kind="openai")

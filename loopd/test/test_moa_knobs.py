@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.config import Config, Endpoint
 from loopd.llama.request import chat_body
 from loopd.llama.types import ChatRequest, System, ToolSchema, User
 from loopd.moa.context import Packed, pack_fast, pack_strong
@@ -22,6 +21,7 @@ from loopd.moa.knobs import (
 )
 from loopd.moa.roles import Role
 from loopd.moa.turn import read_turn
+from loopd.settings import Config, Endpoint
 
 LLAMA = Endpoint(name="qwen", socket="/tmp/ld/q.sock", model="qwen")
 OPENAI = Endpoint(name="far", socket="/tmp/ld/f.sock", kind="openai")

@@ -16,7 +16,6 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
 import loopd
-from loopd.config import Config, Endpoint, Expect, Limits, Retry
 from loopd.digest import sha256_hex
 from loopd.errors import ProxyRefused
 from loopd.llama import Client
@@ -28,6 +27,7 @@ from loopd.selftest import (
     require_selftests,
     run_selftest,
 )
+from loopd.settings import Config, Endpoint, Expect, Limits, Retry
 from loopd.testing.fake_llama import (
     CHAT,
     LOADING,

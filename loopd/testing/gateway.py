@@ -32,12 +32,12 @@ from twisted.internet.error import ConnectionLost
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
 
-from loopd.config import Config, Endpoint, Expect, Limits, Retry, Server
 from loopd.gateway.leases import GatewayLeases
 from loopd.gateway.router import RandomSource
 from loopd.gateway.site import Gateway
 from loopd.llama import Client
 from loopd.queue.host import QueueHost
+from loopd.settings import Config, Endpoint, Expect, Limits, Retry, Server
 from loopd.testing.fake_llama import CHAT, FakeLlama
 from loopd.testing.memory_net import MemoryNet
 

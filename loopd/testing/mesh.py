@@ -27,8 +27,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from loopd.config import Config, Endpoint, Expect, Limits, Mesh, Retry, Server
-from loopd.settings import EndpointKind
+from loopd.settings import Config, Endpoint, EndpointKind, Expect, Limits, Mesh, Retry, Server
 from loopd.testing.fake_llama import CHAT, Reply, error_reply, sse_reply
 from loopd.testing.gateway import GatewayHarness, Response
 from loopd.testing.llama_replies import TIMINGS, chunk

@@ -12,7 +12,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from loopd import config as config_module
-from loopd.config import (
+from loopd.settings import (
     Caps,
     Config,
     Doors,
