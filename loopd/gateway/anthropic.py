@@ -83,10 +83,9 @@ from typing import Any, Final
 
 from loopd import strict_json
 from loopd.gateway.body import decode_body, fail, show
-from loopd.gateway.door import Answer, Header
+from loopd.gateway.door import Answer, Header, loopd_comment
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.hosted_tools import HostedTools, hosted_messages_tool, refuse_hosted
-from loopd.gateway.render import loopd_comment
 from loopd.gateway.request import (
     NO_SESSION,
     GatewayRequest,

@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from loopd.gateway.door import Answer, Header
+from loopd.gateway.door import Answer, Header, loopd_comment
 from loopd.gateway.errors import GatewayError
-from loopd.gateway.render import ChunkStream, completion_json, loopd_comment, new_completion_id
+from loopd.gateway.render import ChunkStream, completion_json, new_completion_id
 from loopd.gateway.request import GatewayRequest, read_session
 from loopd.gateway.translate import parse_request
 from loopd.gateway.web import comment_line, compact_json, data_line, done_line

@@ -8,21 +8,35 @@ L{GatewayRequest}, or raises a L{GatewayError}; everything after it (the router,
 the leased upstream call, the sessions and graces, endpoint health) is the same for every
 door and reads only that request (L{loopd.gateway.exchange}). For the way back the door
 gives an L{Answer} per exchange, which turns the call's events and its completion into that
-API's JSON body or its event stream, and its errors into that API's error shape.
+API's JSON body or its event stream, and its errors into that API's error shape. Every
+door's stream carries loopd's own events (queued, waiting, progress, ...) the same way, as
+C{: loopd {...}} comment lines (L{loopd_comment}).
 
-Pure: protocols and values, no I/O.
+Pure: protocols, values and their rendering, no I/O.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import asdict
+from typing import Any, Protocol
 
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.request import GatewayRequest
-from loopd.llama.types import ChatEvent, Completion, Content, Reasoning, ToolCallDelta
+from loopd.llama.types import (
+    ChatEvent,
+    Completion,
+    Content,
+    Progress,
+    Queued,
+    Reasoning,
+    Retrying,
+    ThinkingCapped,
+    ToolCallDelta,
+    Waiting,
+)
 
-__all__ = ["Answer", "Door", "Header", "replay"]
+__all__ = ["Answer", "Door", "Header", "loopd_comment", "replay"]
 
 Header = Callable[[bytes], "bytes | None"]
 """A request's header by its lower-case name, C{None} when absent."""
@@ -112,3 +126,30 @@ def replay(completion: Completion) -> tuple[ChatEvent, ...]:
     for index, call in enumerate(completion.tool_calls):
         events.append(ToolCallDelta(index, call.id, call.name, call.arguments))
     return tuple(events)
+
+
+def loopd_comment(event: ChatEvent) -> dict[str, Any] | None:
+    """
+    loopd's own events, for the C{: loopd {...}} comment lines of a stream: C{queued}
+    (C{ahead}), C{waiting} (C{slot_busy}, C{loading}), C{progress} (C{total}, C{cache},
+    C{processed}), C{thinking_capped} (C{tokens}), C{retrying} (C{attempt}, C{after_ms},
+    C{error}). None for the events that are chunks.
+    """
+    name = _COMMENTS.get(type(event))
+    if name is None:
+        return None
+    fields = asdict(event)
+    if isinstance(event, Progress):
+        del fields["time_ms"]
+    return {"event": name, **fields}
+
+
+# The comment's fields are exactly the event's, in the same order (Progress's time_ms
+# excepted, which the server's own prompt_progress chunk carries).
+_COMMENTS: dict[type[ChatEvent], str] = {
+    Queued: "queued",
+    Waiting: "waiting",
+    Progress: "progress",
+    ThinkingCapped: "thinking_capped",
+    Retrying: "retrying",
+}

@@ -1,8 +1,7 @@
 # -*- test-case-name: loopd.test.test_gateway_translate -*-
 """
 The gateway's answers in OpenAI's shapes: L{completion_json}, a C{chat.completion} object;
-L{ChunkStream}, C{chat.completion.chunk}s; L{loopd_comment}, loopd's own events for the SSE
-comment lines that OpenAI clients ignore. Pure: no I/O, no reactor, no twisted.web.
+L{ChunkStream}, C{chat.completion.chunk}s. Pure: no I/O, no reactor, no twisted.web.
 """
 
 from __future__ import annotations
@@ -20,16 +19,12 @@ from loopd.llama.types import (
     Content,
     Logprobs,
     Progress,
-    Queued,
     Reasoning,
-    Retrying,
-    ThinkingCapped,
     Timings,
     ToolCallDelta,
-    Waiting,
 )
 
-__all__ = ["ChunkStream", "completion_json", "loopd_comment", "new_completion_id"]
+__all__ = ["ChunkStream", "completion_json", "new_completion_id"]
 
 
 def new_completion_id() -> str:
@@ -219,30 +214,3 @@ class ChunkStream:
         if self.include_usage:
             chunks.append({**self._chunk([]), "usage": _usage(completion.timings)})
         return chunks
-
-
-def loopd_comment(event: ChatEvent) -> dict[str, Any] | None:
-    """
-    loopd's own events, for the C{: loopd {...}} comment lines of a stream: C{queued}
-    (C{ahead}), C{waiting} (C{slot_busy}, C{loading}), C{progress} (C{total}, C{cache},
-    C{processed}), C{thinking_capped} (C{tokens}), C{retrying} (C{attempt}, C{after_ms},
-    C{error}). None for the events that are chunks.
-    """
-    name = _COMMENTS.get(type(event))
-    if name is None:
-        return None
-    fields = asdict(event)
-    if isinstance(event, Progress):
-        del fields["time_ms"]
-    return {"event": name, **fields}
-
-
-# The comment's fields are exactly the event's, in the same order (Progress's time_ms
-# excepted, which the server's own prompt_progress chunk carries).
-_COMMENTS: dict[type[ChatEvent], str] = {
-    Queued: "queued",
-    Waiting: "waiting",
-    Progress: "progress",
-    ThinkingCapped: "thinking_capped",
-    Retrying: "retrying",
-}

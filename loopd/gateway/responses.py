@@ -68,10 +68,9 @@ from dataclasses import dataclass, field
 from typing import Any, Final, NoReturn
 
 from loopd.gateway.body import decode_body, fail, show
-from loopd.gateway.door import Header
+from loopd.gateway.door import Header, loopd_comment
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.hosted_tools import HostedTools, hosted_responses_tool, refuse_hosted
-from loopd.gateway.render import loopd_comment
 from loopd.gateway.request import GatewayRequest, ThinkingSwitch, read_session
 from loopd.gateway.response_store import ResponseStore, StoredResponse
 from loopd.gateway.web import compact_json

@@ -1,20 +1,26 @@
 """
-Tests for L{loopd.gateway.door}: the events that replay a finished completion.
+Tests for L{loopd.gateway.door}: the events that replay a finished completion, and loopd's
+own events as every door's comment lines.
 """
 
 from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.gateway.door import replay
+from loopd.gateway.door import loopd_comment, replay
 from loopd.llama.types import (
     Completion,
     Content,
     FinishReason,
+    Progress,
+    Queued,
     Reasoning,
+    Retrying,
+    ThinkingCapped,
     Timings,
     ToolCall,
     ToolCallDelta,
+    Waiting,
 )
 
 
@@ -51,3 +57,29 @@ class ReplayTests(SynchronousTestCase):
     def test_empty_parts(self) -> None:
         """Empty text and empty thinking give no events."""
         self.assertEqual(replay(_completion("", "")), ())
+
+
+class LoopdCommentTests(SynchronousTestCase):
+    """L{loopd_comment} renders loopd's own events for the SSE comment lines."""
+
+    def test_each_kind(self) -> None:
+        """Each of loopd's events has its comment object."""
+        cases = [
+            (Queued(2), {"event": "queued", "ahead": 2}),
+            (Waiting(True, False), {"event": "waiting", "slot_busy": True, "loading": False}),
+            (
+                Progress(100, 40, 60),
+                {"event": "progress", "total": 100, "cache": 40, "processed": 60},
+            ),
+            (ThinkingCapped(512), {"event": "thinking_capped", "tokens": 512}),
+            (
+                Retrying(2, 250, "Connect: refused"),
+                {"event": "retrying", "attempt": 2, "after_ms": 250, "error": "Connect: refused"},
+            ),
+        ]
+        self.assertEqual([(event, loopd_comment(event)) for event, _ in cases], cases)
+
+    def test_chunk_events(self) -> None:
+        """The events that become chunks have no comment."""
+        for event in (Reasoning("r"), Content("c"), ToolCallDelta(0, "i", "n", "")):
+            self.assertIsNone(loopd_comment(event))

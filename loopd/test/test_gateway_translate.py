@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.gateway.errors import GatewayError
-from loopd.gateway.render import ChunkStream, completion_json, loopd_comment, new_completion_id
+from loopd.gateway.render import ChunkStream, completion_json, new_completion_id
 from loopd.gateway.request import GatewayRequest
 from loopd.gateway.translate import parse_request
 from loopd.llama.types import (
@@ -385,32 +385,6 @@ class ChunkStreamTests(SynchronousTestCase):
         stream = ChunkStream("chatcmpl-1", "m", 1700, False)
         length = Completion("u", "x", None, (), FinishReason.LENGTH, TIMINGS)
         self.assertEqual(stream.finish_chunks(length), [delta_chunk({}, "length")])
-
-
-class LoopdCommentTests(SynchronousTestCase):
-    """L{loopd_comment} renders loopd's own events for the SSE comment lines."""
-
-    def test_each_kind(self) -> None:
-        """Each of loopd's events has its comment object."""
-        cases = [
-            (Queued(2), {"event": "queued", "ahead": 2}),
-            (Waiting(True, False), {"event": "waiting", "slot_busy": True, "loading": False}),
-            (
-                Progress(100, 40, 60),
-                {"event": "progress", "total": 100, "cache": 40, "processed": 60},
-            ),
-            (ThinkingCapped(512), {"event": "thinking_capped", "tokens": 512}),
-            (
-                Retrying(2, 250, "Connect: refused"),
-                {"event": "retrying", "attempt": 2, "after_ms": 250, "error": "Connect: refused"},
-            ),
-        ]
-        self.assertEqual([(event, loopd_comment(event)) for event, _ in cases], cases)
-
-    def test_chunk_events(self) -> None:
-        """The events that become chunks have no comment."""
-        for event in (Reasoning("r"), Content("c"), ToolCallDelta(0, "i", "n", "")):
-            self.assertIsNone(loopd_comment(event))
 
 
 class CompletionIdTests(SynchronousTestCase):
