@@ -85,6 +85,7 @@ from loopd import strict_json
 from loopd.gateway.body import decode_body, fail, show
 from loopd.gateway.door import Answer, Header, loopd_comment
 from loopd.gateway.errors import GatewayError
+from loopd.gateway.fields import Fields
 from loopd.gateway.hosted_tools import HostedTools, hosted_messages_tool, refuse_hosted
 from loopd.gateway.request import (
     NO_SESSION,
@@ -136,6 +137,7 @@ TOOL_ERROR_PREFIX: Final = "Error: "
 _MSG = "invalid_message"
 _PARAM = "invalid_parameter"
 _TOOLS = "invalid_tools"
+_FIELDS = Fields(_MSG, _PARAM)
 _UNSUPPORTED = "unsupported_content"
 _UNKNOWN = "unsupported_parameter"
 
@@ -225,7 +227,7 @@ def parse_messages(
     fields: dict[str, Any] = {}
     top_k = document.get("top_k")
     if top_k is not None:
-        fields["top_k"] = _count(top_k, "top_k", low=0)
+        fields["top_k"] = _FIELDS.count(top_k, "top_k", low=0)
     if parallel is False:
         fields["parallel_tool_calls"] = False
     fields.update(_output_config(document.get("output_config")))
@@ -236,11 +238,11 @@ def parse_messages(
         tools=tools,
         tool_choice=tool_choice,
         max_tokens=max_tokens,
-        temperature=_unit(document.get("temperature"), "temperature"),
-        top_p=_unit(document.get("top_p"), "top_p"),
+        temperature=_FIELDS.number(document.get("temperature"), "temperature", 1),
+        top_p=_FIELDS.number(document.get("top_p"), "top_p", 1),
         stop=_stop_sequences(document.get("stop_sequences")),
         thinking_switches=switches,
-        stream=_flag(document.get("stream"), "stream"),
+        stream=_FIELDS.flag(document.get("stream"), "stream"),
         session=session,
         thinking_cap=cap,
         fields=fields,
@@ -289,54 +291,13 @@ def _only(block: dict[str, Any], allowed: frozenset[str], path: str) -> None:
             fail(_UNKNOWN, f"{path}.{key}", "not supported by loopd")
 
 
-def _flag(value: object, path: str) -> bool:
-    """An optional boolean, false when absent."""
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        fail(_PARAM, path, "expected true or false")
-    return value
-
-
-def _string(value: object, path: str, code: str = _MSG) -> str:
-    """A required string."""
-    if not isinstance(value, str):
-        fail(code, path, "expected a string")
-    return value
-
-
-def _object(value: object, path: str, code: str = _MSG) -> dict[str, Any]:
-    """A JSON object."""
-    if not isinstance(value, dict):
-        fail(code, path, "expected an object")
-    return value
-
-
-def _count(value: object, path: str, *, low: int) -> int:
-    """An integer of at least C{low}; an integral number such as C{2.0} is one."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        fail(_PARAM, path, "expected a positive integer" if low else "expected an integer >= 0")
-    return value
-
-
-def _unit(value: object, path: str) -> float | None:
-    """An optional number from 0 to 1."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        fail(_PARAM, path, "expected a number from 0 to 1")
-    return float(value)
-
-
 def _max_tokens(value: object, *, required: bool) -> int | None:
     """C{max_tokens}: a positive integer, required unless counting."""
     if value is None:
         if required:
             fail("missing_max_tokens", "max_tokens", "required: a positive integer")
         return None
-    return _count(value, "max_tokens", low=1)
+    return _FIELDS.count(value, "max_tokens", low=1)
 
 
 def _stop_sequences(value: object) -> tuple[str, ...]:
@@ -358,7 +319,7 @@ def _thinking(value: object) -> tuple[tuple[ThinkingSwitch, ...], int | None]:
     """
     if value is None:
         return (), None
-    config = _object(value, "thinking", _PARAM)
+    config = _FIELDS.mapping(value, "thinking", _PARAM)
     kind = config.get("type")
     if kind == "disabled":
         _only(config, frozenset(), "thinking")
@@ -373,7 +334,7 @@ def _thinking(value: object) -> tuple[tuple[ThinkingSwitch, ...], int | None]:
         budget = config.get("budget_tokens")
         if budget is None:
             fail(_PARAM, "thinking.budget_tokens", 'required when thinking.type is "enabled"')
-        cap = _count(budget, "thinking.budget_tokens", low=1)
+        cap = _FIELDS.count(budget, "thinking.budget_tokens", low=1)
     return (ThinkingSwitch("reasoning_effort", True),), cap
 
 
@@ -384,19 +345,19 @@ def _output_config(value: object) -> dict[str, Any]:
     """
     if value is None:
         return {}
-    config = _object(value, "output_config", _PARAM)
+    config = _FIELDS.mapping(value, "output_config", _PARAM)
     _only(config, frozenset({"format", "effort"}), "output_config")
     effort = config.get("effort")
     if effort is not None:
-        _string(effort, "output_config.effort", _PARAM)
+        _FIELDS.string(effort, "output_config.effort", _PARAM)
     form = config.get("format")
     if form is None:
         return {}
-    form = _object(form, "output_config.format", _PARAM)
+    form = _FIELDS.mapping(form, "output_config.format", _PARAM)
     if form.get("type") != "json_schema":
         fail(_PARAM, "output_config.format.type", 'expected "json_schema"')
     _only(form, frozenset({"schema"}), "output_config.format")
-    schema = _object(form.get("schema"), "output_config.format.schema", _PARAM)
+    schema = _FIELDS.mapping(form.get("schema"), "output_config.format.schema", _PARAM)
     return {
         "response_format": {
             "type": "json_schema",
@@ -408,7 +369,7 @@ def _output_config(value: object) -> dict[str, Any]:
 def _metadata(value: object) -> None:
     """Check C{metadata}: an object whose only field is C{user_id}."""
     if value is not None:
-        _only(_object(value, "metadata", _PARAM), frozenset({"user_id"}), "metadata")
+        _only(_FIELDS.mapping(value, "metadata", _PARAM), frozenset({"user_id"}), "metadata")
 
 
 def _system(value: object) -> tuple[ChatMessage, ...]:
@@ -439,7 +400,7 @@ def _block(value: object, path: str, kinds: Mapping[str, frozenset[str]]) -> dic
 
     @raise GatewayError: 400 C{unsupported_content} naming C{<path>.type} for another kind.
     """
-    block = _object(value, path)
+    block = _FIELDS.mapping(value, path)
     kind = block.get("type")
     if not isinstance(kind, str):
         fail(_MSG, f"{path}.type", "expected a string")
@@ -456,7 +417,7 @@ def _block_text(value: object, path: str, kinds: Mapping[str, frozenset[str]]) -
     block = _block(value, path, kinds)
     if block["type"] != "text":
         fail(_UNSUPPORTED, f"{path}.type", "expected a text block here")
-    return _string(block.get("text"), f"{path}.text")
+    return _FIELDS.string(block.get("text"), f"{path}.text")
 
 
 def _messages(value: object) -> tuple[ChatMessage, ...]:
@@ -473,7 +434,7 @@ def _messages(value: object) -> tuple[ChatMessage, ...]:
     out: list[ChatMessage] = []
     for i, item in enumerate(value):
         path = f"messages[{i}]"
-        message = _object(item, path)
+        message = _FIELDS.mapping(item, path)
         _only(message, frozenset({"role", "content"}), path)
         role = message.get("role")
         content = message.get("content")
@@ -494,19 +455,19 @@ def _messages(value: object) -> tuple[ChatMessage, ...]:
 
 def _image_part(block: dict[str, Any], path: str) -> dict[str, Any]:
     """An image block as the OpenAI C{image_url} part llama-server reads."""
-    source = _object(block.get("source"), f"{path}.source")
+    source = _FIELDS.mapping(block.get("source"), f"{path}.source")
     kind = source.get("type")
     if kind == "base64":
         _only(source, frozenset({"media_type", "data"}), f"{path}.source")
-        media = _string(source.get("media_type"), f"{path}.source.media_type")
+        media = _FIELDS.string(source.get("media_type"), f"{path}.source.media_type")
         if media not in _IMAGE_TYPES:
             kinds = ", ".join(sorted(_IMAGE_TYPES))
             fail(_MSG, f"{path}.source.media_type", f"expected one of {kinds}")
-        data = _string(source.get("data"), f"{path}.source.data")
+        data = _FIELDS.string(source.get("data"), f"{path}.source.data")
         url = f"data:{media};base64,{data}"
     elif kind == "url":
         _only(source, frozenset({"url"}), f"{path}.source")
-        url = _string(source.get("url"), f"{path}.source.url")
+        url = _FIELDS.string(source.get("url"), f"{path}.source.url")
     else:
         fail(_UNSUPPORTED, f"{path}.source.type", 'expected "base64" or "url"')
     return {"type": "image_url", "image_url": {"url": url}}
@@ -532,7 +493,9 @@ def _user(blocks: list[Any], path: str) -> list[ChatMessage]:
         block = _block(value, where, _USER_BLOCKS)
         kind = block["type"]
         if kind == "text":
-            parts.append({"type": "text", "text": _string(block.get("text"), f"{where}.text")})
+            parts.append(
+                {"type": "text", "text": _FIELDS.string(block.get("text"), f"{where}.text")}
+            )
         elif kind == "image":
             parts.append(_image_part(block, where))
         else:
@@ -544,7 +507,7 @@ def _user(blocks: list[Any], path: str) -> list[ChatMessage]:
 
 def _tool_result(block: dict[str, Any], path: str) -> list[ChatMessage]:
     """A C{tool_result} block as a L{Tool} message, and a user turn of its images."""
-    call_id = _string(block.get("tool_use_id"), f"{path}.tool_use_id")
+    call_id = _FIELDS.string(block.get("tool_use_id"), f"{path}.tool_use_id")
     content = block.get("content")
     texts: list[str] = []
     images: list[dict[str, Any]] = []
@@ -555,13 +518,13 @@ def _tool_result(block: dict[str, Any], path: str) -> list[ChatMessage]:
             where = f"{path}.content[{k}]"
             item = _block(value, where, _RESULT_BLOCKS)
             if item["type"] == "text":
-                texts.append(_string(item.get("text"), f"{where}.text"))
+                texts.append(_FIELDS.string(item.get("text"), f"{where}.text"))
             else:
                 images.append(_image_part(item, where))
     elif content is not None:
         fail(_MSG, f"{path}.content", "expected a string or an array of text and image blocks")
     text = "".join(texts)
-    if _flag(block.get("is_error"), f"{path}.is_error"):
+    if _FIELDS.flag(block.get("is_error"), f"{path}.is_error"):
         text = TOOL_ERROR_PREFIX + text
     out: list[ChatMessage] = [Tool(call_id, text)]
     if images:
@@ -579,18 +542,18 @@ def _assistant(blocks: list[Any], path: str) -> Assistant:
         block = _block(value, where, _ASSISTANT_BLOCKS)
         kind = block["type"]
         if kind == "text":
-            texts.append(_string(block.get("text"), f"{where}.text"))
+            texts.append(_FIELDS.string(block.get("text"), f"{where}.text"))
         elif kind == "thinking":
-            thoughts.append(_string(block.get("thinking"), f"{where}.thinking"))
+            thoughts.append(_FIELDS.string(block.get("thinking"), f"{where}.thinking"))
             signature = block.get("signature")
             if signature is not None:
-                _string(signature, f"{where}.signature")
+                _FIELDS.string(signature, f"{where}.signature")
         else:
-            arguments = _object(block.get("input"), f"{where}.input")
+            arguments = _FIELDS.mapping(block.get("input"), f"{where}.input")
             calls.append(
                 ToolCall(
-                    _string(block.get("id"), f"{where}.id"),
-                    _string(block.get("name"), f"{where}.name"),
+                    _FIELDS.string(block.get("id"), f"{where}.id"),
+                    _FIELDS.string(block.get("name"), f"{where}.name"),
                     json.dumps(arguments, ensure_ascii=False),
                 )
             )
@@ -612,7 +575,7 @@ def _tools(value: object, hosted: HostedTools) -> tuple[tuple[ToolSchema, ...], 
     dropped: list[str] = []
     for i, item in enumerate(value):
         path = f"tools[{i}]"
-        tool = _object(item, path, _TOOLS)
+        tool = _FIELDS.mapping(item, path, _TOOLS)
         kind = tool.get("type")
         if isinstance(kind, str) and hosted_messages_tool(kind):
             if hosted == "refuse":
@@ -631,11 +594,11 @@ def _tools(value: object, hosted: HostedTools) -> tuple[tuple[ToolSchema, ...], 
             fail(_TOOLS, f"{path}.name", f"{show(name)} is offered twice")
         description = tool.get("description")
         if description is not None:
-            description = _string(description, f"{path}.description", _TOOLS)
+            description = _FIELDS.string(description, f"{path}.description", _TOOLS)
         schema = tool.get("input_schema")
         if schema is None:
             fail(_TOOLS, f"{path}.input_schema", "required: a JSON schema object")
-        schema = _object(schema, f"{path}.input_schema", _TOOLS)
+        schema = _FIELDS.mapping(schema, f"{path}.input_schema", _TOOLS)
         tools.append(ToolSchema(name, description or "", schema))
     return tuple(tools), tuple(dropped)
 
@@ -649,7 +612,7 @@ def _tool_choice(
     """
     if value is None:
         return None, tools, None
-    choice = _object(value, "tool_choice", _PARAM)
+    choice = _FIELDS.mapping(value, "tool_choice", _PARAM)
     kind = choice.get("type")
     if kind == "none":
         _only(choice, frozenset(), "tool_choice")
@@ -661,9 +624,9 @@ def _tool_choice(
     )
     _only(choice, frozenset(allowed), "tool_choice")
     path = "tool_choice.disable_parallel_tool_use"
-    parallel = False if _flag(choice.get("disable_parallel_tool_use"), path) else None
+    parallel = False if _FIELDS.flag(choice.get("disable_parallel_tool_use"), path) else None
     if kind == "tool":
-        name = _string(choice.get("name"), "tool_choice.name", _PARAM)
+        name = _FIELDS.string(choice.get("name"), "tool_choice.name", _PARAM)
         tools = tuple(tool for tool in tools if tool.name == name)
         if not tools:
             fail(_PARAM, "tool_choice.name", f"{show(name)} is not in tools")

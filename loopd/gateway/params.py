@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from typing import Any, Final, Literal
 
 from loopd.gateway.errors import GatewayError
+from loopd.gateway.fields import integral
 
 __all__ = [
     "IGNORED_FIELDS",
@@ -276,10 +277,9 @@ def _checked(name: str, value: object, kind: Kind) -> object:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _bad_type(name, kind)
         if kind == "integer":
-            if isinstance(value, float):
-                if not value.is_integer():
-                    raise _bad_type(name, kind)
-                return int(value)
+            value = integral(value)
+            if not isinstance(value, int):
+                raise _bad_type(name, kind)
         return value
     expected = {"boolean": bool, "object": dict, "string": str, "array": list}[kind]
     if not isinstance(value, expected):

@@ -70,6 +70,7 @@ from typing import Any, Final, NoReturn
 from loopd.gateway.body import decode_body, fail, show
 from loopd.gateway.door import Header, loopd_comment
 from loopd.gateway.errors import GatewayError
+from loopd.gateway.fields import Fields
 from loopd.gateway.hosted_tools import HostedTools, hosted_responses_tool, refuse_hosted
 from loopd.gateway.request import GatewayRequest, ThinkingSwitch, read_session
 from loopd.gateway.response_store import ResponseStore, StoredResponse
@@ -112,6 +113,7 @@ _UNSUPPORTED = "unsupported_parameter"
 _INPUT = "invalid_input"
 _CONTENT = "unsupported_content"
 _TOOLS = "invalid_tools"
+_FIELDS = Fields(_INPUT, _INVALID)
 _TOOL_CHOICES: Final = ("auto", "none", "required")
 _SUMMARIES: Final = ("auto", "concise", "detailed")
 _INCLUDES: Final = frozenset({"reasoning.encrypted_content"})
@@ -199,13 +201,13 @@ class ResponsesDoor:
                 fail(_UNSUPPORTED, key, "not supported by loopd's /v1/responses")
         model = document.get("model")
         if model is not None:
-            _string(model, "model", _INVALID)
+            _FIELDS.string(model, "model", _INVALID)
         messages = self._messages(document)
         offered = _tools(document.get("tools"), self._hosted_tools)
         tool_choice, tools = _tool_choice(document.get("tool_choice"), offered.tools)
         switches, cap = _reasoning(document.get("reasoning"))
         fields = _text(document.get("text"))
-        if _flag(document.get("parallel_tool_calls"), "parallel_tool_calls", True) is False:
+        if _FIELDS.flag(document.get("parallel_tool_calls"), "parallel_tool_calls", True) is False:
             fields["parallel_tool_calls"] = False
         _check_accepted(document)
         session = read_session(
@@ -217,10 +219,10 @@ class ResponsesDoor:
             tools=tools,
             tool_choice=tool_choice,
             max_tokens=_max_tokens(document.get("max_output_tokens")),
-            temperature=_number(document.get("temperature"), "temperature", 2),
-            top_p=_number(document.get("top_p"), "top_p", 1),
+            temperature=_FIELDS.number(document.get("temperature"), "temperature", 2),
+            top_p=_FIELDS.number(document.get("top_p"), "top_p", 1),
             thinking_switches=switches,
-            stream=_flag(document.get("stream"), "stream", False),
+            stream=_FIELDS.flag(document.get("stream"), "stream", False),
             session=session,
             thinking_cap=cap,
             fields=fields,
@@ -235,10 +237,10 @@ class ResponsesDoor:
         messages: list[ChatMessage] = []
         instructions = document.get("instructions")
         if instructions is not None:
-            messages.append(System(_string(instructions, "instructions", _INVALID)))
+            messages.append(System(_FIELDS.string(instructions, "instructions", _INVALID)))
         previous = document.get("previous_response_id")
         if previous is not None:
-            stored = self._store.get(_string(previous, "previous_response_id", _INVALID))
+            stored = self._store.get(_FIELDS.string(previous, "previous_response_id", _INVALID))
             if stored is None:
                 fail(
                     "previous_response_not_found",
@@ -285,47 +287,9 @@ def _openai_code(error: GatewayError) -> str:
 # Reading
 
 
-def _string(value: object, path: str, code: str = _INPUT) -> str:
-    """A required string."""
-    if not isinstance(value, str):
-        fail(code, path, "expected a string")
-    return value
-
-
-def _object(value: object, path: str, code: str = _INPUT) -> dict[str, Any]:
-    """A JSON object."""
-    if not isinstance(value, dict):
-        fail(code, path, "expected an object")
-    return value
-
-
-def _flag(value: object, path: str, default: bool) -> bool:
-    """An optional boolean."""
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        fail(_INVALID, path, "expected true or false")
-    return value
-
-
-def _number(value: object, path: str, high: int) -> float | None:
-    """An optional number from 0 to C{high}."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= high:
-        fail(_INVALID, path, f"expected a number from 0 to {high}")
-    return float(value)
-
-
 def _max_tokens(value: object) -> int | None:
     """C{max_output_tokens}: a positive integer (C{2.0} is one)."""
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        fail(_INVALID, "max_output_tokens", "expected a positive integer")
-    return value
+    return None if value is None else _FIELDS.count(value, "max_output_tokens")
 
 
 def _one_of(value: object, path: str, choices: tuple[str, ...], code: str = _INVALID) -> str:
@@ -380,7 +344,7 @@ def _input(value: object) -> list[ChatMessage]:
 
     for i, raw in enumerate(value):
         path = f"input[{i}]"
-        item = _object(raw, path)
+        item = _FIELDS.mapping(raw, path)
         kind = item.get("type")
         if kind is None and "role" in item:
             kind = "message"
@@ -403,20 +367,20 @@ def _input(value: object) -> list[ChatMessage]:
             else:
                 messages.append(System(_text_content(item.get("content"), f"{path}.content")))
         elif kind == "function_call":
-            name = _string(item.get("name"), f"{path}.name")
+            name = _FIELDS.string(item.get("name"), f"{path}.name")
             namespace = item.get("namespace")
             if namespace is not None:
-                name = flat_tool_name(_string(namespace, f"{path}.namespace"), name)
+                name = flat_tool_name(_FIELDS.string(namespace, f"{path}.namespace"), name)
             turn.calls.append(
                 ToolCall(
-                    _string(item.get("call_id"), f"{path}.call_id"),
+                    _FIELDS.string(item.get("call_id"), f"{path}.call_id"),
                     name,
-                    _string(item.get("arguments"), f"{path}.arguments"),
+                    _FIELDS.string(item.get("arguments"), f"{path}.arguments"),
                 )
             )
         elif kind == "function_call_output":
             turn = flush()
-            call_id = _string(item.get("call_id"), f"{path}.call_id")
+            call_id = _FIELDS.string(item.get("call_id"), f"{path}.call_id")
             messages.append(Tool(call_id, _output(item.get("output"), f"{path}.output")))
         elif kind == "reasoning":
             if turn.has_content or turn.calls:
@@ -446,7 +410,7 @@ def _parts(value: object, path: str) -> list[Any]:
 
 def _part_kind(part: object, path: str) -> tuple[dict[str, Any], str]:
     """One content part and its C{type}."""
-    body = _object(part, path)
+    body = _FIELDS.mapping(part, path)
     kind = body.get("type")
     if not isinstance(kind, str):
         fail(_INPUT, f"{path}.type", 'expected a content part type such as "input_text"')
@@ -462,7 +426,7 @@ def _text_content(value: object, path: str) -> str:
         body, kind = _part_kind(part, f"{path}[{j}]")
         if kind not in ("input_text", "output_text"):
             _unsupported_part(kind, f"{path}[{j}].type", "text parts")
-        texts.append(_string(body.get("text"), f"{path}[{j}].text"))
+        texts.append(_FIELDS.string(body.get("text"), f"{path}[{j}].text"))
     return "".join(texts)
 
 
@@ -485,7 +449,7 @@ def _user(value: object, path: str) -> User:
         where = f"{path}[{j}]"
         body, kind = _part_kind(part, where)
         if kind in ("input_text", "output_text"):
-            text = _string(body.get("text"), f"{where}.text")
+            text = _FIELDS.string(body.get("text"), f"{where}.text")
             texts.append(text)
             parts.append({"type": "text", "text": text})
         elif kind == "input_image":
@@ -493,7 +457,9 @@ def _user(value: object, path: str) -> User:
                 fail(
                     _CONTENT, f"{where}.file_id", "uploaded files are not supported; give image_url"
                 )
-            image: dict[str, Any] = {"url": _string(body.get("image_url"), f"{where}.image_url")}
+            image: dict[str, Any] = {
+                "url": _FIELDS.string(body.get("image_url"), f"{where}.image_url")
+            }
             detail = body.get("detail")
             if detail is not None:
                 image["detail"] = _one_of(
@@ -502,9 +468,9 @@ def _user(value: object, path: str) -> User:
             parts.append({"type": "image_url", "image_url": image})
             media = True
         elif kind == "input_audio":
-            audio = _object(body.get("input_audio"), f"{where}.input_audio")
-            data = _string(audio.get("data"), f"{where}.input_audio.data")
-            audio_format = _string(audio.get("format"), f"{where}.input_audio.format")
+            audio = _FIELDS.mapping(body.get("input_audio"), f"{where}.input_audio")
+            data = _FIELDS.string(audio.get("data"), f"{where}.input_audio.data")
+            audio_format = _FIELDS.string(audio.get("format"), f"{where}.input_audio.format")
             parts.append(
                 {"type": "input_audio", "input_audio": {"data": data, "format": audio_format}}
             )
@@ -523,7 +489,7 @@ def _output(value: object, path: str) -> str:
         body, kind = _part_kind(part, f"{path}[{j}]")
         if kind not in ("input_text", "output_text"):
             _unsupported_part(kind, f"{path}[{j}].type", "text parts in a function call's output")
-        texts.append(_string(body.get("text"), f"{path}[{j}].text"))
+        texts.append(_FIELDS.string(body.get("text"), f"{path}[{j}].text"))
     return "".join(texts)
 
 
@@ -541,10 +507,10 @@ def _reasoning_text(item: dict[str, Any], path: str) -> str:
             body, found = _part_kind(part, f"{path}.{key}[{j}]")
             if found != kind:
                 fail(_CONTENT, f"{path}.{key}[{j}].type", f'expected "{kind}"')
-            texts.append(_string(body.get("text"), f"{path}.{key}[{j}].text"))
+            texts.append(_FIELDS.string(body.get("text"), f"{path}.{key}[{j}].text"))
     encrypted = item.get("encrypted_content")
     if encrypted is not None:
-        _string(encrypted, f"{path}.encrypted_content")
+        _FIELDS.string(encrypted, f"{path}.encrypted_content")
     return "".join(pieces.get("content") or ()) or "\n\n".join(pieces.get("summary") or ())
 
 
@@ -586,7 +552,7 @@ def _tools(value: object, hosted: HostedTools) -> _Offered:
     namespaces: dict[str, tuple[str, str]] = {}
     for i, item in enumerate(value):
         path = f"tools[{i}]"
-        tool = _object(item, path, _TOOLS)
+        tool = _FIELDS.mapping(item, path, _TOOLS)
         kind = tool.get("type")
         if isinstance(kind, str) and hosted_responses_tool(kind):
             if hosted == "refuse":
@@ -598,7 +564,7 @@ def _tools(value: object, hosted: HostedTools) -> _Offered:
             if not isinstance(namespace, str) or not namespace:
                 fail(_TOOLS, f"{path}.name", "expected a non-empty string")
             if tool.get("description") is not None:
-                _string(tool["description"], f"{path}.description", _TOOLS)
+                _FIELDS.string(tool["description"], f"{path}.description", _TOOLS)
             _no_other_keys(tool, path, frozenset({"type", "name", "description", "tools"}))
             members = tool.get("tools")
             if not isinstance(members, list):
@@ -622,7 +588,7 @@ def _offer(tools: list[ToolSchema], tool: ToolSchema, path: str) -> None:
 
 def _function_tool(value: object, path: str, offered: list[ToolSchema]) -> ToolSchema:
     """One function tool, its name not among C{offered}."""
-    tool = _object(value, path, _TOOLS)
+    tool = _FIELDS.mapping(value, path, _TOOLS)
     kind = tool.get("type")
     if kind != "function":
         shown = show(kind) if isinstance(kind, str) else "a tool without a type"
@@ -634,13 +600,13 @@ def _function_tool(value: object, path: str, offered: list[ToolSchema]) -> ToolS
         fail(_TOOLS, f"{path}.name", f"{show(name)} is offered twice")
     description = tool.get("description")
     if description is not None:
-        _string(description, f"{path}.description", _TOOLS)
+        _FIELDS.string(description, f"{path}.description", _TOOLS)
     parameters = tool.get("parameters")
     if parameters is None:
         parameters = {"type": "object"}
     elif not isinstance(parameters, dict):
         fail(_TOOLS, f"{path}.parameters", "expected a JSON schema object")
-    _flag(tool.get("strict"), f"{path}.strict", True)
+    _FIELDS.flag(tool.get("strict"), f"{path}.strict", True)
     _no_other_keys(tool, path, frozenset({"type", "name", "description", "parameters", "strict"}))
     return ToolSchema(name, description or "", parameters)
 
@@ -654,7 +620,7 @@ def _tool_choice(
     if isinstance(value, str) and value in _TOOL_CHOICES:
         return value, tools
     if isinstance(value, dict) and value.get("type") == "function":
-        name = _string(value.get("name"), "tool_choice.name", _INVALID)
+        name = _FIELDS.string(value.get("name"), "tool_choice.name", _INVALID)
         chosen = tuple(tool for tool in tools if tool.name == name)
         if not chosen:
             fail(_INVALID, "tool_choice.name", f"{show(name)} is not in tools")
@@ -672,7 +638,7 @@ def _reasoning(value: object) -> tuple[tuple[ThinkingSwitch, ...], int | None]:
     """C{reasoning}: the thinking switch and cap of its C{effort}; C{summary} is checked."""
     if value is None:
         return (), None
-    reasoning = _object(value, "reasoning", _INVALID)
+    reasoning = _FIELDS.mapping(value, "reasoning", _INVALID)
     _no_other_keys(reasoning, "reasoning", frozenset({"effort", "summary", "generate_summary"}))
     for key in ("summary", "generate_summary"):
         if reasoning.get(key) is not None:
@@ -690,7 +656,7 @@ def _text(value: object) -> dict[str, Any]:
     """C{text}: the server fields of its C{format}; C{verbosity} only C{medium}."""
     if value is None:
         return {}
-    text = _object(value, "text", _INVALID)
+    text = _FIELDS.mapping(value, "text", _INVALID)
     _no_other_keys(text, "text", frozenset({"format", "verbosity"}))
     verbosity = text.get("verbosity")
     if verbosity is not None and verbosity != "medium":
@@ -702,7 +668,7 @@ def _text(value: object) -> dict[str, Any]:
     form = text.get("format")
     if form is None:
         return {}
-    form = _object(form, "text.format", _INVALID)
+    form = _FIELDS.mapping(form, "text.format", _INVALID)
     kind = _one_of(form.get("type"), "text.format.type", ("text", "json_object", "json_schema"))
     if kind == "text":
         _no_other_keys(form, "text.format", frozenset({"type"}))
@@ -714,19 +680,21 @@ def _text(value: object) -> dict[str, Any]:
         form, "text.format", frozenset({"type", "name", "schema", "strict", "description"})
     )
     schema: dict[str, Any] = {
-        "name": _string(form.get("name"), "text.format.name", _INVALID),
-        "schema": _object(form.get("schema"), "text.format.schema", _INVALID),
+        "name": _FIELDS.string(form.get("name"), "text.format.name", _INVALID),
+        "schema": _FIELDS.mapping(form.get("schema"), "text.format.schema", _INVALID),
     }
     if form.get("description") is not None:
-        schema["description"] = _string(form["description"], "text.format.description", _INVALID)
+        schema["description"] = _FIELDS.string(
+            form["description"], "text.format.description", _INVALID
+        )
     if form.get("strict") is not None:
-        schema["strict"] = _flag(form["strict"], "text.format.strict", False)
+        schema["strict"] = _FIELDS.flag(form["strict"], "text.format.strict", False)
     return {"response_format": {"type": "json_schema", "json_schema": schema}}
 
 
 def _check_accepted(document: dict[str, Any]) -> None:
     """The fields accepted without effect on the answer: checked, so a bad one is a 400."""
-    _flag(document.get("store"), "store", True)
+    _FIELDS.flag(document.get("store"), "store", True)
     include = document.get("include")
     if include is not None:
         if not isinstance(include, list):
@@ -737,23 +705,25 @@ def _check_accepted(document: dict[str, Any]) -> None:
                 fail(_UNSUPPORTED, f"include[{j}]", f"{shown} is not supported")
     metadata = document.get("metadata")
     if metadata is not None:
-        for key, item in _object(metadata, "metadata", _INVALID).items():
-            _string(item, f"metadata.{key}", _INVALID)
+        for key, item in _FIELDS.mapping(metadata, "metadata", _INVALID).items():
+            _FIELDS.string(item, f"metadata.{key}", _INVALID)
     for key in ("user", "safety_identifier"):
         if key in document:
-            _string(document[key], key, _INVALID)
+            _FIELDS.string(document[key], key, _INVALID)
     if "service_tier" in document:
         _one_of(document["service_tier"], "service_tier", _SERVICE_TIERS, _UNSUPPORTED)
     if "truncation" in document:
         _one_of(document["truncation"], "truncation", ("disabled",), _UNSUPPORTED)
     if document.get("background") not in (None, False):
         fail(_UNSUPPORTED, "background", "only false: loopd answers every request at once")
-    _flag(document.get("timings_per_token"), "timings_per_token", False)
+    _FIELDS.flag(document.get("timings_per_token"), "timings_per_token", False)
     options = document.get("stream_options")
     if options is not None:
-        options = _object(options, "stream_options", _INVALID)
+        options = _FIELDS.mapping(options, "stream_options", _INVALID)
         _no_other_keys(options, "stream_options", frozenset({"include_obfuscation"}))
-        _flag(options.get("include_obfuscation"), "stream_options.include_obfuscation", False)
+        _FIELDS.flag(
+            options.get("include_obfuscation"), "stream_options.include_obfuscation", False
+        )
 
 
 # ---------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Final
 
 from loopd.gateway.body import decode_body, fail, show
+from loopd.gateway.fields import Fields
 from loopd.gateway.params import split_fields
 from loopd.gateway.request import NO_SESSION, GatewayRequest, SessionRef, ThinkingSwitch
 from loopd.llama.types import (
@@ -38,6 +39,7 @@ _MSG = "invalid_message"
 _MEDIA: dict[str, tuple[str, ...]] = {"image_url": ("url",), "input_audio": ("data", "format")}
 _PARAM = "invalid_parameter"
 _TOOLS = "invalid_tools"
+_FIELDS = Fields(_MSG, _PARAM)
 
 
 THINKING_ALIASES: Final = (
@@ -109,13 +111,15 @@ def parse_request(body: bytes, session: SessionRef = NO_SESSION) -> GatewayReque
     # Checked in this order, so that of two bad fields the same one is named as ever.
     switches = _thinking_switches(document)
     max_tokens = _max_tokens(document)
-    temperature = _number(document.get("temperature"), "temperature", 2)
-    top_p = _number(document.get("top_p"), "top_p", 1)
+    temperature = _FIELDS.number(document.get("temperature"), "temperature", 2)
+    top_p = _FIELDS.number(document.get("top_p"), "top_p", 1)
     stop = _stop(document.get("stop"))
     model = document.get("model")
     if model is not None and not isinstance(model, str):
         fail(_PARAM, "model", "expected a string")
-    options = _object(document.get("stream_options"), "stream_options", _PARAM, optional=True)
+    options = _FIELDS.mapping(
+        document.get("stream_options"), "stream_options", _PARAM, optional=True
+    )
     fields, extras = split_fields(
         {key: value for key, value in document.items() if key not in _MODELLED}
     )
@@ -129,39 +133,14 @@ def parse_request(body: bytes, session: SessionRef = NO_SESSION) -> GatewayReque
         top_p=top_p,
         stop=stop,
         thinking_switches=switches,
-        stream=_flag(document.get("stream"), "stream"),
-        include_usage=_flag(options.get("include_usage"), "stream_options.include_usage"),
+        stream=_FIELDS.flag(document.get("stream"), "stream"),
+        include_usage=_FIELDS.flag(options.get("include_usage"), "stream_options.include_usage"),
         session=session,
         fields=fields,
         return_progress=extras.get("return_progress") is True,
         return_timings=extras.get("timings_per_token") is True,
         extras=extras,
     )
-
-
-def _flag(value: object, path: str) -> bool:
-    """An optional boolean, false when absent."""
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        fail(_PARAM, path, "expected true or false")
-    return value
-
-
-def _string(value: object, path: str, code: str = _MSG) -> str:
-    """A required string."""
-    if not isinstance(value, str):
-        fail(code, path, "expected a string")
-    return value
-
-
-def _object(value: object, path: str, code: str = _MSG, optional: bool = False) -> dict[str, Any]:
-    """A JSON object; an C{optional} one is empty when absent."""
-    if optional and value is None:
-        return {}
-    if not isinstance(value, dict):
-        fail(code, path, "expected an object")
-    return value
 
 
 def _messages(value: object) -> tuple[ChatMessage, ...]:
@@ -175,12 +154,12 @@ def _messages(value: object) -> tuple[ChatMessage, ...]:
 
 def _message(value: object, path: str) -> ChatMessage:
     """One message, by its role."""
-    message = _object(value, path)
+    message = _FIELDS.mapping(value, path)
     role = message.get("role")
     if role == "assistant":
         return _assistant(message, path)
     if role == "tool":
-        call_id = _string(message.get("tool_call_id"), f"{path}.tool_call_id")
+        call_id = _FIELDS.string(message.get("tool_call_id"), f"{path}.tool_call_id")
         return Tool(call_id, _content(message.get("content"), f"{path}.content"))
     if role == "user":
         return _user(message.get("content"), f"{path}.content")
@@ -226,9 +205,9 @@ def _is_media(part: object) -> bool:
 def _media_part(part: dict[str, Any], path: str) -> None:
     """Check an image part (C{image_url.url}) or audio part (C{input_audio.data, format})."""
     kind = part["type"]
-    body = _object(part.get(kind), f"{path}.{kind}")
+    body = _FIELDS.mapping(part.get(kind), f"{path}.{kind}")
     for field in _MEDIA[kind]:
-        _string(body.get(field), f"{path}.{kind}.{field}")
+        _FIELDS.string(body.get(field), f"{path}.{kind}.{field}")
 
 
 def _text_part(part: object, path: str) -> str:
@@ -236,7 +215,7 @@ def _text_part(part: object, path: str) -> str:
     if isinstance(part, dict):
         kind = part.get("type")
         if kind == "text":
-            return _string(part.get("text"), f"{path}.text")
+            return _FIELDS.string(part.get("text"), f"{path}.text")
         if isinstance(kind, str):
             unsupported = f"only text parts are supported, not {show(kind)}"
             fail("unsupported_content", f"{path}.type", unsupported)
@@ -253,7 +232,7 @@ def _assistant(message: dict[str, Any], path: str) -> Assistant:
     )
     reasoning = message.get("reasoning_content")
     if reasoning is not None:
-        reasoning = _string(reasoning, f"{path}.reasoning_content")
+        reasoning = _FIELDS.string(reasoning, f"{path}.reasoning_content")
     content = message.get("content")
     if content is None and not tool_calls and reasoning is None:
         fail(_MSG, f"{path}.content", _TEXT_PARTS + " (null only with tool_calls)")
@@ -264,14 +243,14 @@ def _assistant(message: dict[str, Any], path: str) -> Assistant:
 
 def _tool_call(value: object, path: str) -> ToolCall:
     """One tool call of an assistant: C{{id, type: "function", function: {name, arguments}}}."""
-    call = _object(value, path)
+    call = _FIELDS.mapping(value, path)
     if call.get("type") not in (None, "function"):
         fail(_MSG, f"{path}.type", 'expected "function"')
-    function = _object(call.get("function"), f"{path}.function")
+    function = _FIELDS.mapping(call.get("function"), f"{path}.function")
     return ToolCall(
-        _string(call.get("id"), f"{path}.id"),
-        _string(function.get("name"), f"{path}.function.name"),
-        _string(function.get("arguments"), f"{path}.function.arguments"),
+        _FIELDS.string(call.get("id"), f"{path}.id"),
+        _FIELDS.string(function.get("name"), f"{path}.function.name"),
+        _FIELDS.string(function.get("arguments"), f"{path}.function.arguments"),
     )
 
 
@@ -284,10 +263,10 @@ def _tools(value: object) -> tuple[ToolSchema, ...]:
     tools: list[ToolSchema] = []
     for i, item in enumerate(value):
         path = f"tools[{i}]"
-        tool = _object(item, path, _TOOLS)
+        tool = _FIELDS.mapping(item, path, _TOOLS)
         if tool.get("type") != "function":
             fail(_TOOLS, f"{path}.type", 'expected "function"')
-        function = _object(tool.get("function"), f"{path}.function", _TOOLS)
+        function = _FIELDS.mapping(tool.get("function"), f"{path}.function", _TOOLS)
         name = function.get("name")
         if not isinstance(name, str) or not name:
             fail(_TOOLS, f"{path}.function.name", "expected a non-empty string")
@@ -295,7 +274,7 @@ def _tools(value: object) -> tuple[ToolSchema, ...]:
             fail(_TOOLS, f"{path}.function.name", f"{show(name)} is offered twice")
         description = function.get("description")
         if description is not None:
-            description = _string(description, f"{path}.function.description", _TOOLS)
+            description = _FIELDS.string(description, f"{path}.function.description", _TOOLS)
         parameters = function.get("parameters")
         if parameters is None:
             parameters = {"type": "object"}
@@ -316,7 +295,7 @@ def _tool_choice(
     if isinstance(value, dict) and value.get("type") == "function":
         function = value.get("function")
         name = function.get("name") if isinstance(function, dict) else None
-        name = _string(name, "tool_choice.function.name", _PARAM)
+        name = _FIELDS.string(name, "tool_choice.function.name", _PARAM)
         chosen = tuple(tool for tool in tools if tool.name == name)
         if not chosen:
             fail(_PARAM, "tool_choice.function.name", f"{show(name)} is not in tools")
@@ -350,14 +329,16 @@ def _thinking_switches(document: dict[str, Any]) -> tuple[ThinkingSwitch, ...]:
             switches.append(ThinkingSwitch("reasoning", True))
     effort = document.get("reasoning_effort")
     if effort is not None:
-        on = _string(effort, "reasoning_effort", _PARAM) != "none"
+        on = _FIELDS.string(effort, "reasoning_effort", _PARAM) != "none"
         switches.append(ThinkingSwitch("reasoning_effort", on))
     switches.extend(_aliases(document, ""))
     if _is_zero(document.get("thinking_budget")):
         switches.append(ThinkingSwitch("thinking_budget", False))
-    kwargs = _object(document.get("chat_template_kwargs"), "chat_template_kwargs", _PARAM, True)
+    kwargs = _FIELDS.mapping(
+        document.get("chat_template_kwargs"), "chat_template_kwargs", _PARAM, optional=True
+    )
     if kwargs.get("enable_thinking") is not None:
-        _flag(kwargs["enable_thinking"], "chat_template_kwargs.enable_thinking")
+        _FIELDS.flag(kwargs["enable_thinking"], "chat_template_kwargs.enable_thinking")
     switches.extend(_aliases(kwargs, "chat_template_kwargs."))
     return tuple(switches)
 
@@ -378,26 +359,9 @@ def _is_zero(value: object) -> bool:
 
 def _max_tokens(document: dict[str, Any]) -> int | None:
     """The lower of C{max_tokens} and C{max_completion_tokens}, each a positive integer."""
-    limits = []
-    for key in ("max_tokens", "max_completion_tokens"):
-        value = document.get(key)
-        if value is None:
-            continue
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            fail(_PARAM, key, "expected a positive integer")
-        limits.append(value)
+    keys = ("max_tokens", "max_completion_tokens")
+    limits = [_FIELDS.count(document[key], key) for key in keys if document.get(key) is not None]
     return min(limits) if limits else None
-
-
-def _number(value: object, path: str, high: int) -> float | None:
-    """An optional number from 0 to C{high}."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= high:
-        fail(_PARAM, path, f"expected a number from 0 to {high}")
-    return float(value)
 
 
 def _stop(value: object) -> tuple[str, ...]:
