@@ -45,7 +45,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("wire: HTTP over a Unix socket, server-sent events", ("loopd.http", "loopd.sse")),
     (
         "the llama client, the self-test, the forwarder",
-        ("loopd.llama.*", "loopd.selftest", "loopd.inferproxy"),
+        ("loopd.llama.*", "loopd.selftest.*", "loopd.inferproxy"),
     ),
     ("the lease scheduler and its protocol", ("loopd.queue.*",)),
     ("mixture of agents, pure", ("loopd.moa.*",)),
