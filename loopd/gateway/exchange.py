@@ -2,7 +2,7 @@
 """
 One request through a front door (DESIGN.md §3, decisions 15 to 19 and 40): the door reads
 the body once into the gateway's request model, one leased upstream call serves it, and the
-door writes the answer in its API's shapes (L{loopd.gateway.door}). Every door (OpenAI chat
+door writes the answer in its API's shapes (L{loopd.gateway.doors.door}). Every door (OpenAI chat
 completions, Anthropic Messages, OpenAI Responses) goes this one way, so routing, the mesh,
 leases and graces, slot affinity, the thinking cap, retries and endpoint health are the same
 for all of them.
@@ -58,13 +58,13 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from loopd.errors import ProxyRefused
 from loopd.gateway.channel import GatewayChannel
-from loopd.gateway.chat import ChatDoor
-from loopd.gateway.door import Door
+from loopd.gateway.doors.chat import ChatDoor
+from loopd.gateway.doors.door import Door
+from loopd.gateway.doors.hosted_tools import DROPPED_HEADER
+from loopd.gateway.doors.params import refusal, refused_fields
 from loopd.gateway.errors import GatewayError, error_for
 from loopd.gateway.health import EndpointUnavailableError, means_down
-from loopd.gateway.hosted_tools import DROPPED_HEADER
 from loopd.gateway.mesh import MeshExchange, MeshHost, mesh_pool
-from loopd.gateway.params import refusal, refused_fields
 from loopd.gateway.request import GatewayRequest
 from loopd.gateway.sessions import Sessions, conversation_key
 from loopd.gateway.upstream import CallKeys

@@ -47,21 +47,14 @@ from twisted.python.failure import Failure
 from twisted.web.server import Request
 
 from loopd.errors import Http
-from loopd.gateway.door import Answer, Door, replay
+from loopd.gateway.doors.door import Answer, Door, comment_line, data_line, done_line, replay
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.health import HealthBoard, means_down
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.request import GatewayRequest, SessionRef
 from loopd.gateway.router import AutoRouter, group_member
 from loopd.gateway.upstream import CallKeys, Upstreams
-from loopd.gateway.web import (
-    Exchange,
-    comment_line,
-    data_line,
-    done_line,
-    open_event_stream,
-    write_json,
-)
+from loopd.gateway.web import Exchange, open_event_stream, write_json
 from loopd.llama.retry import is_retryable
 from loopd.llama.types import ChatRequest, Completion, FinishReason, Timings, ToolCall
 from loopd.moa.engine import MeshTimings, MeshTurn, TurnResult

@@ -1,10 +1,10 @@
-# -*- test-case-name: loopd.test.test_gateway_translate -*-
+# -*- test-case-name: loopd.test.test_doors_chat_read -*-
 """
 The gateway's one request model (DESIGN §3 decision 40): L{GatewayRequest}, what a front door
 makes of a request's body and headers, and the only thing every later stage reads: the
 C{auto} router, the mesh, the translation to the upstream request, the leases.
 
-A front door (today C{POST /v1/chat/completions}, L{loopd.gateway.translate}) decodes and
+A front door (today C{POST /v1/chat/completions}, L{loopd.gateway.doors.chat_read}) decodes and
 checks a body once and hands on a L{GatewayRequest}; nothing after it sees the body again.
 The session the request belongs to comes from its headers and, after them, the ids a front door
 finds in its body (L{read_session}, L{session_id}; DESIGN §3 decision 36).
@@ -145,7 +145,7 @@ class GatewayRequest:
         C{thinking.budget_tokens}, a Responses C{reasoning.effort}), below the config's;
         C{None} for the config's.
     @ivar fields: the body fields the front door passes to the server as they are
-        (L{ChatRequest.fields}; L{loopd.gateway.params}).
+        (L{ChatRequest.fields}; L{loopd.gateway.doors.params}).
     @ivar return_progress: a streamed answer carries the server's C{prompt_progress}
         chunks, as llama-server's own stream does when asked (loopd always asks the
         server for them; its own C{progress} comments go out either way).
@@ -155,7 +155,7 @@ class GatewayRequest:
     @ivar extras: the body's top-level fields loopd does not model, as sent, so that no
         later stage has to read the body again.
     @ivar dropped: the hosted tools the door left out, by type (C{web_search}), each once,
-        in the order met (decision 43, L{loopd.gateway.hosted_tools}): the route names them
+        in the order met (decision 43, L{loopd.gateway.doors.hosted_tools}): the route names them
         in the answer's C{X-Loopd-Dropped} header, logs and counts them.
     @ivar tool_namespaces: the tools the door flattened out of a namespace (Codex CLI's
         C{{"type": "namespace"}} tools), each by the flat name the model sees

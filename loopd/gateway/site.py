@@ -17,10 +17,8 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
-from loopd.gateway.anthropic import MessagesDoor
 from loopd.gateway.channel import ErrorShape, GatewaySite
-from loopd.gateway.chat import ChatDoor
-from loopd.gateway.door import Door
+from loopd.gateway.doors.table import front_doors
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.exchange import DoorRoute
 from loopd.gateway.health import HealthBoard, ProbePace
@@ -28,8 +26,6 @@ from loopd.gateway.leases import GatewayLeases, queue_status
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.probe import HealthProbes
 from loopd.gateway.request import GatewayRequest
-from loopd.gateway.response_store import ResponseStore
-from loopd.gateway.responses import ResponsesDoor
 from loopd.gateway.router import AUTO_MODEL, AutoRouter, RandomSource, place
 from loopd.gateway.sessions import Sessions
 from loopd.gateway.token_count import CountTokens
@@ -131,15 +127,8 @@ class Gateway:
         )
         self.metrics.watch_slot_files(self.upstreams.slot_swap.counts)
         self.late_system = self.upstreams.late_system
-        # One store for every listener: a follow-up may come on another socket.
-        hosted_tools = config.doors.hosted_tools
-        self._messages = MessagesDoor(hosted_tools)
         #: The front doors by path: the site's routes and every error shape come from here.
-        self.doors: tuple[tuple[bytes, Door], ...] = (
-            (b"/v1/chat/completions", ChatDoor()),
-            (b"/v1/messages", self._messages),
-            (b"/v1/responses", ResponsesDoor(ResponseStore(reactor.seconds), hosted_tools)),
-        )
+        self.doors = front_doors(config.doors.hosted_tools, reactor.seconds)
         self.metrics.watch_router(self.router, reactor.seconds)
         self.metrics.watch_health(self.health)
         self.metrics.watch_pacing({name: client.pacer for name, client in self.clients.items()})
@@ -202,10 +191,12 @@ class Gateway:
         @param guard: wraps the root resource, such as the TCP listener's token check
             (L{loopd.gateway.token_guard.TokenGuard}); None: the routes as they are.
         """
-        routes: dict[bytes, Resource] = {path: DoorRoute(self, door) for path, door in self.doors}
+        routes: dict[bytes, Resource] = {
+            path: DoorRoute(self, door) for path, door in self.doors.by_path
+        }
         routes.update(
             {
-                b"/v1/messages/count_tokens": CountTokens(self, self._messages),
+                b"/v1/messages/count_tokens": CountTokens(self, self.doors.messages),
                 b"/v1/models": JsonRoute(self._models),
                 b"/health": JsonRoute(self._health),
                 b"/metrics": _Metrics(self.metrics),
@@ -252,7 +243,7 @@ class Gateway:
         listener's token guard, so that every error under a door's path is in that door's
         shape. Any other path gets OpenAI's.
         """
-        return [(path, door.error) for path, door in self.doors]
+        return [(path, door.error) for path, door in self.doors.by_path]
 
     def _index(self) -> tuple[int, object]:
         """

@@ -26,8 +26,8 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
-from loopd.gateway.anthropic import MessagesDoor, anthropic_error
-from loopd.gateway.door import Header
+from loopd.gateway.doors.door import Header
+from loopd.gateway.doors.messages import MessagesDoor, anthropic_error
 from loopd.gateway.errors import GatewayError, error_for
 from loopd.gateway.late_system import LateSystem
 from loopd.gateway.request import GatewayRequest

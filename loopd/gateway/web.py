@@ -18,16 +18,11 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from loopd.gateway.errors import GatewayError
-from loopd.sse import DONE, encode_comment, encode_data
 
 __all__ = [
     "Exchange",
     "JsonRoute",
     "Root",
-    "comment_line",
-    "compact_json",
-    "data_line",
-    "done_line",
     "open_event_stream",
     "write_json",
 ]
@@ -41,14 +36,6 @@ class Exchange(Protocol):
 
     def shutdown(self) -> None:
         """The daemon is stopping: answer the client with an error and stop."""
-
-
-def compact_json(payload: object) -> str:
-    """
-    C{payload} as compact JSON text, non-ASCII text kept as it is: how every event a front
-    door streams is encoded.
-    """
-    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
 
 
 def write_json(request: Request, status: int, body: object) -> bytes:
@@ -72,21 +59,6 @@ def open_event_stream(request: Request) -> None:
     request.setHeader(b"content-type", b"text/event-stream")
     request.setHeader(b"cache-control", b"no-cache")
     request.setHeader(b"x-accel-buffering", b"no")
-
-
-def data_line(payload: object) -> bytes:
-    """One SSE C{data:} event carrying C{payload} as JSON."""
-    return encode_data(compact_json(payload))
-
-
-def done_line() -> bytes:
-    """The C{data: [DONE]} event that ends an OpenAI stream."""
-    return encode_data(DONE)
-
-
-def comment_line(payload: object) -> bytes:
-    """One C{: loopd} comment line carrying C{payload} as JSON (OpenAI clients ignore it)."""
-    return encode_comment("loopd " + compact_json(payload))
 
 
 class JsonRoute(Resource):

@@ -13,12 +13,12 @@ from typing import Any
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.gateway.anthropic import MessagesDoor
-from loopd.gateway.chat import ChatDoor
-from loopd.gateway.door import Door
+from loopd.gateway.doors.chat import ChatDoor
+from loopd.gateway.doors.door import Door
+from loopd.gateway.doors.messages import MessagesDoor
+from loopd.gateway.doors.responses import ResponsesDoor
+from loopd.gateway.doors.responses_store import ResponseStore
 from loopd.gateway.request import SESSION_ID_HEADERS, GatewayRequest
-from loopd.gateway.response_store import ResponseStore
-from loopd.gateway.responses import ResponsesDoor
 from loopd.llama.types import Assistant, System, Tool, User
 from loopd.test.support.agent_captures import FIXTURES, load
 

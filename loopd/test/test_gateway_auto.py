@@ -18,10 +18,10 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.errors import ProxyRefused
+from loopd.gateway.doors.chat_read import parse_request
 from loopd.gateway.mesh import mesh_pool
 from loopd.gateway.request import SessionRef
 from loopd.gateway.router import group_member
-from loopd.gateway.translate import parse_request
 from loopd.settings import Config, Endpoint, Expect, Retry
 from loopd.testing.fake_llama import CHAT, LOADING, Reply, error_reply
 from loopd.testing.gateway import HI, GatewayHarness, make_config

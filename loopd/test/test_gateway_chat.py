@@ -1,5 +1,5 @@
 """
-Tests for L{loopd.gateway.exchange} and L{loopd.gateway.chat}: C{POST /v1/chat/completions}
+Tests for L{loopd.gateway.exchange} and L{loopd.gateway.doors.chat}: C{POST /v1/chat/completions}
 through the gateway's site with real HTTP parsing, against the scripted fake llama-server in
 memory on a C{MemoryReactorClock} (L{loopd.testing.gateway.GatewayHarness}). Nothing sleeps:
 the clock jumps from one scheduled call to the next.
@@ -8,20 +8,12 @@ the clock jumps from one scheduled call to the next.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from typing import Any
 
-from hypothesis import example, given
-from hypothesis import strategies as st
 from twisted.logger import capturedLogs, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.gateway.chat import ChatDoor
-from loopd.gateway.render import ChunkStream
-from loopd.gateway.translate import parse_request
-from loopd.gateway.web import data_line
-from loopd.llama.types import Content, Reasoning
 from loopd.settings import Retry
 from loopd.testing.fake_llama import CHAT, LOADING, SLOTS, error_reply, sse_reply
 from loopd.testing.gateway import (
@@ -610,52 +602,3 @@ class SessionTests(ChatTestCase):
             self.harness.advance(1)
         texts = [formatEvent(e) for e in events if "cache" in e.get("log_format", "")]
         self.assertEqual(texts, ["cache hit for session a on slot 0: reused 100 of 100 tokens"])
-
-
-class TextLineTests(SynchronousTestCase):
-    """
-    A plain text piece's SSE line comes from a template (L{loopd.gateway.chat._TextLine});
-    it is byte for byte the line of the chunk the general renderer builds for it.
-    """
-
-    def general(self, stream: ChunkStream, event: Reasoning | Content) -> bytes:
-        """The line of L{ChunkStream}'s chunk for C{event}, encoded by L{data_line}."""
-        (chunk,) = stream.chunks_for(event)
-        return data_line(chunk)
-
-    @example(text="a", model="\x00", content=True, include_usage=False)
-    @given(
-        text=st.text(min_size=1),
-        model=st.text(max_size=20),
-        content=st.booleans(),
-        include_usage=st.booleans(),
-    )
-    def test_same_bytes_as_the_chunk(
-        self, text: str, model: str, content: bool, include_usage: bool
-    ) -> None:
-        """
-        Any text (escapes, quotes, non-ASCII, control characters), any model name, the
-        template's own sample text among them.
-        """
-        stream = ChunkStream("chatcmpl-1", model, NOW, include_usage)
-        answer = ChatDoor().answer(
-            dataclasses.replace(
-                parse_request(json.dumps(HI).encode()), include_usage=include_usage
-            ),
-            model,
-            NOW,
-        )
-        kind = Content if content else Reasoning
-        event = kind(text, 7)
-        line = answer.during(event)
-        expected = self.general(stream, event)
-        # Only the completion id differs: the answer made a fresh one.
-        self.assertEqual(line.replace(json.loads(line[6:])["id"].encode(), b"chatcmpl-1"), expected)
-
-    def test_others_from_the_chunks(self) -> None:
-        """A piece with logprobs or of another choice is rendered whole, as before."""
-        answer = ChatDoor().answer(parse_request(json.dumps(HI).encode()), "tiny", NOW)
-        with_logprobs = json.loads(answer.during(Content("a", logprobs=({"token": "a"},)))[6:])
-        self.assertEqual(with_logprobs["choices"][0]["logprobs"], {"content": [{"token": "a"}]})
-        second = json.loads(answer.during(Reasoning("b", choice=1))[6:])
-        self.assertEqual(second["choices"][0]["index"], 1)

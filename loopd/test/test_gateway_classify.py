@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.gateway.classify import Classification, classify
+from loopd.gateway.doors.chat_read import parse_request
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.request import GatewayRequest
-from loopd.gateway.translate import parse_request
 
 
 def request(body: dict[str, Any]) -> GatewayRequest:

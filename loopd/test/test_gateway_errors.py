@@ -1,6 +1,6 @@
 """
 Tests of the gateway's errors: L{loopd.gateway.errors} (the error body, the mapping of
-failures to it) and the 400s of L{loopd.gateway.translate.parse_request}, one test per
+failures to it) and the 400s of L{loopd.gateway.doors.chat_read.parse_request}, one test per
 class of bad input.
 """
 
@@ -27,9 +27,9 @@ from loopd.errors import (
     ThinkingOverrun,
     WaitTimeout,
 )
+from loopd.gateway.doors.chat_read import parse_request
 from loopd.gateway.errors import GatewayError, error_for
 from loopd.gateway.request import GatewayRequest
-from loopd.gateway.translate import parse_request
 from loopd.test.support.json_paths import paths
 
 CONTEXT_MESSAGE = "request (9000 tokens) exceeds the available context size (8192 tokens)"

@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
+from loopd.gateway.doors.chat_read import THINKING_ALIASES, parse_request
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.request import (
     MAX_SESSION_ID_BYTES,
@@ -24,7 +25,6 @@ from loopd.gateway.request import (
     read_session,
     session_id,
 )
-from loopd.gateway.translate import THINKING_ALIASES, parse_request
 from loopd.llama.types import ChatRequest, ToolSchema, User
 
 USER = {"role": "user", "content": "Hi"}

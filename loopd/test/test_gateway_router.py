@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.gateway.classify import Classification, classify
+from loopd.gateway.doors.chat_read import parse_request
 from loopd.gateway.errors import GatewayError, error_for
 from loopd.gateway.request import GatewayRequest
 from loopd.gateway.router import (
@@ -45,7 +46,6 @@ from loopd.gateway.router import (
     tools_from_props,
     wants_auto,
 )
-from loopd.gateway.translate import parse_request
 from loopd.moa.roles import Tier
 from loopd.settings import Endpoint
 

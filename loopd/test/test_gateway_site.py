@@ -112,12 +112,12 @@ class RefusalTests(SynchronousTestCase):
         gateway = self.harness.gateway
         site = self.harness.site
         assert isinstance(site, GatewaySite)
-        errors = [door.error for _, door in gateway.doors]
+        errors = [door.error for _, door in gateway.doors.by_path]
         self.assertEqual(
-            [path for path, _ in gateway.doors],
+            [path for path, _ in gateway.doors.by_path],
             [b"/v1/chat/completions", b"/v1/messages", b"/v1/responses"],
         )
-        for path, door in gateway.doors:
+        for path, door in gateway.doors.by_path:
             for target in (path, path + b"?beta=true", path + b"/count_tokens"):
                 self.assertEqual(site.shape_for(target), door.error)
         for other in (b"/v1/models", b"/health", b"/", None):

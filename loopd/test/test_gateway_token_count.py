@@ -15,7 +15,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.server import NOT_DONE_YET
 from twisted.web.test.requesthelper import DummyRequest
 
-from loopd.gateway.anthropic import parse_messages
+from loopd.gateway.doors.messages_read import parse_messages
 from loopd.gateway.token_count import CountTokens, template_body
 from loopd.testing.fake_llama import TOKENIZE, error_reply, json_reply
 from loopd.testing.gateway import GatewayHarness, make_config

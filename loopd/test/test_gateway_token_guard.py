@@ -23,8 +23,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
 
-from loopd.gateway.anthropic import anthropic_error
 from loopd.gateway.channel import GatewaySite
+from loopd.gateway.doors.messages import anthropic_error
 from loopd.gateway.token_guard import TokenGuard, openai_shape
 from loopd.gateway.web import JsonRoute, Root
 from loopd.settings import Server

@@ -21,9 +21,13 @@ from loopd import config, settings
 
 ROOT = Path(loopd.__file__).parent.parent
 
+#: What every front door reads into and fails with: the one request model and its errors.
+GATEWAY_MODEL = ("loopd.gateway.errors", "loopd.gateway.request")
+
 #: The package's layers, lowest first. A module may import its own layer and the ones below
 #: it, never one above. An entry names a module exactly, or with C{.*} a package and
-#: everything in it.
+#: everything in it; a module belongs to its most specific entry (C{loopd.gateway.errors}
+#: before C{loopd.gateway.*}).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "ground: errors, values, strict parsing, the config files",
@@ -49,6 +53,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("the lease scheduler and its protocol", ("loopd.queue.*",)),
     ("mixture of agents, pure", ("loopd.moa.*",)),
+    ("the gateway's one request model and its errors", GATEWAY_MODEL),
+    ("the front doors, pure", ("loopd.gateway.doors.*",)),
     ("the gateway", ("loopd.gateway.*",)),
     (
         "the daemon and the terminal chat",
@@ -87,7 +93,12 @@ def imported(path: Path, known: dict[str, Path]) -> Iterator[str]:
     The package's modules that C{path} imports, anywhere in it: C{from loopd.x import y}
     is an import of C{loopd.x.y} when that is a module, else of C{loopd.x}.
     """
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    return imported_from(path.read_text(encoding="utf-8"), path, known)
+
+
+def imported_from(source: str, path: Path, known: dict[str, Path]) -> Iterator[str]:
+    """L{imported} of C{source}, the text of the file at C{path}."""
+    for node in ast.walk(ast.parse(source, str(path))):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             for alias in node.names:
                 candidate = f"{node.module}.{alias.name}"
@@ -117,12 +128,55 @@ def names(entry: str, module: str) -> bool:
     return module == entry
 
 
+def naming(module: str) -> list[tuple[int, int]]:
+    """
+    Each L{LAYERS} entry naming C{module}, most specific first: its length without C{.*}
+    (a longer entry names fewer modules) and its layer's index.
+    """
+    found = [
+        (len(entry.removesuffix(".*")), index)
+        for index, (_, entries) in enumerate(LAYERS)
+        for entry in entries
+        if names(entry, module)
+    ]
+    return sorted(found, reverse=True)
+
+
 def layer_of(module: str) -> int | None:
-    """The index in L{LAYERS} of the layer naming C{module}, else None."""
-    for index, (_, entries) in enumerate(LAYERS):
-        if any(names(entry, module) for entry in entries):
-            return index
-    return None
+    """The index in L{LAYERS} of the layer whose most specific entry names C{module}."""
+    found = naming(module)
+    return found[0][1] if found else None
+
+
+#: What the front doors may import of the package besides themselves: the request model
+#: and its errors, the llama client's values and its rendering of messages, the event
+#: stream's framing, strict JSON. Nothing of Twisted, the exchange, the mesh, the upstream
+#: call, the sessions or the leases.
+DOORS_MAY_IMPORT = frozenset(
+    {*GATEWAY_MODEL, "loopd.llama.types", "loopd.llama.request", "loopd.sse", "loopd.strict_json"}
+)
+
+
+def impure_imports(source: str, known: dict[str, Path]) -> list[str]:
+    """
+    What a front door's C{source} imports that a door may not: any Twisted module, and any
+    module of the package outside the doors and L{DOORS_MAY_IMPORT}.
+    """
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        modules = []
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        found += [m for m in modules if m == "twisted" or m.startswith("twisted.")]
+    path = Path("<source>")
+    found += [
+        target
+        for target in imported_from(source, path, known)
+        if not names("loopd.gateway.doors.*", target) and target not in DOORS_MAY_IMPORT
+    ]
+    return sorted(set(found))
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -196,7 +250,7 @@ class LayoutTests(SynchronousTestCase):
         twice = [
             name
             for name in package_modules()
-            if sum(any(names(e, name) for e in entries) for _, entries in LAYERS) > 1
+            if len(found := naming(name)) > 1 and found[0][0] == found[1][0]
         ]
         self.assertEqual(twice, [])
         self.assertIsNone(layer_of("loopd.unheard_of"))
@@ -212,6 +266,38 @@ class LayoutTests(SynchronousTestCase):
             and there > here
         )
         self.assertEqual(upward, [])
+
+    def test_doors_are_pure(self) -> None:
+        """
+        The front doors (L{loopd.gateway.doors}) import no Twisted and nothing of the
+        package but each other and L{DOORS_MAY_IMPORT}: a door is a reader and a writer,
+        and the exchange is the same for every door.
+        """
+        known = package_modules()
+        doors = [path for name, path in known.items() if names("loopd.gateway.doors.*", name)]
+        self.assertIn("loopd.gateway.doors.chat", known)
+        offenders = {
+            str(path.relative_to(ROOT)): found
+            for path in doors
+            if (found := impure_imports(path.read_text(encoding="utf-8"), known))
+        }
+        self.assertEqual(offenders, {})
+
+    def test_impure_imports_found(self) -> None:
+        """The doors rule sees Twisted and the exchange, anywhere in a module (it can fail)."""
+        known = package_modules()
+        source = (
+            "from twisted.internet import defer\n"
+            "import twisted.web.server\n"
+            "def f():\n"
+            "    from loopd.gateway.exchange import DoorRoute\n"
+            "from loopd.gateway.request import GatewayRequest\n"
+            "from loopd.gateway.doors.fields import Fields\n"
+        )
+        self.assertEqual(
+            impure_imports(source, known),
+            ["loopd.gateway.exchange", "twisted.internet", "twisted.web.server"],
+        )
 
     def test_no_import_circle(self) -> None:
         """No modules import each other, directly or around a circle, at any depth."""

@@ -22,7 +22,7 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.gateway.translate import parse_request
+from loopd.gateway.doors.chat_read import parse_request
 from loopd.llama.request import chat_body
 from loopd.llama.types import ChatRequest, Completion, FinishReason, Timings, ToolCall
 from loopd.moa.context import loop_guard_text

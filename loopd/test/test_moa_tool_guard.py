@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.gateway.translate import parse_request
+from loopd.gateway.doors.chat_read import parse_request
 from loopd.llama.types import System, ToolSchema
 from loopd.moa.outcome import Kind, Outcome
 from loopd.moa.tool_guard import (

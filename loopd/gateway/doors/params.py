@@ -1,4 +1,4 @@
-# -*- test-case-name: loopd.test.test_gateway_params -*-
+# -*- test-case-name: loopd.test.test_doors_params -*-
 """
 The chat parameters loopd passes to the server as they are (issue 14, Deliver 0): which body
 fields of a chat-completions request reach the server, which loopd reads itself, which it
@@ -34,8 +34,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final, Literal
 
+from loopd.gateway.doors.fields import integral
 from loopd.gateway.errors import GatewayError
-from loopd.gateway.fields import integral
 
 __all__ = [
     "IGNORED_FIELDS",

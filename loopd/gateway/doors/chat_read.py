@@ -1,18 +1,17 @@
-# -*- test-case-name: loopd.test.test_gateway_translate,loopd.test.test_gateway_errors -*-
+# -*- test-case-name: loopd.test.test_doors_chat_read,loopd.test.test_gateway_errors -*-
 """
 The chat-completions front door's reader: L{parse_request} decodes and checks a
 C{POST /v1/chat/completions} body once and makes it the gateway's one request model, a
 L{GatewayRequest}, or raises a 400 L{GatewayError} naming the field. The way back out is
-L{loopd.gateway.render}. Pure: no I/O, no reactor, no twisted.web.
+L{loopd.gateway.doors.chat}. Pure: no I/O, no reactor, no twisted.web.
 """
 
 from __future__ import annotations
 
 from typing import Any, Final
 
-from loopd.gateway.body import decode_body, fail, show
-from loopd.gateway.fields import Fields
-from loopd.gateway.params import split_fields
+from loopd.gateway.doors.fields import Fields, decode_body, fail, show
+from loopd.gateway.doors.params import split_fields
 from loopd.gateway.request import NO_SESSION, GatewayRequest, SessionRef, ThinkingSwitch
 from loopd.llama.types import (
     Assistant,
@@ -56,7 +55,7 @@ THINKING_ALIASES: Final = (
 """The boolean spellings of "thinking on", in the order they are read (reference §1.6)."""
 
 #: The top-level fields this reader models; every other one goes through
-#: L{loopd.gateway.params.split_fields}.
+#: L{loopd.gateway.doors.params.split_fields}.
 _MODELLED: Final = frozenset(
     {
         "model",
@@ -85,7 +84,7 @@ def parse_request(body: bytes, session: SessionRef = NO_SESSION) -> GatewayReque
 
     The body is UTF-8 JSON in the interoperable profile of L{loopd.strict_json} (no
     C{NaN}, no number too large for a double, no lone surrogate) and an object. Unknown keys
-    are L{loopd.gateway.params.split_fields}'s: the fields for the server become
+    are L{loopd.gateway.doors.params.split_fields}'s: the fields for the server become
     C{fields}, the ones loopd reads itself or ignores stay in C{extras}
     (C{return_progress} and C{timings_per_token} are read from them), and any other is a
     400 naming it; C{null}

@@ -1,11 +1,11 @@
-"""Tests for L{loopd.gateway.response_store}."""
+"""Tests for L{loopd.gateway.doors.responses_store}."""
 
 from __future__ import annotations
 
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.gateway.response_store import (
+from loopd.gateway.doors.responses_store import (
     MAX_AGE_SECONDS,
     MAX_RESPONSES,
     ResponseStore,

@@ -1,5 +1,5 @@
 """
-Tests for L{loopd.gateway.door}: the events that replay a finished completion, and loopd's
+Tests for L{loopd.gateway.doors.door}: the events that replay a finished completion, and loopd's
 own events as every door's comment lines.
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.gateway.door import loopd_comment, replay
+from loopd.gateway.doors.door import loopd_comment, replay
 from loopd.llama.types import (
     Completion,
     Content,

@@ -1,5 +1,5 @@
 """
-Tests for L{loopd.gateway.hosted_tools}: which tool types each API's own servers run, and
+Tests for L{loopd.gateway.doors.hosted_tools}: which tool types each API's own servers run, and
 the refusal under C{[doors] hosted_tools = "refuse"}.
 """
 
@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.gateway.errors import GatewayError
-from loopd.gateway.hosted_tools import (
+from loopd.gateway.doors.hosted_tools import (
     hosted_messages_tool,
     hosted_responses_tool,
     refuse_hosted,
 )
+from loopd.gateway.errors import GatewayError
 
 
 class HostedTypesTests(SynchronousTestCase):

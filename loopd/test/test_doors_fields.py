@@ -1,5 +1,5 @@
 """
-Tests for L{loopd.gateway.fields}: the one field reader of the front doors, over every JSON
+Tests for L{loopd.gateway.doors.fields}: the one field reader of the front doors, over every JSON
 value hypothesis makes, with each door's error codes.
 """
 
@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
+from loopd.gateway.doors.fields import Fields, integral
 from loopd.gateway.errors import GatewayError
-from loopd.gateway.fields import Fields, integral
 
 #: A door's reader with codes of its own, so that a test sees which code an error took.
 READ = Fields("shape_code", "value_code")

@@ -1,4 +1,4 @@
-# -*- test-case-name: loopd.test.test_gateway_door -*-
+# -*- test-case-name: loopd.test.test_doors_door -*-
 """
 What a front door is (DESIGN §3 decision 40): one wire API (OpenAI chat completions,
 Anthropic Messages, OpenAI Responses) reduced to two jobs, reading and writing.
@@ -17,6 +17,7 @@ Pure: protocols, values and their rendering, no I/O.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Protocol
@@ -35,8 +36,19 @@ from loopd.llama.types import (
     ToolCallDelta,
     Waiting,
 )
+from loopd.sse import DONE, encode_comment, encode_data
 
-__all__ = ["Answer", "Door", "Header", "loopd_comment", "replay"]
+__all__ = [
+    "Answer",
+    "Door",
+    "Header",
+    "comment_line",
+    "compact_json",
+    "data_line",
+    "done_line",
+    "loopd_comment",
+    "replay",
+]
 
 Header = Callable[[bytes], "bytes | None"]
 """A request's header by its lower-case name, C{None} when absent."""
@@ -111,6 +123,29 @@ class Door(Protocol):
         shape. The status may differ from C{error.status} where the API says so (Anthropic
         answers loopd's Busy with 529 C{overloaded_error}).
         """
+
+
+def compact_json(payload: object) -> str:
+    """
+    C{payload} as compact JSON text, non-ASCII text kept as it is: how every event a front
+    door streams is encoded.
+    """
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+
+
+def data_line(payload: object) -> bytes:
+    """One SSE C{data:} event carrying C{payload} as JSON."""
+    return encode_data(compact_json(payload))
+
+
+def done_line() -> bytes:
+    """The C{data: [DONE]} event that ends an OpenAI stream."""
+    return encode_data(DONE)
+
+
+def comment_line(payload: object) -> bytes:
+    """One C{: loopd} comment line carrying C{payload} as JSON (OpenAI clients ignore it)."""
+    return encode_comment("loopd " + compact_json(payload))
 
 
 def replay(completion: Completion) -> tuple[ChatEvent, ...]:

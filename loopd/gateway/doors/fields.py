@@ -1,9 +1,11 @@
-# -*- test-case-name: loopd.test.test_gateway_fields -*-
+# -*- test-case-name: loopd.test.test_doors_fields -*-
 """
-The one field reader of the front doors: the checks every door makes of a request's plain
-fields (a boolean, a string, an object, a number in a range, a whole number), each failing
-with a 400 C{invalid_request_error} that names the field's path (also its C{param}) and
-carries the door's own error code (L{Fields}).
+The one field reader of the front doors: a body decoded into its JSON object
+(L{decode_body}), the 400 that names a field (L{fail}), a client's value quoted in a message
+(L{show}), and the checks every door makes of a request's plain fields (a boolean, a string,
+an object, a number in a range, a whole number), each failing with a 400
+C{invalid_request_error} that names the field's path (also its C{param}) and carries the
+door's own error code (L{Fields}).
 
 JSON numbers are read as the clients' JavaScript writes them: an integral number such as
 C{2.0} is an integer (L{integral}, the one place that says so), and a boolean is no number.
@@ -13,12 +15,48 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
-from loopd.gateway.body import fail
+from loopd import strict_json
+from loopd.gateway.errors import GatewayError
 
-__all__ = ["Fields", "integral"]
+__all__ = ["Fields", "decode_body", "fail", "integral", "show"]
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    """
+    The body's JSON object (L{strict_json}'s interoperable profile: no C{NaN}, no number too
+    large for a double, no lone surrogate).
+
+    @raise GatewayError: 400 C{invalid_json} or C{not_an_object}.
+    """
+    try:
+        document = strict_json.decode(body, interoperable=True)
+    except strict_json.JSONError as error:
+        raise GatewayError(
+            400, f"body: not valid UTF-8 JSON ({error})", "invalid_request_error", "invalid_json"
+        ) from None
+    if not isinstance(document, dict):
+        raise GatewayError(
+            400, "body: expected a JSON object", "invalid_request_error", "not_an_object"
+        )
+    return document
+
+
+def fail(code: str, path: str, problem: str) -> NoReturn:
+    """
+    Raise the 400 C{invalid_request_error} C{code} for the field at C{path}, which is also
+    its C{param}.
+    """
+    raise GatewayError(400, f"{path}: {problem}", "invalid_request_error", code, param=path)
+
+
+def show(value: object) -> str:
+    """A client's value quoted for a message, shortened when long."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 60 else text[:56] + '..."'
 
 
 def integral(value: object) -> object:

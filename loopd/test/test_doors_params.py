@@ -1,5 +1,5 @@
 """
-Tests for L{loopd.gateway.params}: which chat fields reach the server, which loopd keeps,
+Tests for L{loopd.gateway.doors.params}: which chat fields reach the server, which loopd keeps,
 which it refuses.
 """
 
@@ -9,8 +9,7 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.gateway.errors import GatewayError
-from loopd.gateway.params import (
+from loopd.gateway.doors.params import (
     IGNORED_FIELDS,
     LLAMA_FIELDS,
     LOOPD_FIELDS,
@@ -21,6 +20,7 @@ from loopd.gateway.params import (
     refused_fields,
     split_fields,
 )
+from loopd.gateway.errors import GatewayError
 from loopd.llama.request import LLAMA_ONLY_FIELDS
 
 #: A value of the right type for each kind.

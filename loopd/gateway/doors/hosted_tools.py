@@ -1,4 +1,4 @@
-# -*- test-case-name: loopd.test.test_gateway_hosted_tools -*-
+# -*- test-case-name: loopd.test.test_doors_hosted_tools -*-
 """
 Hosted tools (DESIGN §3 decision 43): the tools that an API's own servers run, which no local
 model can: OpenAI's C{web_search}, C{file_search}, C{code_interpreter}, C{computer_use},
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Final, Literal
 
-from loopd.gateway.body import fail
+from loopd.gateway.doors.fields import fail
 
 __all__ = [
     "DROPPED_HEADER",

@@ -1,7 +1,7 @@
-# -*- test-case-name: loopd.test.test_gateway_response_store -*-
+# -*- test-case-name: loopd.test.test_doors_responses_store -*-
 """
 The finished responses of C{POST /v1/responses} that a later request may continue with
-C{previous_response_id} (L{loopd.gateway.responses}).
+C{previous_response_id} (L{loopd.gateway.doors.responses}).
 
 A bounded store in memory: at most L{MAX_RESPONSES} responses, each for at most
 L{MAX_AGE_SECONDS} after it was stored; past either limit the oldest goes first. Nothing
