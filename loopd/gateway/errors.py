@@ -27,7 +27,7 @@ from loopd.errors import (
     WaitTimeout,
 )
 
-__all__ = ["GatewayError", "error_for"]
+__all__ = ["GatewayError", "MeshTurnError", "error_for"]
 
 
 class GatewayError(Exception):
@@ -114,6 +114,22 @@ _UPSTREAM_MESSAGES: dict[type[InferError], str] = {
 
 INTERNAL_MESSAGE = "loopd failed to handle the request; its log has the details"
 """The message of a 500: it names no internals."""
+
+
+class MeshTurnError(GatewayError):
+    """
+    A mesh turn that gave no answer (reference/mesh-moa.md §1.12): a 502 C{server_error}
+    with the turn's code (C{all_workers_failed}, C{all_reducers_failed},
+    C{no_usable_answer}) and message. Each door answers it in its error shape; chat
+    completions in the reference's failure body (L{loopd.gateway.doors.chat_mesh}).
+    """
+
+    def __init__(self, message: str, code: str) -> None:
+        """
+        @param message: what failed, for a person.
+        @param code: the turn's failure code.
+        """
+        super().__init__(502, message, "server_error", code)
 
 
 def error_for(error: BaseException) -> GatewayError:

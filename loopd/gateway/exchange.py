@@ -38,6 +38,9 @@ the stream first if nothing opened it yet (Qwen Code also gives up after 120 s w
 headers). A keep-alive that opened the stream makes a later failure an error event, as any
 opening does.
 
+The client side (where the answer stands, the stream opened once, an error by phase, the
+client leaving, the end) is L{loopd.gateway.reply}'s, shared with the mesh's exchange.
+
 Backpressure: a streaming exchange registers a L{Flow} as its request's producer, and the
 upstream call reads through it, so a client that stops reading pauses the upstream read
 and loopd's buffers stay bounded; reading resumes when the client drains them.
@@ -45,7 +48,6 @@ and loopd's buffers stay bounded; reading resumes when the client drains them.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import replace
 from typing import Protocol
 
@@ -58,17 +60,17 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from loopd.errors import ProxyRefused
 from loopd.gateway.channel import GatewayChannel
-from loopd.gateway.doors.chat import ChatDoor
 from loopd.gateway.doors.door import Door
 from loopd.gateway.doors.hosted_tools import DROPPED_HEADER
 from loopd.gateway.doors.params import refusal, refused_fields
 from loopd.gateway.errors import GatewayError, error_for
 from loopd.gateway.health import EndpointUnavailableError, means_down
 from loopd.gateway.mesh import MeshExchange, MeshHost, mesh_pool
+from loopd.gateway.reply import Phase, Reply
 from loopd.gateway.request import GatewayRequest
 from loopd.gateway.sessions import Sessions, conversation_key
 from loopd.gateway.upstream import CallKeys
-from loopd.gateway.web import open_event_stream, write_json
+from loopd.gateway.web import write_json
 from loopd.llama import Flow
 from loopd.llama.retry import is_retryable
 from loopd.llama.types import ChatEvent, Completion, Content, Reasoning, ToolCallDelta
@@ -138,9 +140,7 @@ class DoorRoute(Resource):
                 refused = refused_fields(parsed.fields, "mesh")
                 if refused:
                     raise refusal(refused, "on model mesh")
-                # Chat completions keep the reference's own mesh shapes (§1.12).
-                door = None if isinstance(self._door, ChatDoor) else self._door
-                MeshExchange(host, request, parsed, pool, door).start()
+                MeshExchange(host, self._door, request, parsed, pool).start()
                 return NOT_DONE_YET
             parsed = _placed(host, parsed)
             if pool is None:
@@ -227,10 +227,17 @@ def write_error(request: Request, error: GatewayError, door: Door) -> bytes:
     Answer C{error} with the status and JSON body of C{door}'s error shape (L{write_json}),
     and the C{Retry-After} of an L{EndpointUnavailableError}.
     """
-    if isinstance(error, EndpointUnavailableError):
-        request.setHeader(b"retry-after", b"%d" % error.retry_after)
+    for name, value in retry_after(error):
+        request.setHeader(name, value)
     status, body = door.error(error)
     return write_json(request, status, body)
+
+
+def retry_after(error: GatewayError) -> list[tuple[bytes, bytes]]:
+    """The C{Retry-After} header of an L{EndpointUnavailableError}; none for another error."""
+    if isinstance(error, EndpointUnavailableError):
+        return [(b"retry-after", b"%d" % error.retry_after)]
+    return []
 
 
 def _anonymous(host: ExchangeHost, request: Request) -> str:
@@ -245,14 +252,6 @@ def _anonymous(host: ExchangeHost, request: Request) -> str:
             channel.when_closed(lambda: host.upstreams.end_session(session))
 
     return host.sessions.anonymous_id(channel, end_with_connection)
-
-
-class _Phase(enum.Enum):
-    """Where an exchange stands with its client."""
-
-    QUIET = "nothing sent yet: an error is still a status"
-    STREAMING = "the event stream has started: an error is an event"
-    DONE = "the answer is complete, or the client has gone"
 
 
 class _Exchange:
@@ -284,7 +283,6 @@ class _Exchange:
         """
         self._host = host
         self._door = door
-        self._request = request
         self._parsed = parsed
         self._alternatives = alternatives
         self._tried: list[str] = []
@@ -296,12 +294,12 @@ class _Exchange:
             anonymous=session.anonymous,
             continues=session.continues,
         )
-        self._phase = _Phase.QUIET
+        self._flow = Flow() if parsed.stream else None
+        self._reply = Reply(request, self, host.in_flight, self._flow)
         self._started_at = host.reactor.seconds()
         self._first_token_seen = False
         self._created = int(host.wall_clock())
         self._call: Deferred[Completion] | None = None
-        self._flow: Flow | None = None
         self._keepalive: IDelayedCall | None = None
         self._use(endpoint)
 
@@ -313,11 +311,8 @@ class _Exchange:
 
     def start(self) -> None:
         """Send the request upstream; watch for the client leaving all along."""
-        self._host.in_flight.add(self)
-        self._request.notifyFinish().addErrback(self._client_gone)
+        self._reply.watch(self._client_gone)
         if self._parsed.stream:
-            self._flow = Flow()
-            self._request.registerProducer(self._flow, True)
             self._arm_keepalive()
         self._go()
 
@@ -340,7 +335,7 @@ class _Exchange:
         the request can still fail over (nothing sent yet, a candidate left that is not
         down): it goes there at once instead.
         """
-        if means_down(error) and self._phase is _Phase.QUIET:
+        if means_down(error) and self._reply.phase is Phase.QUIET:
             health = self._host.health
             if any(health.eligible(e.name) for e in self._alternatives):
                 return False
@@ -368,10 +363,10 @@ class _Exchange:
         arm again.
         """
         self._keepalive = None
-        if self._phase is _Phase.DONE or self._first_token_seen:
+        if self._reply.done or self._first_token_seen:
             return
         self._start_stream()
-        self._request.write(self._answer.keepalive())
+        self._reply.write(self._answer.keepalive())
         self._arm_keepalive()
 
     def _stop_keepalive(self) -> None:
@@ -387,7 +382,7 @@ class _Exchange:
         One event of the upstream call: the first token's time for the metrics, and for a
         streaming client what the door makes of it (which opens the stream).
         """
-        if self._phase is _Phase.DONE:
+        if self._reply.done:
             return
         if isinstance(event, _FIRST_TOKEN) and not self._first_token_seen:
             self._first_token_seen = True
@@ -401,31 +396,28 @@ class _Exchange:
         if not data:
             return
         self._start_stream()
-        self._request.write(data)
+        self._reply.write(data)
 
     def _start_stream(self) -> None:
         """Open the event stream with the door's opening (a role chunk ...), once."""
-        if self._phase is not _Phase.QUIET:
-            return
-        self._phase = _Phase.STREAMING
-        open_event_stream(self._request)
-        self._request.write(self._answer.opening())
+        if self._reply.phase is Phase.QUIET:
+            self._reply.open_stream(self._answer.opening())
 
     # -- endings -------------------------------------------------------------------------
 
     def _completed(self, completion: Completion) -> None:
         """The call finished: answer with the completion, as the stream's end or a JSON body."""
         self._call = None
-        if self._phase is _Phase.DONE:
+        if self._reply.done:
             return
+        self._stop_keepalive()
         name = self._endpoint.name
         self._host.metrics.observe_request(name, "ok")
         if self._parsed.stream:
             self._start_stream()
-            self._request.write(self._answer.closing(completion))
-            self._finish()
+            self._reply.end_stream(self._answer.closing(completion))
         else:
-            self._finish(write_json(self._request, 200, self._answer.body(completion)))
+            self._reply.respond(200, self._answer.body(completion))
 
     def _failed(self, reason: Failure) -> None:
         """
@@ -438,14 +430,14 @@ class _Exchange:
         nothing.
         """
         self._call = None
-        if self._phase is _Phase.DONE or reason.check(CancelledError):
+        if self._reply.done or reason.check(CancelledError):
             return
         error = reason.value or Exception(reason.getErrorMessage())
         down = means_down(error)
         unreached = down or isinstance(error, ProxyRefused)
         health = self._host.health
         self._alternatives = [e for e in self._alternatives if health.eligible(e.name)]
-        if unreached and self._alternatives and self._phase is _Phase.QUIET:
+        if unreached and self._alternatives and self._reply.phase is Phase.QUIET:
             self._fail_over(reason)
             return
         tried = [name for name in self._tried if not health.eligible(name)]
@@ -470,37 +462,22 @@ class _Exchange:
 
     def _end_with_error(self, error: GatewayError) -> None:
         """Answer C{error} as a status or, once streaming, as an error event; stop the call."""
-        if self._phase is _Phase.DONE:
+        if self._reply.done:
             return
+        self._stop_keepalive()
         self._host.metrics.observe_request(self._endpoint.name, error.code)
         call, self._call = self._call, None
-        if self._phase is _Phase.STREAMING:
-            self._request.write(self._answer.stream_error(error))
-            self._finish()
-        else:
-            self._finish(write_error(self._request, error, self._door))
+        self._reply.fail(
+            lambda: self._answer.stream_error(error),
+            lambda: self._reply.respond(*self._answer.error(error), retry_after(error)),
+        )
         if call is not None:
             call.cancel()
 
-    def _client_gone(self, reason: Failure) -> None:
+    def _client_gone(self) -> None:
         """The client left: count it and cancel the call (which gives its lease back)."""
-        if self._phase is _Phase.DONE:
-            return
-        self._phase = _Phase.DONE
         self._stop_keepalive()
-        self._host.in_flight.discard(self)
         self._host.metrics.observe_request(self._endpoint.name, "client_gone")
         call, self._call = self._call, None
         if call is not None:
             call.cancel()
-
-    def _finish(self, body: bytes = b"") -> None:
-        """End the response, with C{body} when given; the producer goes before the end."""
-        self._phase = _Phase.DONE
-        self._stop_keepalive()
-        self._host.in_flight.discard(self)
-        if self._flow is not None:
-            self._request.unregisterProducer()
-        if body:
-            self._request.write(body)
-        self._request.finish()

@@ -2,8 +2,8 @@
 """
 One C{model: "mesh"} request through the gateway (issue 6, DESIGN §3 decisions 28 to 33):
 the worker pool from the configured endpoints, the turn (L{loopd.moa.engine.MeshTurn}) over
-it with every worker and reducer call a leased upstream call, its answer in the OpenAI shapes
-of reference C{mesh-moa.md} §1.12, and the C{x-moa-*} headers.
+it with every worker and reducer call a leased upstream call, its answer through the front
+door it came in by, and the C{x-moa-*} headers (reference C{mesh-moa.md} §1.12).
 
 B{The pool.} Every configured endpoint that takes the request's images or audio (C{vision},
 C{audio}, as for C{auto}) and is not down (L{loopd.gateway.health}: down from a failed call
@@ -21,17 +21,22 @@ client's backoff, and the endpoint leaves the pool of the next turns. An HTTP 42
 the call with L{RateLimited} (and its C{Retry-After}), which the fan-out retries once.
 Cancelling a call withdraws its lease wait or aborts its request.
 
-B{The answer.} Not streaming: C{200} with the C{chat.completion} body, or C{502} with the
-error body, each with the C{x-moa-*} headers and a C{Content-Length}. Streaming: the turn's
-progress goes out as C{: loopd} comment lines while it runs. The stream opens (C{200},
-C{text/event-stream}) at the first worker that answers, with the progress so far; before
-that nothing is sent, so a turn whose workers all fail is a C{502} with the error body and
-the headers, as for a request that does not stream. A failure after the stream has opened
-(every reducer failed, or none gave a usable answer) cannot be a status any more: it is one
-C{data: {"error": ...}} event and no C{[DONE]}, as every gateway stream error is (decision
-18). A successful answer is the chunks of L{stream_chunks}, each with a real C{choices[0]},
-then C{[DONE]}; the headers go with it when the stream had not opened yet (a tool-result
-turn, whose reducer is its first call).
+B{The answer.} The front door the request came through writes it (L{Door.mesh_answer}):
+chat completions in the reference's own shapes (L{loopd.gateway.doors.chat_mesh}), Messages
+and Responses as any answer of theirs from the model C{mesh}. The turn's answer is one
+L{Completion} (its text, or its tool call with the reference's wire arguments; no server
+counts), its failure a L{MeshTurnError} (502, the turn's code). Not streaming: the door's
+body, or its error body, each with the C{x-moa-*} headers and a C{Content-Length}.
+Streaming: the turn's progress goes out as C{: loopd} comment lines while it runs. The stream
+opens (C{200}, C{text/event-stream}, the door's opening) at the first worker that answers,
+with the progress so far; before that nothing is sent, so a turn whose workers all fail is a
+C{502} with the error body and the headers, as for a request that does not stream. A failure
+after the stream has opened (every reducer failed, or none gave a usable answer) cannot be a
+status any more: it is the door's error event, as every gateway stream error is (decision
+18). A successful answer is the completion replayed through the door's answer and its
+closing; the headers go with it when the stream had not opened yet (a tool-result turn, whose
+reducer is its first call). The client side (phase, opening, error by phase, the end) is
+L{loopd.gateway.reply}'s, as for an endpoint's answer.
 
 A client that goes away cancels the turn, which cancels every upstream call.
 """
@@ -47,30 +52,23 @@ from twisted.python.failure import Failure
 from twisted.web.server import Request
 
 from loopd.errors import Http
-from loopd.gateway.doors.door import Answer, Door, comment_line, data_line, done_line, replay
-from loopd.gateway.errors import GatewayError
+from loopd.gateway.doors.chat_mesh import arguments_wire_string
+from loopd.gateway.doors.door import Door, comment_line, replay
+from loopd.gateway.errors import GatewayError, MeshTurnError
 from loopd.gateway.health import HealthBoard, means_down
 from loopd.gateway.metrics import GatewayMetrics
+from loopd.gateway.reply import Phase, Reply
 from loopd.gateway.request import GatewayRequest, SessionRef
 from loopd.gateway.router import AutoRouter, group_member
 from loopd.gateway.upstream import CallKeys, Upstreams
-from loopd.gateway.web import Exchange, open_event_stream, write_json
+from loopd.gateway.web import Exchange
 from loopd.llama.retry import is_retryable
 from loopd.llama.types import ChatRequest, Completion, FinishReason, Timings, ToolCall
 from loopd.moa.engine import MeshTimings, MeshTurn, TurnResult
 from loopd.moa.fanout import RateLimited
 from loopd.moa.knobs import effective_enable_thinking
-from loopd.moa.response import (
-    MODEL,
-    arguments_wire_string,
-    call_id,
-    chat_response,
-    error_response,
-    moa_headers,
-    moa_id,
-    stream_chunks,
-    tool_call_response,
-)
+from loopd.moa.report import call_id, moa_headers, moa_id
+from loopd.moa.roles import VIRTUAL_MODEL_NAME as MODEL
 from loopd.moa.roles import Worker, build_pool
 from loopd.moa.turn import read_turn
 from loopd.settings import Config
@@ -196,31 +194,27 @@ class MeshExchange:
     def __init__(
         self,
         host: MeshHost,
+        door: Door,
         request: Request,
         parsed: GatewayRequest,
         pool: tuple[Worker, ...],
-        door: Door | None = None,
     ) -> None:
         """
         @param host: the gateway.
+        @param door: the front door the request came through, which writes the answer
+            (L{Door.mesh_answer}).
         @param request: the client's request.
         @param parsed: what it asks, read once by the front door.
         @param pool: the workers (at least 2).
-        @param door: the front door that writes the answer, for a door other than chat
-            completions; C{None} answers in the reference's OpenAI shapes (§1.12).
         """
         self._host = host
-        self._door = door
-        self._request = request
         self._stream = parsed.stream
-        self._streaming = False
-        self._finished = False
+        self._reply = Reply(request, self, host.in_flight)
         self._pending: list[bytes] = []
         now_ns = int(host.wall_clock() * 1e9)
         self._id = moa_id(now_ns)
         self._call_id = call_id(now_ns)
-        self._created = int(host.wall_clock())
-        self._answer = None if door is None else door.answer(parsed, MODEL, self._created)
+        self._answer = door.mesh_answer(parsed, self._id, int(host.wall_clock()))
         calls = _MeshCalls(host, parsed.session)
         patience = host.config.mesh.strong_patience_ms / 1000.0
         self._turn = MeshTurn(
@@ -236,15 +230,14 @@ class MeshExchange:
 
     def start(self) -> None:
         """Run the turn; watch for the client leaving."""
-        self._host.in_flight.add(self)
-        self._request.notifyFinish().addErrback(self._client_gone)
+        self._reply.watch(self._client_gone)
         running = self._turn.run()
         self._running = running
         running.addCallback(self._ended)
 
     def shutdown(self) -> None:
         """The daemon is stopping: cancel the turn and answer 503 (or an error event)."""
-        if self._finished:
+        if self._reply.done:
             return
         self._cancel_turn()
         error = GatewayError(503, "loopd is shutting down", "server_error", "shutting_down")
@@ -252,154 +245,82 @@ class MeshExchange:
         self._host.metrics.observe_request(MODEL, error.code)
 
     def _fail(self, error: GatewayError, headers: list[tuple[bytes, bytes]]) -> None:
-        """Answer C{error} in the door's shape: its error event once streaming, else a status."""
-        if self._streaming:
-            self._flush()
-            self._write(self._stream_error(error))
-            self._finish()
-        elif self._door is not None:
-            self._respond(*self._door.error(error), headers)
-        else:
-            self._respond(error.status, error.body(), headers)
+        """
+        Answer C{error} in the door's shape: once streaming, the progress held back and
+        its error event; else a status with C{headers}.
+        """
+        answer = self._answer
 
-    def _stream_error(self, error: GatewayError) -> bytes:
-        """The error event that ends the stream."""
-        if self._answer is not None:
-            return self._answer.stream_error(error)
-        return data_line(error.body())
+        def stream_error() -> bytes:
+            self._flush()
+            return answer.stream_error(error)
+
+        self._reply.fail(
+            stream_error,
+            lambda: self._reply.respond(*answer.error(error), headers, with_length=True),
+        )
 
     # -- while it runs -------------------------------------------------------------------
 
     def _progress(self, event: Mapping[str, Any]) -> None:
         """
-
         One progress event of the turn: a C{: loopd} comment for a streaming client, held back
         until the stream opens at the first worker that answered.
         """
-        if not self._stream or self._finished:
+        if not self._stream or self._reply.done:
             return
         self._pending.append(comment_line(dict(event)))
-        if not self._streaming and event.get("event") == "mesh_worker" and event.get("ok"):
-            self._open_stream([])
-        if self._streaming:
+        if event.get("event") == "mesh_worker" and event.get("ok"):
+            self._reply.open_stream(self._answer.opening())
+        if self._reply.phase is Phase.STREAMING:
             self._flush()
-
-    def _open_stream(self, headers: list[tuple[bytes, bytes]]) -> None:
-        """Open the event stream, with C{headers} when the result is already known."""
-        self._streaming = True
-        open_event_stream(self._request)
-        for name, value in headers:
-            self._request.setHeader(name, value)
-        if self._answer is not None:
-            self._write(self._answer.opening())
 
     def _flush(self) -> None:
         """Write the progress comments held back so far."""
         pending, self._pending = self._pending, []
         for line in pending:
-            self._write(line)
-
-    def _write(self, data: bytes) -> None:
-        """Write C{data} to the client."""
-        self._request.write(data)
+            self._reply.write(line)
 
     # -- endings -------------------------------------------------------------------------
 
     def _ended(self, result: TurnResult) -> None:
-        """The turn ended: answer its result, its error, or its tool call, as the client asked."""
+        """
+        The turn ended: answer its failure, or its answer (its text, or its tool call, as
+        one L{Completion}: a mesh turn has no server counts, they are zero), whole as a body
+        or replayed as the stream's events, with the C{x-moa-*} headers when they can go.
+        """
         self._running = None
-        if self._finished:
+        if self._reply.done:
             return
         headers = moa_headers(result.report)
         if result.error_code is not None:
             self._host.metrics.observe_request(MODEL, result.error_code)
-            if self._door is not None:
-                error = GatewayError(502, result.error_message, "server_error", result.error_code)
-                self._fail(error, headers)
-                return
-            body = error_response(
-                result.error_message,
-                result.error_code,
-                completion_id=self._id,
-                created=self._created,
-            )
-            if self._streaming:
-                self._flush()
-                self._write(data_line({"error": body["error"]}))
-                self._finish()
-            else:
-                self._respond(502, body, headers)
+            self._fail(MeshTurnError(result.error_message, result.error_code), headers)
             return
         self._host.metrics.observe_request(MODEL, "ok")
-        outcome = result.outcome
-        assert outcome is not None
-        if self._answer is not None:
-            self._answer_through_door(self._answer, result, headers)
-            return
-        if result.tool_call and outcome.tool_name is not None:
-            body = tool_call_response(
-                outcome.tool_name,
-                outcome.tool_arguments,
-                completion_id=self._id,
-                call_id=self._call_id,
-                created=self._created,
-            )
-        else:
-            body = chat_response(outcome.text, completion_id=self._id, created=self._created)
+        completion = self._completion(result)
+        answer = self._answer
         if not self._stream:
-            self._respond(200, body, headers)
+            self._reply.respond(200, answer.body(completion), headers, with_length=True)
             return
-        if not self._streaming:
-            self._open_stream(headers)
+        self._reply.open_stream(answer.opening(), headers)
         self._flush()
-        for chunk in stream_chunks(body):
-            self._write(data_line(chunk))
-        self._write(done_line())
-        self._finish()
+        for event in replay(completion):
+            self._reply.write(answer.during(event))
+        self._reply.end_stream(answer.closing(completion))
 
-    def _answer_through_door(
-        self, answer: Answer, result: TurnResult, headers: list[tuple[bytes, bytes]]
-    ) -> None:
-        """
-        Answer a turn that went well through the door's L{Answer}: its text, or its tool
-        call, as one L{Completion} (a mesh turn has no server counts: they are zero), whole
-        as a body or replayed as the stream's events.
-        """
+    def _completion(self, result: TurnResult) -> Completion:
+        """The turn's answer as a completion: its tool call, else its text."""
         outcome = result.outcome
         assert outcome is not None
         if result.tool_call and outcome.tool_name is not None:
             arguments = arguments_wire_string(outcome.tool_arguments)
             call = ToolCall(self._call_id, outcome.tool_name, arguments)
-            completion = Completion(
-                self._id, None, None, (call,), FinishReason.TOOL_CALLS, Timings()
-            )
-        else:
-            completion = Completion(self._id, outcome.text, None, (), FinishReason.STOP, Timings())
-        if not self._stream:
-            self._respond(200, answer.body(completion), headers)
-            return
-        if not self._streaming:
-            self._open_stream(headers)
-        self._flush()
-        for event in replay(completion):
-            self._write(answer.during(event))
-        self._write(answer.closing(completion))
-        self._finish()
+            return Completion(self._id, None, None, (call,), FinishReason.TOOL_CALLS, Timings())
+        return Completion(self._id, outcome.text, None, (), FinishReason.STOP, Timings())
 
-    def _respond(self, status: int, body: object, headers: list[tuple[bytes, bytes]]) -> None:
-        """Answer C{body} as JSON with C{status}, the C{x-moa-*} C{headers} and its length."""
-        data = write_json(self._request, status, body)
-        for name, value in headers:
-            self._request.setHeader(name, value)
-        self._request.setHeader(b"content-length", b"%d" % len(data))
-        self._finish(data)
-
-    def _client_gone(self, reason: Failure) -> None:
+    def _client_gone(self) -> None:
         """The client left: count it and cancel the turn."""
-        if self._finished:
-            return
-        self._finished = True
-        self._host.in_flight.discard(self)
         self._host.metrics.observe_request(MODEL, "client_gone")
         self._cancel_turn()
 
@@ -409,11 +330,3 @@ class MeshExchange:
         if running is not None:
             running.addErrback(lambda failure: None)
             running.cancel()
-
-    def _finish(self, body: bytes = b"") -> None:
-        """End the response, with C{body} when given."""
-        self._finished = True
-        self._host.in_flight.discard(self)
-        if body:
-            self._request.write(body)
-        self._request.finish()

@@ -71,7 +71,7 @@ from loopd.moa.reducer import (
     reducer_candidates,
 )
 from loopd.moa.reducer import Fail as LadderFail
-from loopd.moa.response import TurnLabel, TurnReport
+from loopd.moa.report import TurnLabel, TurnReport
 from loopd.moa.roles import Assignment, Role, Worker, assign_roles
 from loopd.moa.tool_guard import (
     emits_tool_call,

@@ -18,11 +18,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from loopd.gateway.doors.chat import ChatDoor, ChunkStream, completion_json, new_completion_id
 from loopd.gateway.doors.chat_read import parse_request
 from loopd.gateway.doors.door import data_line
-from loopd.gateway.request import GatewayRequest
 from loopd.llama.types import (
-    Assistant,
-    ChatMessage,
-    ChatRequest,
     Choice,
     Completion,
     Content,
@@ -32,47 +28,20 @@ from loopd.llama.types import (
     Queued,
     Reasoning,
     Retrying,
-    System,
     ThinkingCapped,
     Timings,
-    Tool,
     ToolCall,
     ToolCallDelta,
-    ToolSchema,
-    User,
     Waiting,
 )
-from loopd.test.support.json_paths import paths
 from loopd.testing.gateway import HI, NOW
 
-USER = {"role": "user", "content": "Hi"}
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
-TOOL_F = {"type": "function", "function": {"name": "f"}}
-TOOL_G = {"type": "function", "function": {"name": "g", "description": "G.", "parameters": {}}}
 
 
 def encode(document: object) -> bytes:
     """A JSON request body."""
     return json.dumps(document).encode("utf-8")
-
-
-def parse(**fields: Any) -> GatewayRequest:
-    """Parse a body of one user message plus C{fields}."""
-    return parse_request(encode({"messages": [USER], **fields}))
-
-
-def chat(**fields: Any) -> ChatRequest:
-    """The upstream request of L{parse}."""
-    return parse(**fields).chat_request()
-
-
-#: What the round trip compares of a request: model, stream, usage and the upstream request.
-Summary = tuple[str | None, bool, bool, ChatRequest]
-
-
-def summary(request: GatewayRequest) -> Summary:
-    """The model, stream, include_usage and upstream request of C{request}."""
-    return (request.model, request.stream, request.include_usage, request.chat_request())
 
 
 TIMINGS = Timings(cache_n=100, prompt_n=20, predicted_n=7, predicted_per_second=55.5)
@@ -248,136 +217,6 @@ class CompletionIdTests(SynchronousTestCase):
         first, second = new_completion_id(), new_completion_id()
         self.assertRegex(first, r"\Achatcmpl-[0-9a-f]{24}\Z")
         self.assertNotEqual(first, second)
-
-
-IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-
-
-_text = st.text(max_size=6)
-
-
-_name = st.text("abcxyz_-0123", min_size=1, max_size=5)
-
-
-_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-TOOL_CHOICE_STRINGS = ("auto", "none", "required")
-
-
-# Keys and words of the request format, so that generated values come close to valid ones.
-_KEYS = st.sampled_from(
-    "model messages tools tool_choice max_tokens max_completion_tokens temperature top_p stop"
-    " stream stream_options include_usage n reasoning_effort chat_template_kwargs"
-    " enable_thinking role content tool_calls tool_call_id reasoning_content id type function"
-    " name arguments description parameters text".split()
-)
-
-
-_WORDS = st.sampled_from(["function", "text", "image_url", *TOOL_CHOICE_STRINGS, *_ROLES])
-
-
-_scalar = (
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-)
-
-
-_json = st.recursive(
-    _scalar | st.text(max_size=5) | _WORDS,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_KEYS | _text, inner, max_size=4),
-    max_leaves=12,
-)
-
-
-@st.composite
-def openai_message(draw: st.DrawFn) -> tuple[dict[str, Any], ChatMessage]:
-    """A valid OpenAI message and the message loopd should read from it."""
-    role = draw(st.sampled_from(_ROLES))
-    pieces = draw(st.lists(_text, min_size=1, max_size=3))
-    text = "".join(pieces)
-    content: object = [{"type": "text", "text": p} for p in pieces] if len(pieces) > 1 else text
-    if role == "tool":
-        call_id = draw(_name)
-        return {"role": role, "tool_call_id": call_id, "content": content}, Tool(call_id, text)
-    if role != "assistant":
-        return {"role": role, "content": content}, (User if role == "user" else System)(text)
-    calls = tuple(draw(st.lists(st.builds(ToolCall, _name, _name, _text), max_size=2)))
-    reasoning = draw(st.none() | _text)
-    null = bool(calls) and draw(st.booleans())
-    message: dict[str, Any] = {"role": role, "content": None if null else content}
-    if reasoning is not None:
-        message["reasoning_content"] = reasoning
-    if calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls
-        ]
-    return message, Assistant(None if null else text, reasoning, calls)
-
-
-@st.composite
-def openai_request(draw: st.DrawFn) -> tuple[dict[str, Any], Summary]:
-    """A valid OpenAI request and the summary of the request loopd should read from it."""
-    pairs = draw(st.lists(openai_message(), min_size=1, max_size=5))
-    names = draw(st.lists(_name, unique=True, max_size=3))
-    tools = tuple(ToolSchema(name, f"{name}.", {"type": "object"}) for name in names)
-    document: dict[str, Any] = {"messages": [pair[0] for pair in pairs]}
-    if tools:
-        document["tools"] = [
-            {"type": "function", "function": {"name": t.name, "description": t.description}}
-            for t in tools
-        ]
-    choice = draw(st.sampled_from([None, *TOOL_CHOICE_STRINGS, *names]))
-    if choice in names:
-        tools = tuple(tool for tool in tools if tool.name == choice)
-        document["tool_choice"] = {"type": "function", "function": {"name": choice}}
-        choice = "required"
-    fields: dict[str, Any] = {
-        "model": draw(st.none() | _name),
-        "stream": draw(st.booleans()),
-        draw(st.sampled_from(["max_tokens", "max_completion_tokens"])): draw(
-            st.none() | st.integers(1, 10**6)
-        ),
-        "temperature": draw(st.none() | st.floats(0, 2)),
-        "top_p": draw(st.none() | st.floats(0, 1)),
-        "stop": draw(st.lists(_name, max_size=4)),
-        "tool_choice": document.get("tool_choice", choice),
-        "reasoning_effort": draw(st.sampled_from([None, "none", "low", "high"])),
-        "stream_options": draw(st.none() | st.builds(dict, include_usage=st.booleans())),
-        "chat_template_kwargs": draw(st.none() | st.builds(dict, enable_thinking=st.booleans())),
-    }
-    document.update({key: value for key, value in fields.items() if value is not None})
-    get = document.get
-    chat = ChatRequest(
-        -1,
-        tuple(pair[1] for pair in pairs),
-        tools,
-        get("reasoning_effort") != "none"
-        and get("chat_template_kwargs", {}).get("enable_thinking", True),
-        get("max_tokens", get("max_completion_tokens")),
-        fields["temperature"],
-        fields["top_p"],
-        tuple(fields["stop"]),
-        choice,
-    )
-    usage = get("stream_options", {}).get("include_usage", False)
-    return document, (fields["model"], fields["stream"], usage, chat)
-
-
-@st.composite
-def near_valid(draw: st.DrawFn) -> object:
-    """A valid request with one value in it, at any depth, replaced by an arbitrary one."""
-    document: Any = draw(openai_request())[0]
-    every = paths(document)[1:]
-    depth = draw(st.integers(1, max(map(len, every))))
-    *parents, key = draw(st.sampled_from([path for path in every if len(path) == depth]))
-    node = document
-    for parent in parents:
-        node = node[parent]
-    if isinstance(node, dict) and draw(st.integers(0, 4)) == 0:
-        key = draw(_KEYS)
-    node[key] = draw(_json)
-    return document
 
 
 class TextLineTests(SynchronousTestCase):

@@ -20,10 +20,7 @@ from loopd.llama.types import (
     Assistant,
     ChatMessage,
     ChatRequest,
-    Completion,
-    FinishReason,
     System,
-    Timings,
     Tool,
     ToolCall,
     ToolSchema,
@@ -214,28 +211,6 @@ class ParseAcceptedTests(SynchronousTestCase):
         request = parse(return_progress=True)
         self.assertEqual((request.return_progress, request.fields), (True, {}))
         self.assertFalse(parse(return_progress=False).return_progress)
-
-
-TIMINGS = Timings(cache_n=100, prompt_n=20, predicted_n=7, predicted_per_second=55.5)
-
-
-ANSWER = Completion("up-1", "Hello", "I think", (), FinishReason.STOP, TIMINGS)
-
-
-USAGE = {
-    "prompt_tokens": 120,
-    "completion_tokens": 7,
-    "total_tokens": 127,
-    "prompt_tokens_details": {"cached_tokens": 100},
-}
-
-
-ENVELOPE = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700, "model": "m"}
-
-
-def delta_chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-    """The chunk a stream of L{ENVELOPE} sends for C{delta}."""
-    return {**ENVELOPE, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
 
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}

@@ -5,9 +5,14 @@ own events as every door's comment lines.
 
 from __future__ import annotations
 
+from typing import Any
+
+from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.gateway.doors.door import loopd_comment, replay
+from loopd.gateway.doors.door import MESH_MODEL, loopd_comment, replay
+from loopd.gateway.doors.table import front_doors
+from loopd.gateway.request import GatewayRequest
 from loopd.llama.types import (
     Completion,
     Content,
@@ -20,8 +25,10 @@ from loopd.llama.types import (
     Timings,
     ToolCall,
     ToolCallDelta,
+    User,
     Waiting,
 )
+from loopd.moa.roles import VIRTUAL_MODEL_NAME
 
 
 def _completion(
@@ -83,3 +90,30 @@ class LoopdCommentTests(SynchronousTestCase):
         """The events that become chunks have no comment."""
         for event in (Reasoning("r"), Content("c"), ToolCallDelta(0, "i", "n", "")):
             self.assertIsNone(loopd_comment(event))
+
+
+class MeshAnswerTests(SynchronousTestCase):
+    """
+    Every door answers a mesh turn (L{loopd.gateway.doors.door.Door.mesh_answer}): chat
+    completions in the reference's shapes, the others as any answer from the model C{mesh}.
+    """
+
+    def test_mesh_model(self) -> None:
+        """The doors' name of the virtual model is the mixture of agents' own."""
+        self.assertEqual(MESH_MODEL, VIRTUAL_MODEL_NAME)
+
+    def test_every_door(self) -> None:
+        """Each door's mesh answer writes the turn's text as a body of its API."""
+        completion = Completion("chatcmpl-moa-1", "Paris.", None, (), FinishReason.STOP, Timings())
+        request = GatewayRequest(model="mesh", messages=(User("Capital of France?"),))
+        bodies: dict[str, Any] = {}
+        for _, door in front_doors("drop", Clock().seconds).by_path:
+            body = door.mesh_answer(request, "chatcmpl-moa-1", 1_700_000_000).body(completion)
+            bodies[door.name] = body
+        self.assertEqual(bodies["chat"]["id"], "chatcmpl-moa-1")
+        self.assertEqual(bodies["chat"]["choices"][0]["message"]["content"], "Paris.")
+        self.assertEqual(bodies["chat"]["usage"]["completion_tokens"], 2)
+        self.assertEqual(bodies["messages"]["model"], "mesh")
+        self.assertEqual(bodies["messages"]["content"], [{"type": "text", "text": "Paris."}])
+        self.assertEqual(bodies["responses"]["model"], "mesh")
+        self.assertEqual(bodies["responses"]["output"][0]["content"][0]["text"], "Paris.")

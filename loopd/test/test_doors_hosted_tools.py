@@ -8,6 +8,7 @@ from __future__ import annotations
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.gateway.doors.hosted_tools import (
+    dropped_hosted,
     hosted_messages_tool,
     hosted_responses_tool,
     refuse_hosted,
@@ -62,3 +63,29 @@ class RefusalTests(SynchronousTestCase):
         )
         self.assertTrue(error.message.startswith("tools[2].type: web_search is run by"))
         self.assertIn('[doors] hosted_tools = "refuse"', error.message)
+
+
+class DroppedHostedTests(SynchronousTestCase):
+    """L{dropped_hosted}: the drop-or-refuse step both readers of hosted tools take."""
+
+    def test_drop(self) -> None:
+        """A hosted tool is left out and named once; another tool is not hosted."""
+        dropped: list[str] = []
+        for kind in ("web_search", "function", "web_search", None):
+            dropped_hosted(kind, "tools[0].type", "drop", dropped, hosted_responses_tool)
+        self.assertEqual(dropped, ["web_search"])
+        self.assertTrue(dropped_hosted("mcp", "t", "drop", dropped, hosted_responses_tool))
+        self.assertFalse(dropped_hosted("function", "t", "drop", dropped, hosted_responses_tool))
+
+    def test_refuse(self) -> None:
+        """Under C{refuse}, a hosted tool is a 400 C{hosted_tool} at its path."""
+        error = self.assertRaises(
+            GatewayError,
+            dropped_hosted,
+            "web_search_20250305",
+            "tools[2].type",
+            "refuse",
+            [],
+            hosted_messages_tool,
+        )
+        self.assertEqual((error.code, error.param), ("hosted_tool", "tools[2].type"))

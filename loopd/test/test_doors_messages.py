@@ -33,10 +33,9 @@ from loopd.llama.types import (
     ToolCallDelta,
     Waiting,
 )
+from loopd.test.support.sdk_streams import anthropic_message
 
 USER = {"role": "user", "content": "Hi"}
-TOOL = {"name": "read", "description": "Read a file.", "input_schema": {"type": "object"}}
-PNG = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
 TIMINGS = Timings(cache_n=90, prompt_n=10, predicted_n=7)
 
 
@@ -200,13 +199,6 @@ def sdk_client(status: int, body: bytes, content_type: str) -> anthropic.Anthrop
     )
 
 
-def sdk_stream(raw: bytes) -> anthropic.types.Message:
-    """What the SDK's own stream accumulation makes of C{raw}."""
-    client = sdk_client(200, raw, "text/event-stream")
-    with client.messages.stream(model="tiny", max_tokens=100, messages=[USER]) as stream:  # type: ignore[list-item]
-        return stream.get_final_message()
-
-
 PIECES: tuple[ChatEvent, ...] = (
     Queued(1),
     Waiting(True),
@@ -239,7 +231,7 @@ class StreamTests(SynchronousTestCase):
 
     def test_sdk_accumulates_the_same_message(self) -> None:
         """The SDK's MessageStream over the stream gives the non-streaming body's message."""
-        message = sdk_stream(stream_bytes(PIECES, DONE))
+        message = anthropic_message(stream_bytes(PIECES, DONE))
         body = MessagesDoor().answer(parse(), "tiny", 0).body(DONE)
         assert isinstance(body, dict)
         self.assertEqual([block.to_dict() for block in message.content], body["content"])
@@ -374,7 +366,9 @@ class StreamTests(SynchronousTestCase):
 
     def test_empty_answer(self) -> None:
         """An answer with nothing in it still starts and ends as the SDK expects."""
-        message = sdk_stream(stream_bytes((), completion(None, None, finish=FinishReason.LENGTH)))
+        message = anthropic_message(
+            stream_bytes((), completion(None, None, finish=FinishReason.LENGTH))
+        )
         self.assertEqual((message.content, message.stop_reason), ([], "max_tokens"))
 
     def test_stream_error(self) -> None:
@@ -392,7 +386,7 @@ class StreamTests(SynchronousTestCase):
                 },
             ),
         )
-        error = self.assertRaises(anthropic.APIStatusError, sdk_stream, raw)
+        error = self.assertRaises(anthropic.APIStatusError, anthropic_message, raw)
         self.assertIn("the model server failed", str(error))
 
 

@@ -10,16 +10,9 @@ from typing import Any
 
 import httpx2
 import openai
-from hypothesis import strategies as st
-from openai.types.responses import Response, ResponseStreamEvent
-from pydantic import TypeAdapter
-from twisted.internet.task import Clock
-from twisted.trial.unittest import SynchronousTestCase
+from openai.types.responses import Response
 
-from loopd.gateway.doors.responses import ResponsesDoor
-from loopd.gateway.doors.responses_store import ResponseStore
 from loopd.gateway.errors import GatewayError
-from loopd.gateway.request import GatewayRequest
 from loopd.llama.types import (
     Assistant,
     Completion,
@@ -27,135 +20,12 @@ from loopd.llama.types import (
     FinishReason,
     Queued,
     Reasoning,
-    Timings,
     ToolCall,
     ToolCallDelta,
     User,
 )
-from loopd.sse import SSEComment, SSEDecoder, SSEEvent
-
-_EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
-_NO_HEADERS: dict[bytes, bytes] = {}
-
-
-def completion(
-    content: str | None = "hello",
-    reasoning: str | None = None,
-    calls: tuple[ToolCall, ...] = (),
-    finish: FinishReason = FinishReason.STOP,
-) -> Completion:
-    """A finished completion with 3 cached, 4 evaluated and 5 generated tokens."""
-    return Completion("c", content, reasoning, calls, finish, Timings(3, 4, 5), 2)
-
-
-class DoorCase(SynchronousTestCase):
-    """A door over a store on a fake clock."""
-
-    def setUp(self) -> None:
-        """A fresh store and door."""
-        self.clock = Clock()
-        self.store = ResponseStore(self.clock.seconds)
-        self.door = ResponsesDoor(self.store)
-
-    def read(
-        self, body: dict[str, Any] | bytes, headers: dict[bytes, bytes] = _NO_HEADERS
-    ) -> GatewayRequest:
-        """Read C{body} (a dict is encoded) with C{headers}."""
-        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-        return self.door.read(raw, headers.get, lambda: "conn-1")
-
-    def refused(self, body: dict[str, Any] | bytes, code: str, *fragments: str) -> GatewayError:
-        """Assert C{body} is a 400 with C{code} whose message has every fragment."""
-        error: GatewayError = self.assertRaises(GatewayError, self.read, body)
-        self.assertEqual((error.status, error.code), (400, code), error.message)
-        for fragment in fragments:
-            self.assertIn(fragment, error.message)
-        return error
-
-
-_json = st.recursive(
-    st.none() | st.booleans() | st.integers(-3, 3) | st.sampled_from(["", "x", "function", "user"]),
-    lambda inner: (
-        st.lists(inner, max_size=3)
-        | st.dictionaries(
-            st.sampled_from(
-                [
-                    "type",
-                    "role",
-                    "content",
-                    "text",
-                    "name",
-                    "call_id",
-                    "arguments",
-                    "output",
-                    "effort",
-                    "format",
-                    "summary",
-                    "image_url",
-                    "schema",
-                ]
-            ),
-            inner,
-            max_size=4,
-        )
-    ),
-    max_leaves=12,
-)
-
-
-_bodies = st.fixed_dictionaries(
-    {},
-    optional={
-        key: _json
-        for key in (
-            "model",
-            "input",
-            "instructions",
-            "tools",
-            "tool_choice",
-            "reasoning",
-            "text",
-            "max_output_tokens",
-            "temperature",
-            "store",
-            "include",
-            "metadata",
-            "previous_response_id",
-        )
-    },
-)
-
-
-#: The namespace tool Codex CLI 0.171 sends (captured; descriptions and schemas cut short).
-CODEX_NAMESPACE = {
-    "type": "namespace",
-    "name": "multi_agent_v1",
-    "description": "Tools for spawning and managing sub-agents.",
-    "tools": [
-        {
-            "type": "function",
-            "name": "spawn_agent",
-            "description": "Spawn a sub-agent.",
-            "strict": False,
-            "parameters": {"type": "object", "properties": {"message": {"type": "string"}}},
-        },
-        {"type": "function", "name": "wait_agent", "strict": False, "parameters": {}},
-    ],
-}
-
-
-def events_of(data: bytes) -> list[dict[str, Any]]:
-    """The events of a stream, each checked: data type = event name, SDK-valid."""
-    found = []
-    for item in SSEDecoder().feed(data):
-        if isinstance(item, SSEComment):
-            continue
-        assert isinstance(item, SSEEvent)
-        payload = json.loads(item.data)
-        assert payload["type"] == item.event, (payload["type"], item.event)
-        _EVENTS.validate_python(payload)
-        found.append(payload)
-    return found
+from loopd.sse import SSEDecoder, SSEEvent
+from loopd.test.support.responses_door import DoorCase, completion, events_of
 
 
 def sdk_stream(data: bytes) -> tuple[list[str], Any]:

@@ -5,74 +5,27 @@ against the C{openai} SDK's own models and stream accumulator.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-import httpx2
-import openai
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from openai.types.responses import ResponseStreamEvent
-from pydantic import TypeAdapter
-from twisted.internet.task import Clock
-from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.gateway.doors.responses import ResponsesDoor
 from loopd.gateway.doors.responses_read import EFFORT_CAPS
-from loopd.gateway.doors.responses_store import ResponseStore, StoredResponse
+from loopd.gateway.doors.responses_store import StoredResponse
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.request import GatewayRequest, SessionRef, ThinkingSwitch
 from loopd.llama.types import (
     Assistant,
-    Completion,
     FinishReason,
     System,
-    Timings,
     Tool,
     ToolCall,
     ToolCallDelta,
     ToolSchema,
     User,
 )
-from loopd.sse import SSEComment, SSEDecoder, SSEEvent
-
-_EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
-_NO_HEADERS: dict[bytes, bytes] = {}
-
-
-def completion(
-    content: str | None = "hello",
-    reasoning: str | None = None,
-    calls: tuple[ToolCall, ...] = (),
-    finish: FinishReason = FinishReason.STOP,
-) -> Completion:
-    """A finished completion with 3 cached, 4 evaluated and 5 generated tokens."""
-    return Completion("c", content, reasoning, calls, finish, Timings(3, 4, 5), 2)
-
-
-class DoorCase(SynchronousTestCase):
-    """A door over a store on a fake clock."""
-
-    def setUp(self) -> None:
-        """A fresh store and door."""
-        self.clock = Clock()
-        self.store = ResponseStore(self.clock.seconds)
-        self.door = ResponsesDoor(self.store)
-
-    def read(
-        self, body: dict[str, Any] | bytes, headers: dict[bytes, bytes] = _NO_HEADERS
-    ) -> GatewayRequest:
-        """Read C{body} (a dict is encoded) with C{headers}."""
-        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-        return self.door.read(raw, headers.get, lambda: "conn-1")
-
-    def refused(self, body: dict[str, Any] | bytes, code: str, *fragments: str) -> GatewayError:
-        """Assert C{body} is a 400 with C{code} whose message has every fragment."""
-        error: GatewayError = self.assertRaises(GatewayError, self.read, body)
-        self.assertEqual((error.status, error.code), (400, code), error.message)
-        for fragment in fragments:
-            self.assertIn(fragment, error.message)
-        return error
+from loopd.test.support.responses_door import DoorCase, completion, events_of
 
 
 class ReadInputTests(DoorCase):
@@ -774,33 +727,3 @@ class ReadPropertyTests(DoorCase):
             self.assertEqual(error.status, 400)
         else:
             self.assertIsInstance(request, GatewayRequest)
-
-
-def events_of(data: bytes) -> list[dict[str, Any]]:
-    """The events of a stream, each checked: data type = event name, SDK-valid."""
-    found = []
-    for item in SSEDecoder().feed(data):
-        if isinstance(item, SSEComment):
-            continue
-        assert isinstance(item, SSEEvent)
-        payload = json.loads(item.data)
-        assert payload["type"] == item.event, (payload["type"], item.event)
-        _EVENTS.validate_python(payload)
-        found.append(payload)
-    return found
-
-
-def sdk_stream(data: bytes) -> tuple[list[str], Any]:
-    """Run the SDK's own stream accumulator over C{data}: its event types, final response."""
-
-    def handler(request: httpx2.Request) -> httpx2.Response:
-        return httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=data)
-
-    client = openai.OpenAI(
-        api_key="k",
-        base_url="http://loopd/v1",
-        http_client=httpx2.Client(transport=httpx2.MockTransport(handler)),
-    )
-    with client.responses.stream(model="m", input="hi") as stream:
-        types: list[str] = [event.type for event in stream]
-        return types, stream.get_final_response()

@@ -7,40 +7,19 @@ it, and errors in Anthropic's shape.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import anthropic
-import httpx2
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.gateway.doors.messages import MessagesDoor
-from loopd.gateway.doors.messages_read import parse_messages
-from loopd.gateway.request import GatewayRequest
-from loopd.llama.types import (
-    ChatEvent,
-    Completion,
-    Content,
-    FinishReason,
-    Progress,
-    Queued,
-    Reasoning,
-    Retrying,
-    ThinkingCapped,
-    Timings,
-    ToolCall,
-    ToolCallDelta,
-    Waiting,
-)
 from loopd.settings import Doors
+from loopd.test.support.sdk_streams import anthropic_message
 from loopd.testing.fake_llama import CHAT
 from loopd.testing.gateway import GatewayHarness, Response, make_config
 from loopd.testing.llama_replies import answer
 
 USER = {"role": "user", "content": "Hi"}
 TOOL = {"name": "read", "description": "Read a file.", "input_schema": {"type": "object"}}
-PNG = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
-TIMINGS = Timings(cache_n=90, prompt_n=10, predicted_n=7)
 
 
 def encode(document: object) -> bytes:
@@ -48,95 +27,9 @@ def encode(document: object) -> bytes:
     return json.dumps(document).encode("utf-8")
 
 
-def parse(**fields: Any) -> GatewayRequest:
-    """Parse a body of one user message and C{max_tokens} 100, plus C{fields}."""
-    return parse_messages(encode({"max_tokens": 100, "messages": [USER], **fields}))
-
-
-def no_headers(name: bytes) -> bytes | None:
-    """A request without headers."""
-    return None
-
-
 def headers(values: Mapping[bytes, bytes]) -> Any:
     """A request's header lookup over C{values}."""
     return values.get
-
-
-def completion(
-    content: str | None = "Hello.",
-    reasoning: str | None = "Hmm.",
-    calls: tuple[ToolCall, ...] = (),
-    finish: FinishReason = FinishReason.STOP,
-) -> Completion:
-    """A finished answer with L{TIMINGS}."""
-    return Completion("c", content, reasoning, calls, finish, TIMINGS)
-
-
-def events(raw: bytes) -> list[tuple[str, Any]]:
-    """The named events of a stream, each with its decoded data (comments left out)."""
-    out = []
-    for frame in raw.decode().split("\n\n"):
-        lines = [line for line in frame.split("\n") if line and not line.startswith(":")]
-        if lines:
-            name = lines[0].removeprefix("event: ")
-            out.append((name, json.loads(lines[1].removeprefix("data: "))))
-    return out
-
-
-def stream_bytes(pieces: Iterable[ChatEvent], done: Completion) -> bytes:
-    """A whole stream of C{pieces} ending with C{done}."""
-    answer = MessagesDoor().answer(parse(stream=True), "tiny", 0)
-    return answer.opening() + b"".join(answer.during(e) for e in pieces) + answer.closing(done)
-
-
-def sdk_client(status: int, body: bytes, content_type: str) -> anthropic.Anthropic:
-    """An SDK client whose every request is answered with C{body}."""
-
-    def handle(request: httpx2.Request) -> httpx2.Response:
-        return httpx2.Response(status, headers={"content-type": content_type}, content=body)
-
-    transport = httpx2.MockTransport(handle)
-    return anthropic.Anthropic(
-        api_key="token",
-        base_url="http://loopd",
-        max_retries=0,
-        http_client=httpx2.Client(transport=transport),
-    )
-
-
-def sdk_stream(raw: bytes) -> anthropic.types.Message:
-    """What the SDK's own stream accumulation makes of C{raw}."""
-    client = sdk_client(200, raw, "text/event-stream")
-    with client.messages.stream(model="tiny", max_tokens=100, messages=[USER]) as stream:  # type: ignore[list-item]
-        return stream.get_final_message()
-
-
-PIECES: tuple[ChatEvent, ...] = (
-    Queued(1),
-    Waiting(True),
-    Progress(100, 90, 100),
-    Reasoning("Let me "),
-    Reasoning("think."),
-    ThinkingCapped(2),
-    Content("Hi "),
-    Content(""),
-    Content("there."),
-    ToolCallDelta(0, "call_a", "read", ""),
-    ToolCallDelta(0, None, None, '{"path": '),
-    ToolCallDelta(0, None, None, '"x"}'),
-    Retrying(1, 10, "boom"),
-    ToolCallDelta(1, "call_b", None, "{}"),
-    ToolCallDelta(1, None, "list", ""),
-)
-
-
-DONE = completion(
-    "Hi there.",
-    "Let me think.",
-    (ToolCall("call_a", "read", '{"path": "x"}'), ToolCall("call_b", "list", "{}")),
-    FinishReason.TOOL_CALLS,
-)
 
 
 class GatewayTests(SynchronousTestCase):
@@ -170,7 +63,7 @@ class GatewayTests(SynchronousTestCase):
         }
         response = self.post(document, "anthropic-beta: interleaved-thinking-2025-05-14")
         self.assertEqual(response.status, 200)
-        message = sdk_stream(response.body)
+        message = anthropic_message(response.body)
         self.assertEqual(
             [block.to_dict() for block in message.content],
             [

@@ -28,7 +28,7 @@ from loopd.llama.types import ChatRequest, Completion, FinishReason, Timings, To
 from loopd.moa.context import loop_guard_text
 from loopd.moa.engine import ALL_WORKERS_FAILED_MESSAGE, MeshTimings, MeshTurn, TurnResult
 from loopd.moa.fanout import RateLimited
-from loopd.moa.response import TurnLabel, TurnReport
+from loopd.moa.report import TurnLabel, TurnReport
 from loopd.moa.roles import Worker
 from loopd.moa.turn import ToolLoop, Turn, read_turn
 from loopd.settings import Config, Endpoint

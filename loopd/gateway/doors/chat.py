@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from loopd.gateway.doors.chat_mesh import MeshChatAnswer
 from loopd.gateway.doors.chat_read import parse_request
 from loopd.gateway.doors.door import (
     Answer,
@@ -262,6 +263,10 @@ class ChatDoor:
         """A fresh completion id's answer, its chunks stamped with C{model} and C{created}."""
         return _ChatAnswer(ChunkStream.for_request(request, new_completion_id(), model, created))
 
+    def mesh_answer(self, request: GatewayRequest, answer_id: str, created: int) -> Answer:
+        """A mesh turn's answer in the reference's shapes (L{MeshChatAnswer})."""
+        return MeshChatAnswer(answer_id, created)
+
     def error(self, error: GatewayError) -> tuple[int, object]:
         """
         OpenAI's error shape, C{{"error": {"message", "type", "code", "param"}}}, with its
@@ -349,6 +354,10 @@ class _ChatAnswer:
     def stream_error(self, error: GatewayError) -> bytes:
         """One C{data: {"error": ...}} event (and no C{[DONE]}, decision 18)."""
         return data_line(error.body())
+
+    def error(self, error: GatewayError) -> tuple[int, object]:
+        """OpenAI's error shape, as the door's (L{ChatDoor.error})."""
+        return error.status, error.body()
 
     def body(self, completion: Completion) -> object:
         """The C{chat.completion} object."""

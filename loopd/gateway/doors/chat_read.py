@@ -12,6 +12,7 @@ from typing import Any, Final
 
 from loopd.gateway.doors.fields import Fields, decode_body, fail, show
 from loopd.gateway.doors.params import split_fields
+from loopd.gateway.doors.tools import offered_tool, openai_tool_choice
 from loopd.gateway.request import NO_SESSION, GatewayRequest, SessionRef, ThinkingSwitch
 from loopd.llama.types import (
     Assistant,
@@ -27,9 +28,6 @@ __all__ = ["THINKING_ALIASES", "parse_request"]
 
 MAX_STOP = 4
 """The most stop strings a request may give, as in OpenAI's API."""
-
-TOOL_CHOICES = ("auto", "none", "required")
-"""The string forms of C{tool_choice}."""
 
 _TEXT_PARTS = "expected a string or an array of text parts"
 _CHOICES = 'expected "auto", "none", "required" or {"type": "function", "function": {"name": ...}}'
@@ -266,40 +264,26 @@ def _tools(value: object) -> tuple[ToolSchema, ...]:
         if tool.get("type") != "function":
             fail(_TOOLS, f"{path}.type", 'expected "function"')
         function = _FIELDS.mapping(tool.get("function"), f"{path}.function", _TOOLS)
-        name = function.get("name")
-        if not isinstance(name, str) or not name:
-            fail(_TOOLS, f"{path}.function.name", "expected a non-empty string")
-        if any(offered.name == name for offered in tools):
-            fail(_TOOLS, f"{path}.function.name", f"{show(name)} is offered twice")
-        description = function.get("description")
-        if description is not None:
-            description = _FIELDS.string(description, f"{path}.function.description", _TOOLS)
-        parameters = function.get("parameters")
-        if parameters is None:
-            parameters = {"type": "object"}
-        elif not isinstance(parameters, dict):
-            fail(_TOOLS, f"{path}.function.parameters", "expected a JSON schema object")
-        tools.append(ToolSchema(name, description or "", parameters))
+        tools.append(offered_tool(function, f"{path}.function", tools))
     return tuple(tools)
 
 
 def _tool_choice(
     value: object, tools: tuple[ToolSchema, ...]
 ) -> tuple[str | None, tuple[ToolSchema, ...]]:
-    """C{tool_choice} and the tools it leaves on offer."""
-    if value is None:
-        return None, tools
-    if isinstance(value, str) and value in TOOL_CHOICES:
-        return value, tools
-    if isinstance(value, dict) and value.get("type") == "function":
-        function = value.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        name = _FIELDS.string(name, "tool_choice.function.name", _PARAM)
-        chosen = tuple(tool for tool in tools if tool.name == name)
-        if not chosen:
-            fail(_PARAM, "tool_choice.function.name", f"{show(name)} is not in tools")
-        return "required", chosen
-    fail(_PARAM, "tool_choice", _CHOICES)
+    """C{tool_choice} and the tools it leaves on offer (L{openai_tool_choice})."""
+    chosen = openai_tool_choice(
+        value, tools, name_of=_function_name, path="tool_choice.function.name", code=_PARAM
+    )
+    if chosen is None:
+        fail(_PARAM, "tool_choice", _CHOICES)
+    return chosen
+
+
+def _function_name(choice: dict[str, Any]) -> object:
+    """The tool a chat C{tool_choice} names: C{function.name}."""
+    function = choice.get("function")
+    return function.get("name") if isinstance(function, dict) else None
 
 
 def _thinking_switches(document: dict[str, Any]) -> tuple[ThinkingSwitch, ...]:

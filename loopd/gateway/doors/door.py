@@ -41,6 +41,7 @@ from loopd.sse import DONE, encode_comment, encode_data
 __all__ = [
     "Answer",
     "Door",
+    "MESH_MODEL",
     "Header",
     "comment_line",
     "compact_json",
@@ -49,6 +50,9 @@ __all__ = [
     "loopd_comment",
     "replay",
 ]
+
+MESH_MODEL = "mesh"
+"""The virtual model a mesh turn answers as (L{loopd.moa.roles.VIRTUAL_MODEL_NAME})."""
 
 Header = Callable[[bytes], "bytes | None"]
 """A request's header by its lower-case name, C{None} when absent."""
@@ -91,6 +95,13 @@ class Answer(Protocol):
     def body(self, completion: Completion) -> object:
         """The JSON body of a non-streaming answer (status 200)."""
 
+    def error(self, error: GatewayError) -> tuple[int, object]:
+        """
+        The status and JSON body of an error answered as a status once this answer exists
+        (a failed call, a mesh turn's failure): the door's L{Door.error} for every answer
+        but a mesh turn's on chat completions, whose failure has the reference's own body.
+        """
+
 
 class Door(Protocol):
     """
@@ -115,6 +126,15 @@ class Door(Protocol):
         The answer of C{request} served by C{model} (the endpoint's name, or C{mesh}),
         stamped with C{created} (seconds of the epoch). A fail-over to another endpoint
         makes a new one.
+        """
+
+    def mesh_answer(self, request: GatewayRequest, answer_id: str, created: int) -> Answer:
+        """
+        The answer of a mesh turn (C{model: "mesh"}, L{loopd.gateway.mesh}): the turn's
+        whole answer comes as one completion, replayed as events when streaming, and its
+        failure as a L{loopd.gateway.errors.MeshTurnError}. Chat completions answer in the
+        reference's mesh shapes with C{answer_id} as the completion's id; a door with no
+        such shapes answers as it would for an endpoint named L{MESH_MODEL}.
         """
 
     def error(self, error: GatewayError) -> tuple[int, object]:

@@ -22,6 +22,7 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Final, Literal
 
 from loopd.gateway.doors.fields import fail
@@ -29,6 +30,7 @@ from loopd.gateway.doors.fields import fail
 __all__ = [
     "DROPPED_HEADER",
     "HostedTools",
+    "dropped_hosted",
     "hosted_messages_tool",
     "hosted_responses_tool",
     "refuse_hosted",
@@ -87,3 +89,24 @@ def refuse_hosted(path: str, kind: str) -> None:
         'set to refuse such tools ([doors] hosted_tools = "refuse"; "drop" leaves them out '
         "and names them in X-Loopd-Dropped)",
     )
+
+
+def dropped_hosted(
+    kind: object,
+    path: str,
+    policy: HostedTools,
+    dropped: list[str],
+    hosted: Callable[[str], bool],
+) -> bool:
+    """
+    Whether the tool whose type is C{kind} (at C{path}) is a hosted tool, as the door's
+    C{hosted} says (L{hosted_responses_tool}, L{hosted_messages_tool}): left out and named
+    once in C{dropped}, or under C{policy} C{refuse} refused (L{refuse_hosted}).
+    """
+    if not isinstance(kind, str) or not hosted(kind):
+        return False
+    if policy == "refuse":
+        refuse_hosted(path, kind)
+    if kind not in dropped:
+        dropped.append(kind)
+    return True

@@ -35,7 +35,14 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from loopd import strict_json
-from loopd.gateway.doors.door import Answer, Header, comment_line, compact_json, loopd_comment
+from loopd.gateway.doors.door import (
+    MESH_MODEL,
+    Answer,
+    Header,
+    comment_line,
+    compact_json,
+    loopd_comment,
+)
 from loopd.gateway.doors.hosted_tools import HostedTools
 from loopd.gateway.doors.messages_read import parse_messages
 from loopd.gateway.errors import GatewayError
@@ -112,6 +119,10 @@ class MessagesDoor:
     def answer(self, request: GatewayRequest, model: str, created: int) -> Answer:
         """A fresh message id's answer for C{model}; Anthropic's message has no C{created}."""
         return MessagesAnswer(new_message_id(), model)
+
+    def mesh_answer(self, request: GatewayRequest, answer_id: str, created: int) -> Answer:
+        """A mesh turn's answer: a message as any, from the model L{MESH_MODEL}."""
+        return self.answer(request, MESH_MODEL, created)
 
     def error(self, error: GatewayError) -> tuple[int, object]:
         """Anthropic's error shape and status (L{anthropic_error})."""
@@ -415,6 +426,10 @@ class MessagesAnswer:
     def stream_error(self, error: GatewayError) -> bytes:
         """An C{error} event in Anthropic's error shape (the SDK raises it)."""
         return _event(anthropic_error(error)[1])
+
+    def error(self, error: GatewayError) -> tuple[int, object]:
+        """Anthropic's error shape and status (L{anthropic_error})."""
+        return anthropic_error(error)
 
     def body(self, completion: Completion) -> object:
         """The C{message} object of a non-streaming answer."""

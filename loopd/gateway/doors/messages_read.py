@@ -60,7 +60,8 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from loopd.gateway.doors.fields import Fields, decode_body, fail, show
-from loopd.gateway.doors.hosted_tools import HostedTools, hosted_messages_tool, refuse_hosted
+from loopd.gateway.doors.hosted_tools import HostedTools, dropped_hosted, hosted_messages_tool
+from loopd.gateway.doors.tools import narrowed, offered_tool
 from loopd.gateway.request import (
     NO_SESSION,
     GatewayRequest,
@@ -533,29 +534,14 @@ def _tools(value: object, hosted: HostedTools) -> tuple[tuple[ToolSchema, ...], 
         path = f"tools[{i}]"
         tool = _FIELDS.mapping(item, path, _TOOLS)
         kind = tool.get("type")
-        if isinstance(kind, str) and hosted_messages_tool(kind):
-            if hosted == "refuse":
-                refuse_hosted(f"{path}.type", kind)
-            if kind not in dropped:
-                dropped.append(kind)
+        if dropped_hosted(kind, f"{path}.type", hosted, dropped, hosted_messages_tool):
             continue
         if kind not in (None, "custom"):
             shown = show(kind) if isinstance(kind, str) else "this type"
             fail(_TOOLS, f"{path}.type", f"{shown}: only custom tools are supported by loopd")
         _only(tool, _TOOL_FIELDS, path)
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            fail(_TOOLS, f"{path}.name", "expected a non-empty string")
-        if any(offered.name == name for offered in tools):
-            fail(_TOOLS, f"{path}.name", f"{show(name)} is offered twice")
-        description = tool.get("description")
-        if description is not None:
-            description = _FIELDS.string(description, f"{path}.description", _TOOLS)
-        schema = tool.get("input_schema")
-        if schema is None:
-            fail(_TOOLS, f"{path}.input_schema", "required: a JSON schema object")
-        schema = _FIELDS.mapping(schema, f"{path}.input_schema", _TOOLS)
-        tools.append(ToolSchema(name, description or "", schema))
+        schema = offered_tool(tool, path, tools, schema_key="input_schema", schema_required=True)
+        tools.append(schema)
     return tuple(tools), tuple(dropped)
 
 
@@ -582,10 +568,7 @@ def _tool_choice(
     path = "tool_choice.disable_parallel_tool_use"
     parallel = False if _FIELDS.flag(choice.get("disable_parallel_tool_use"), path) else None
     if kind == "tool":
-        name = _FIELDS.string(choice.get("name"), "tool_choice.name", _PARAM)
-        tools = tuple(tool for tool in tools if tool.name == name)
-        if not tools:
-            fail(_PARAM, "tool_choice.name", f"{show(name)} is not in tools")
+        tools = narrowed(tools, choice.get("name"), "tool_choice.name", _PARAM)
     return _CHOICES[kind], tools, parallel
 
 

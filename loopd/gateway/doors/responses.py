@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from loopd.gateway.doors.door import Header, compact_json, loopd_comment
+from loopd.gateway.doors.door import MESH_MODEL, Answer, Header, compact_json, loopd_comment
 from loopd.gateway.doors.hosted_tools import HostedTools
 from loopd.gateway.doors.responses_read import parse_responses
 from loopd.gateway.doors.responses_store import ResponseStore, StoredResponse
@@ -38,7 +38,7 @@ from loopd.llama.types import (
 )
 from loopd.sse import encode_comment, encode_event
 
-__all__ = ["ResponsesAnswer", "ResponsesDoor", "new_response_id"]
+__all__ = ["ResponsesAnswer", "ResponsesDoor", "new_response_id", "responses_error"]
 
 
 def new_response_id() -> str:
@@ -83,21 +83,30 @@ class ResponsesDoor:
         """The answer of C{request}, a new response with its own id."""
         return ResponsesAnswer(self._store, request, model, created)
 
+    def mesh_answer(self, request: GatewayRequest, answer_id: str, created: int) -> Answer:
+        """A mesh turn's answer: a response as any, from the model L{MESH_MODEL}."""
+        return self.answer(request, MESH_MODEL, created)
+
     def error(self, error: GatewayError) -> tuple[int, object]:
-        """
-        OpenAI's error shape: C{{"error": {"message", "type", "code", "param"}}} (C{param}
-        the field the error is about, else C{null}), with the error's own status. loopd's
-        C{context_exceeded} goes out as OpenAI's C{context_length_exceeded}, the code Codex
-        acts on.
-        """
-        return error.status, {
-            "error": {
-                "message": error.message,
-                "type": error.type,
-                "code": _openai_code(error),
-                "param": error.param,
-            }
+        """OpenAI's error shape as Codex reads it (L{responses_error})."""
+        return responses_error(error)
+
+
+def responses_error(error: GatewayError) -> tuple[int, object]:
+    """
+    OpenAI's error shape: C{{"error": {"message", "type", "code", "param"}}} (C{param} the
+    field the error is about, else C{null}), with the error's own status. loopd's
+    C{context_exceeded} goes out as OpenAI's C{context_length_exceeded}, the code Codex acts
+    on.
+    """
+    return error.status, {
+        "error": {
+            "message": error.message,
+            "type": error.type,
+            "code": _openai_code(error),
+            "param": error.param,
         }
+    }
 
 
 def _openai_code(error: GatewayError) -> str:
@@ -311,6 +320,10 @@ class ResponsesAnswer:
     def _final_status(completion: Completion) -> str:
         """C{incomplete} for an answer cut at its token bound, else C{completed}."""
         return "incomplete" if completion.finish_reason is FinishReason.LENGTH else "completed"
+
+    def error(self, error: GatewayError) -> tuple[int, object]:
+        """The door's error shape (L{responses_error})."""
+        return responses_error(error)
 
     def body(self, completion: Completion) -> object:
         """

@@ -60,8 +60,9 @@ from typing import Any, Final, NoReturn
 
 from loopd.gateway.doors.door import Header
 from loopd.gateway.doors.fields import Fields, decode_body, fail, show
-from loopd.gateway.doors.hosted_tools import HostedTools, hosted_responses_tool, refuse_hosted
+from loopd.gateway.doors.hosted_tools import HostedTools, dropped_hosted, hosted_responses_tool
 from loopd.gateway.doors.responses_store import ResponseStore
+from loopd.gateway.doors.tools import offered_tool, openai_tool_choice
 from loopd.gateway.request import GatewayRequest, ThinkingSwitch, read_session
 from loopd.llama.types import (
     Assistant,
@@ -95,7 +96,6 @@ _INPUT = "invalid_input"
 _CONTENT = "unsupported_content"
 _TOOLS = "invalid_tools"
 _FIELDS = Fields(_INPUT, _INVALID)
-_TOOL_CHOICES: Final = ("auto", "none", "required")
 _SUMMARIES: Final = ("auto", "concise", "detailed")
 _INCLUDES: Final = frozenset({"reasoning.encrypted_content"})
 _SERVICE_TIERS: Final = ("auto", "default")
@@ -313,7 +313,16 @@ def _input(value: object) -> list[ChatMessage]:
         elif kind == "function_call_output":
             turn = flush()
             call_id = _FIELDS.string(item.get("call_id"), f"{path}.call_id")
-            messages.append(Tool(call_id, _output(item.get("output"), f"{path}.output")))
+            messages.append(
+                Tool(
+                    call_id,
+                    _text_content(
+                        item.get("output"),
+                        f"{path}.output",
+                        "text parts in a function call's output",
+                    ),
+                )
+            )
         elif kind == "reasoning":
             if turn.has_content or turn.calls:
                 turn = flush()
@@ -349,15 +358,18 @@ def _part_kind(part: object, path: str) -> tuple[dict[str, Any], str]:
     return body, kind
 
 
-def _text_content(value: object, path: str) -> str:
-    """Content as a string, or C{input_text} / C{output_text} parts joined."""
+def _text_content(value: object, path: str, allowed: str = "text parts") -> str:
+    """
+    Content as a string, or C{input_text} / C{output_text} parts joined (a function call's
+    output too); another part is refused naming what is C{allowed} there.
+    """
     if isinstance(value, str):
         return value
     texts = []
     for j, part in enumerate(_parts(value, path)):
         body, kind = _part_kind(part, f"{path}[{j}]")
         if kind not in ("input_text", "output_text"):
-            _unsupported_part(kind, f"{path}[{j}].type", "text parts")
+            _unsupported_part(kind, f"{path}[{j}].type", allowed)
         texts.append(_FIELDS.string(body.get("text"), f"{path}[{j}].text"))
     return "".join(texts)
 
@@ -410,19 +422,6 @@ def _user(value: object, path: str) -> User:
         else:
             _unsupported_part(kind, f"{where}.type", "input_text, input_image and input_audio")
     return User("".join(texts), tuple(parts) if media else ())
-
-
-def _output(value: object, path: str) -> str:
-    """A function call's output: a string or C{input_text} parts joined."""
-    if isinstance(value, str):
-        return value
-    texts = []
-    for j, part in enumerate(_parts(value, path)):
-        body, kind = _part_kind(part, f"{path}[{j}]")
-        if kind not in ("input_text", "output_text"):
-            _unsupported_part(kind, f"{path}[{j}].type", "text parts in a function call's output")
-        texts.append(_FIELDS.string(body.get("text"), f"{path}[{j}].text"))
-    return "".join(texts)
 
 
 def _reasoning_text(item: dict[str, Any], path: str) -> str:
@@ -486,12 +485,9 @@ def _tools(value: object, hosted: HostedTools) -> _Offered:
         path = f"tools[{i}]"
         tool = _FIELDS.mapping(item, path, _TOOLS)
         kind = tool.get("type")
-        if isinstance(kind, str) and hosted_responses_tool(kind):
-            if hosted == "refuse":
-                refuse_hosted(f"{path}.type", kind)
-            if kind not in dropped:
-                dropped.append(kind)
-        elif kind == "namespace":
+        if dropped_hosted(kind, f"{path}.type", hosted, dropped, hosted_responses_tool):
+            continue
+        if kind == "namespace":
             namespace = tool.get("name")
             if not isinstance(namespace, str) or not namespace:
                 fail(_TOOLS, f"{path}.name", "expected a non-empty string")
@@ -525,38 +521,25 @@ def _function_tool(value: object, path: str, offered: list[ToolSchema]) -> ToolS
     if kind != "function":
         shown = show(kind) if isinstance(kind, str) else "a tool without a type"
         fail(_TOOLS, f"{path}.type", f"only function tools are supported, not {shown}")
-    name = tool.get("name")
-    if not isinstance(name, str) or not name:
-        fail(_TOOLS, f"{path}.name", "expected a non-empty string")
-    if any(tool.name == name for tool in offered):
-        fail(_TOOLS, f"{path}.name", f"{show(name)} is offered twice")
-    description = tool.get("description")
-    if description is not None:
-        _FIELDS.string(description, f"{path}.description", _TOOLS)
-    parameters = tool.get("parameters")
-    if parameters is None:
-        parameters = {"type": "object"}
-    elif not isinstance(parameters, dict):
-        fail(_TOOLS, f"{path}.parameters", "expected a JSON schema object")
+    schema = offered_tool(tool, path, offered)
     _FIELDS.flag(tool.get("strict"), f"{path}.strict", True)
     _no_other_keys(tool, path, frozenset({"type", "name", "description", "parameters", "strict"}))
-    return ToolSchema(name, description or "", parameters)
+    return schema
 
 
 def _tool_choice(
     value: object, tools: tuple[ToolSchema, ...]
 ) -> tuple[str | None, tuple[ToolSchema, ...]]:
-    """C{tool_choice} and the tools it leaves on offer."""
-    if value is None:
-        return None, tools
-    if isinstance(value, str) and value in _TOOL_CHOICES:
-        return value, tools
-    if isinstance(value, dict) and value.get("type") == "function":
-        name = _FIELDS.string(value.get("name"), "tool_choice.name", _INVALID)
-        chosen = tuple(tool for tool in tools if tool.name == name)
-        if not chosen:
-            fail(_INVALID, "tool_choice.name", f"{show(name)} is not in tools")
-        return "required", chosen
+    """C{tool_choice} and the tools it leaves on offer (L{openai_tool_choice})."""
+    chosen = openai_tool_choice(
+        value,
+        tools,
+        name_of=lambda choice: choice.get("name"),
+        path="tool_choice.name",
+        code=_INVALID,
+    )
+    if chosen is not None:
+        return chosen
     if isinstance(value, dict) and isinstance(value.get("type"), str):
         fail(_UNSUPPORTED, "tool_choice.type", f"{show(value['type'])} is not supported")
     fail(

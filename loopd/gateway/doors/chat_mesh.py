@@ -1,7 +1,11 @@
-# -*- test-case-name: loopd.test.test_moa_response -*-
+# -*- test-case-name: loopd.test.test_doors_chat_mesh -*-
 """
-What a mesh turn sends back: the response bodies, the chat SSE chunks of a streamed success
-and the C{x-moa-*} headers (reference/mesh-moa.md §1.12, DESIGN §3 decision 33).
+The chat-completions door's answer to a mesh turn (C{model: "mesh"}, issue 6), in the
+reference's own shapes (reference/mesh-moa.md §1.12, DESIGN §3 decision 33): the response
+bodies and the chat SSE chunks of a streamed success (L{MeshChatAnswer}, which the chat door
+gives for a mesh turn, L{loopd.gateway.doors.chat.ChatDoor.mesh_answer}). The other doors
+answer a mesh turn as any answer of theirs. The C{x-moa-*} headers are the turn's report,
+L{loopd.moa.report}.
 
 Bodies follow the §1.12 table. Each has C{id}, C{object: "chat.completion"}, C{model:
 "mesh"}, C{choices[0]} (C{index: 0}, C{message}, C{finish_reason}) and C{usage}. An answer is
@@ -16,8 +20,9 @@ Deliberate departures from v1, each on purpose:
 
   - Every body and every chunk has C{created} (integer seconds). v1 has none, but OpenAI SDKs
     expect it.
-  - Nothing here reads a clock. Ids (L{moa_id}, L{call_id}: lowercase hex of the nanoseconds
-    the caller passes) and C{created} are parameters, so tests and replays are exact.
+  - Nothing here reads a clock. Ids (the turn's, L{loopd.moa.report.moa_id} and
+    L{loopd.moa.report.call_id}) and C{created} are parameters, so tests and replays are
+    exact.
   - L{stream_chunks} puts C{usage} on the finishing chunk (v1 streams no usage at all). There
     is no separate C{choices: []} usage chunk, so every chunk has a real C{choices[0]} (issue
     6).
@@ -49,103 +54,40 @@ Quirks of §7 that touch this module:
   - 7: the whole answer goes out in one delta, as in v1's chat SSE. The Responses-API shapes
     are not produced here.
 
-L{moa_headers} writes C{x-moa-elapsed-ms}, C{x-moa-turn}, C{x-moa-workers},
-C{x-moa-workers-ok}, C{x-moa-reducer} (C{true}/C{false}) and C{x-moa-reducer-attempts}, in
-that order, as bytes, with CR and LF stripped from the values. Per decision 33 they go on
-every non-streaming response and on every 502; a streamed success sends its headers before
-the result is known and may leave them out.
+Pure: values and functions, no I/O.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any, Final
 
 from loopd import strict_json
+from loopd.gateway.doors.door import MESH_MODEL, data_line, done_line
+from loopd.gateway.errors import GatewayError, MeshTurnError
+from loopd.llama.types import ChatEvent, Completion
 
 __all__ = [
     "ERROR_TYPE",
-    "MODEL",
-    "TurnLabel",
-    "TurnReport",
+    "MeshChatAnswer",
     "arguments_wire_string",
-    "call_id",
     "chat_response",
     "error_response",
     "is_failure",
-    "moa_headers",
-    "moa_id",
     "stream_chunks",
     "tool_call_response",
     "usage_for",
 ]
 
-MODEL: Final = "mesh"
+MODEL: Final = MESH_MODEL
 """The C{model} of every body and chunk (§2 C{VIRTUAL_MODEL_NAME})."""
 
+
 ERROR_TYPE: Final = "moa_failure"
-"""The C{error.type} of every failure body (§2)."""
+
 
 _EMPTY_ARGUMENTS: Final = "{}"
-
-
-class TurnLabel(str, Enum):
-    """
-    The C{x-moa-turn} value: how the turn ended (§1.12, decision 33).
-    """
-
-    EARLY_EXIT = "early-exit"
-    FANOUT = "fanout"
-    TOOL_RESULT = "tool-result"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class TurnReport:
-    """
-    What the C{x-moa-*} headers say about one turn (§1.12).
-
-    @ivar elapsed_ms: the turn's duration in milliseconds
-    @ivar turn: how it ended
-    @ivar workers: the number of workers dispatched (1 on a tool-result turn)
-    @ivar workers_ok: how many of them succeeded
-    @ivar reducer_used: whether a reducer's reply made the answer
-    @ivar reducer_attempts: how many reducer calls were started
-    """
-
-    elapsed_ms: int
-    turn: TurnLabel
-    workers: int
-    workers_ok: int
-    reducer_used: bool
-    reducer_attempts: int
-
-
-def _hex(nanoseconds: int) -> str:
-    """
-    C{nanoseconds} in lowercase hex, without prefix; a negative count is a C{ValueError}.
-    """
-    if nanoseconds < 0:
-        raise ValueError(f"nanoseconds must not be negative, got {nanoseconds}")
-    return format(nanoseconds, "x")
-
-
-def moa_id(nanoseconds: int) -> str:
-    """
-    The completion id of a mesh body: C{"chatcmpl-moa-"} plus C{nanoseconds} (since the
-    epoch, from the caller's clock) in lowercase hex.
-    """
-    return "chatcmpl-moa-" + _hex(nanoseconds)
-
-
-def call_id(nanoseconds: int) -> str:
-    """
-    The id of a tool call the mesh emits: C{"call_"} plus C{nanoseconds} in lowercase hex.
-    """
-    return "call_" + _hex(nanoseconds)
 
 
 def usage_for(text: str) -> dict[str, int]:
@@ -346,24 +288,88 @@ def stream_chunks(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [chunk(delta, None), last]
 
 
-def _header_value(value: str) -> bytes:
+class MeshChatAnswer:
     """
-    C{value} as a header value: CR and LF removed, UTF-8 encoded.
+    One mesh turn's answer on chat completions (L{loopd.gateway.doors.door.Answer}): the
+    whole answer in one delta at the end (§7 quirk 7), so nothing goes out while the turn
+    runs but the turn's own progress comments, which the mesh exchange writes.
     """
-    return value.replace("\r", "").replace("\n", "").encode("utf-8")
 
+    def __init__(self, answer_id: str, created: int) -> None:
+        """
+        @param answer_id: the turn's completion id (L{loopd.moa.report.moa_id}).
+        @param created: the answer's C{created}, seconds of the epoch.
+        """
+        self._id = answer_id
+        self._created = created
 
-def moa_headers(report: TurnReport) -> list[tuple[bytes, bytes]]:
-    """
-    The C{x-moa-*} headers of C{report} (§1.12), in the reference's order, names and values
-    as bytes, CR and LF stripped from the values.
-    """
-    values = [
-        (b"x-moa-elapsed-ms", str(report.elapsed_ms)),
-        (b"x-moa-turn", str(report.turn.value)),
-        (b"x-moa-workers", str(report.workers)),
-        (b"x-moa-workers-ok", str(report.workers_ok)),
-        (b"x-moa-reducer", "true" if report.reducer_used else "false"),
-        (b"x-moa-reducer-attempts", str(report.reducer_attempts)),
-    ]
-    return [(name, _header_value(value)) for name, value in values]
+    def opening(self) -> bytes:
+        """Nothing: the first chunk carries the role with the whole answer."""
+        return b""
+
+    def during(self, event: ChatEvent) -> bytes:
+        """Nothing: the answer goes out whole, at its end (L{closing})."""
+        return b""
+
+    def keepalive(self) -> bytes:
+        """A chunk of this answer whose first choice has an empty delta."""
+        return data_line(
+            {
+                "id": self._id,
+                "object": "chat.completion.chunk",
+                "created": self._created,
+                "model": MODEL,
+                "choices": [{"index": 0, "delta": {}, "finish_reason": None}],
+            }
+        )
+
+    def closing(self, completion: Completion) -> bytes:
+        """The two chunks of L{stream_chunks} for the answer's body, then C{[DONE]}."""
+        chunks = stream_chunks(self._body(completion))
+        return b"".join(data_line(chunk) for chunk in chunks) + done_line()
+
+    def stream_error(self, error: GatewayError) -> bytes:
+        """
+        A turn's failure as the failure body's C{error} object in one C{data:} event; any
+        other error (the daemon stopping) as OpenAI's error body.
+        """
+        if isinstance(error, MeshTurnError):
+            return data_line({"error": self._failure_body(error)["error"]})
+        return data_line(error.body())
+
+    def body(self, completion: Completion) -> object:
+        """
+        The body of the turn's answer: its first tool call (L{tool_call_response}), else
+        its text (L{chat_response}).
+        """
+        return self._body(completion)
+
+    def _body(self, completion: Completion) -> dict[str, Any]:
+        """L{body}."""
+        if completion.tool_calls:
+            call = completion.tool_calls[0]
+            return tool_call_response(
+                call.name,
+                call.arguments,
+                completion_id=self._id,
+                call_id=call.id,
+                created=self._created,
+            )
+        return chat_response(
+            completion.content or "", completion_id=self._id, created=self._created
+        )
+
+    def error(self, error: GatewayError) -> tuple[int, object]:
+        """
+        A turn's failure as 502 with the failure body (L{error_response}); any other error
+        (the daemon stopping) as OpenAI's error body with its status.
+        """
+        if isinstance(error, MeshTurnError):
+            return 502, self._failure_body(error)
+        return error.status, error.body()
+
+    def _failure_body(self, error: GatewayError) -> dict[str, Any]:
+        """The failure body of a turn that failed with C{error}."""
+        return error_response(
+            error.message, error.code, completion_id=self._id, created=self._created
+        )

@@ -1,6 +1,6 @@
 """
-Tests for L{loopd.moa.response}: the mesh turn's bodies, SSE chunks and C{x-moa-*} headers
-(reference C{mesh-moa.md} §1.12, §7 quirks 3, 5, 6, 7, DESIGN decision 33).
+Tests for L{loopd.gateway.doors.chat_mesh}: the chat door's answer to a mesh turn, its bodies
+and SSE chunks (reference §1.12).
 """
 
 from __future__ import annotations
@@ -13,20 +13,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.moa.response import (
-    TurnLabel,
-    TurnReport,
+from loopd.gateway.doors.chat_mesh import (
+    MeshChatAnswer,
     arguments_wire_string,
-    call_id,
     chat_response,
     error_response,
     is_failure,
-    moa_headers,
-    moa_id,
     stream_chunks,
     tool_call_response,
     usage_for,
 )
+from loopd.gateway.doors.door import data_line, done_line
+from loopd.gateway.errors import GatewayError, MeshTurnError
+from loopd.llama.types import Completion, Content, FinishReason, Timings, ToolCall
 
 ID = "chatcmpl-moa-17f0"
 CREATED = 1_760_000_000
@@ -58,33 +57,6 @@ def tool_call(name: str = "read_file", arguments: object = None) -> dict[str, An
 def failure(code: str = "all_workers_failed") -> dict[str, Any]:
     """A failure body with the test id and time."""
     return error_response("all 3 workers failed", code, completion_id=ID, created=CREATED)
-
-
-class IdTests(SynchronousTestCase):
-    """'"chatcmpl-moa-" + hex(nanoseconds since epoch)' and '"call_"+hex(nanos)' (§1.12)."""
-
-    def test_moa_id(self) -> None:
-        """The completion id is the prefix plus the nanoseconds in lowercase hex."""
-        self.assertEqual(moa_id(0xABCDEF0123), "chatcmpl-moa-abcdef0123")
-
-    def test_call_id(self) -> None:
-        """The tool call id is C{call_} plus the nanoseconds in lowercase hex."""
-        self.assertEqual(call_id(0xDEADBEEF), "call_deadbeef")
-
-    def test_zero(self) -> None:
-        """Zero nanoseconds is C{0} in hex, not an empty suffix."""
-        self.assertEqual((moa_id(0), call_id(0)), ("chatcmpl-moa-0", "call_0"))
-
-    def test_negative(self) -> None:
-        """A negative count of nanoseconds is refused rather than written with a sign."""
-        self.assertRaises(ValueError, moa_id, -1)
-        self.assertRaises(ValueError, call_id, -1)
-
-    @given(st.integers(min_value=0, max_value=2**80))
-    def test_round_trip(self, nanoseconds: int) -> None:
-        """The hex suffix reads back as the nanoseconds given."""
-        self.assertEqual(int(moa_id(nanoseconds).removeprefix("chatcmpl-moa-"), 16), nanoseconds)
-        self.assertEqual(int(call_id(nanoseconds).removeprefix("call_"), 16), nanoseconds)
 
 
 class UsageTests(SynchronousTestCase):
@@ -428,64 +400,51 @@ class StreamChunksTests(SynchronousTestCase):
             self.assertEqual(strict_loads(json.dumps(chunk, allow_nan=False)), chunk)
 
 
-class _Sneaky(int):
-    """An int whose text smuggles a header break (to show values are cleaned)."""
+class MeshChatAnswerTests(SynchronousTestCase):
+    """
+    L{MeshChatAnswer}, the chat door's answer to a mesh turn: the bodies and chunks above,
+    from the turn's completion.
+    """
 
-    def __str__(self) -> str:
-        return "7\r\nx-evil: 1\n"
+    def setUp(self) -> None:
+        """An answer with the test id and time."""
+        self.answer = MeshChatAnswer(ID, CREATED)
 
+    def test_text(self) -> None:
+        """A text answer is the answer body, or its two chunks and C{[DONE]}."""
+        completion = Completion(ID, "Paris.", None, (), FinishReason.STOP, Timings())
+        self.assertEqual(self.answer.body(completion), answer("Paris."))
+        streamed = [data_line(chunk) for chunk in stream_chunks(answer("Paris."))]
+        self.assertEqual(self.answer.closing(completion), b"".join(streamed) + done_line())
 
-class HeaderTests(SynchronousTestCase):
-    """The x-moa-* headers (§1.12, decision 33): names, order, values, CR/LF stripped."""
+    def test_tool_call(self) -> None:
+        """A tool call is the tool-call body, its call id and wire arguments kept."""
+        wire = arguments_wire_string({"path": "a.txt"})
+        call = ToolCall("call_abc", "read_file", wire)
+        completion = Completion(ID, None, None, (call,), FinishReason.TOOL_CALLS, Timings())
+        self.assertEqual(self.answer.body(completion), tool_call())
 
-    def test_order_and_values(self) -> None:
-        """The six headers come in the reference's order with their values as bytes."""
-        report = TurnReport(
-            elapsed_ms=1234,
-            turn=TurnLabel.EARLY_EXIT,
-            workers=3,
-            workers_ok=2,
-            reducer_used=False,
-            reducer_attempts=0,
-        )
+    def test_nothing_while_running(self) -> None:
+        """The answer goes out whole at the end: nothing at the opening or per event."""
+        self.assertEqual(self.answer.opening(), b"")
+        self.assertEqual(self.answer.during(Content("Paris.")), b"")
+
+    def test_turn_failure(self) -> None:
+        """A turn's failure is 502 with the failure body, or its error object as an event."""
+        error = MeshTurnError("all 3 workers failed", "all_workers_failed")
+        self.assertEqual(self.answer.error(error), (502, failure()))
+        self.assertEqual(self.answer.stream_error(error), data_line({"error": failure()["error"]}))
+
+    def test_other_error(self) -> None:
+        """Any other error (the daemon stopping) is OpenAI's error body with its status."""
+        error = GatewayError(503, "loopd is shutting down", "server_error", "shutting_down")
+        self.assertEqual(self.answer.error(error), (503, error.body()))
+        self.assertEqual(self.answer.stream_error(error), data_line(error.body()))
+
+    def test_keepalive(self) -> None:
+        """A keep-alive is a chunk of this answer with an empty delta."""
+        chunk = json.loads(self.answer.keepalive()[len(b"data: ") :])
         self.assertEqual(
-            moa_headers(report),
-            [
-                (b"x-moa-elapsed-ms", b"1234"),
-                (b"x-moa-turn", b"early-exit"),
-                (b"x-moa-workers", b"3"),
-                (b"x-moa-workers-ok", b"2"),
-                (b"x-moa-reducer", b"false"),
-                (b"x-moa-reducer-attempts", b"0"),
-            ],
+            (chunk["id"], chunk["model"], chunk["choices"]),
+            (ID, "mesh", [{"index": 0, "delta": {}, "finish_reason": None}]),
         )
-
-    def test_labels(self) -> None:
-        """Each turn label is written as the reference spells it."""
-        spelled = {
-            TurnLabel.EARLY_EXIT: b"early-exit",
-            TurnLabel.FANOUT: b"fanout",
-            TurnLabel.TOOL_RESULT: b"tool-result",
-            TurnLabel.FAILED: b"failed",
-        }
-        for label, value in spelled.items():
-            with self.subTest(label=label):
-                report = TurnReport(0, label, 1, 1, True, 1)
-                self.assertEqual(dict(moa_headers(report))[b"x-moa-turn"], value)
-
-    def test_reducer_true(self) -> None:
-        """A used reducer is C{true}; decision 33's tool-result turn reports one worker."""
-        headers = dict(moa_headers(TurnReport(50, TurnLabel.TOOL_RESULT, 1, 1, True, 2)))
-        self.assertEqual(headers[b"x-moa-reducer"], b"true")
-        self.assertEqual(headers[b"x-moa-workers"], b"1")
-        self.assertEqual(headers[b"x-moa-reducer-attempts"], b"2")
-
-    def test_crlf_stripped(self) -> None:
-        """'CR/LF are stripped from values': a value with line breaks cannot split a header."""
-        report = TurnReport(_Sneaky(7), TurnLabel.FANOUT, _Sneaky(3), 0, False, _Sneaky(1))
-        headers = moa_headers(report)
-        for _name, value in headers:
-            self.assertNotIn(b"\r", value)
-            self.assertNotIn(b"\n", value)
-        self.assertEqual(dict(headers)[b"x-moa-elapsed-ms"], b"7x-evil: 1")
-        self.assertEqual(len(headers), 6)
