@@ -30,7 +30,7 @@ from typing import Any
 
 from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.defer import TimeoutError as DeferredTimeout
-from twisted.internet.interfaces import IHalfCloseableProtocol
+from twisted.internet.interfaces import IHalfCloseableProtocol, IReactorFromThreads
 from twisted.internet.stdio import StandardIO
 from twisted.protocols.basic import LineReceiver
 from twisted.python.failure import Failure
@@ -39,6 +39,7 @@ from zope.interface import implementer
 from loopd import http, strict_json
 from loopd.chatui import QUIT, Conversation, TurnView, http_error_text
 from loopd.errors import Connect
+from loopd.reactor import IServiceReactor, IUnixReactor
 from loopd.sse import SSEDecoder
 from loopd.unixsocket import UnixSocketError, check_peer_socket
 
@@ -81,7 +82,7 @@ def history_path(environ: dict[str, str] | None = None) -> str:
 
 
 def check_gateway(
-    reactor: Any, socket_path: str, model: str | None, *, timeout: float = 5.0
+    reactor: IUnixReactor, socket_path: str, model: str | None, *, timeout: float = 5.0
 ) -> Deferred[str | None]:
     """
     Check, before the first prompt, that C{socket_path} is a loopd gateway and that it serves
@@ -135,7 +136,7 @@ def check_gateway(
 
 
 def stream_turn(
-    reactor: Any,
+    reactor: IUnixReactor,
     socket_path: str,
     body: dict[str, Any],
     view: TurnView,
@@ -230,7 +231,7 @@ class ChatSession:
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IUnixReactor,
         socket_path: str,
         conversation: Conversation,
         write: Write,
@@ -420,7 +421,7 @@ class _ReadlineLines:
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IReactorFromThreads,
         history: str,
         *,
         editor: Any = None,
@@ -496,7 +497,9 @@ class _ReadlineLines:
             pass
 
 
-def terminal_chat(reactor: Any, socket_path: str, conversation: Conversation) -> Deferred[int]:
+def terminal_chat(
+    reactor: IServiceReactor, socket_path: str, conversation: Conversation
+) -> Deferred[int]:
     """
     Check the gateway and the model (L{check_gateway}), then run a L{ChatSession} on
     standard input and output: with C{readline} when standard input is a terminal, else
@@ -531,7 +534,11 @@ def terminal_chat(reactor: Any, socket_path: str, conversation: Conversation) ->
 
 
 def _readline_chat(
-    reactor: Any, socket_path: str, conversation: Conversation, lines: _ReadlineLines, tty: bool
+    reactor: IUnixReactor,
+    socket_path: str,
+    conversation: Conversation,
+    lines: _ReadlineLines,
+    tty: bool,
 ) -> Deferred[int]:
     """
     Run a L{ChatSession} whose lines C{lines} reads with C{readline}, its text written to

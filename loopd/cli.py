@@ -27,6 +27,7 @@ from loopd.access_token import TokenError, load_or_create_token, token_path
 from loopd.chatloop import restore_blocking, terminal_chat
 from loopd.chatui import Conversation
 from loopd.config import ConfigError, load_config
+from loopd.reactor import ILoopdReactor, IUnixReactor, global_reactor
 from loopd.selftest import SelftestFailed, SelftestReport, require_selftests
 from loopd.service import default_socket_path, listen_path, queue_socket_path
 from loopd.settings import Config, Server
@@ -45,7 +46,7 @@ __all__ = [
 ]
 
 #: A command: given the reactor, fires with the exit status.
-Command = Callable[[Any], "Deferred[int]"]
+Command = Callable[[ILoopdReactor], "Deferred[int]"]
 #: Runs a command to its end and returns its exit status.
 Runner = Callable[[Command], int]
 Write = Callable[[str], None]
@@ -256,8 +257,7 @@ def run_on_reactor(command: Command) -> int:
     1 for an unexpected failure (reported on stderr), L{INTERRUPTED} when the reactor
     stopped first (Ctrl-C).
     """
-    from twisted.internet import reactor
-
+    reactor = global_reactor()
     outcome: list[int] = []
 
     def finished(result: int | Failure) -> None:
@@ -287,7 +287,7 @@ def run_on_reactor(command: Command) -> int:
 
 
 def selftest_command(
-    reactor: Any, config: Config, write: Write, progress: Write | None = None
+    reactor: IUnixReactor, config: Config, write: Write, progress: Write | None = None
 ) -> Deferred[int]:
     """
     Run the self-test of every C{llama-server} endpoint with C{selftest = true}; write one

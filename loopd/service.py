@@ -32,6 +32,7 @@ from loopd.queue.eventlog import EventLog
 from loopd.queue.host import QueueHost
 from loopd.queue.protocol import LeaseFactory
 from loopd.queue.watch import ConfigWatcher
+from loopd.reactor import IServiceReactor
 from loopd.selftest import SelftestFailed, require_selftests
 from loopd.settings import Config
 from loopd.tcp_address import TcpAddress, parse_tcp_address
@@ -92,7 +93,7 @@ class LoopdService(Service):
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IServiceReactor,
         config: Config,
         *,
         exit_process: Callable[[int], None] = os._exit,

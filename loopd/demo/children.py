@@ -21,11 +21,12 @@ from typing import IO, Any
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.error import ProcessDone, ProcessExitedAlready
-from twisted.internet.interfaces import IDelayedCall, IReactorProcess, IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
 from loopd.demo.orphan_guard import guarded_argv
+from loopd.reactor import IProcessReactor
 
 __all__ = ["Child", "ChildFailed", "spawn_twist", "stop_child"]
 
@@ -167,7 +168,7 @@ def _status(reason: Failure) -> int:
 
 
 def spawn_twist(
-    reactor: Any,
+    reactor: IProcessReactor,
     name: str,
     marker: str,
     args: Sequence[str],
@@ -180,7 +181,7 @@ def spawn_twist(
     Start C{python -m twisted --log-format=text ARGS...} with this interpreter, behind
     L{loopd.demo.orphan_guard} (it dies with this process).
 
-    @param reactor: provides IReactorProcess and IReactorTime.
+    @param reactor: starts the child and times its start out.
     @param marker: the text of the log line that says the command is ready.
     @param start_timeout: seconds before C{ready} fails and the child is killed.
     @param log_path: a file the child's output is copied to, line by line.
@@ -188,8 +189,8 @@ def spawn_twist(
     child = Child(name, marker, log_path)
     argv = guarded_argv([sys.executable, "-m", "twisted", "--log-format=text", *args])
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    IReactorProcess(reactor).spawnProcess(child, sys.executable, argv, env=env, path=cwd)
-    child.start_timeout(IReactorTime(reactor), start_timeout)
+    reactor.spawnProcess(child, sys.executable, argv, env=env, path=cwd)
+    child.start_timeout(reactor, start_timeout)
     return child
 
 

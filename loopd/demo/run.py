@@ -36,6 +36,7 @@ from loopd.config import load_config
 from loopd.demo.children import Child, ChildFailed, spawn_twist, stop_child
 from loopd.demo.real_server import RealServer
 from loopd.digest import sha256_hex
+from loopd.reactor import ILoopdReactor
 from loopd.selftest import require_selftests
 
 __all__ = [
@@ -154,7 +155,7 @@ class DemoStack:
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: ILoopdReactor,
         write: Write,
         *,
         port: int = 0,
@@ -411,7 +412,7 @@ def _reason(failure: Failure) -> str:
 
 @inlineCallbacks
 def run_demo(
-    reactor: Any, write: Write, *, once: bool = False, port: int = 0, tty: bool = False
+    reactor: ILoopdReactor, write: Write, *, once: bool = False, port: int = 0, tty: bool = False
 ) -> Generator[Deferred[Any], Any, int]:
     """
     Run the demo: start the stack, one streamed chat, then serve until Ctrl-C (or stop at

@@ -103,6 +103,7 @@ from loopd.llama.types import (
     ToolCallDelta,
     Waiting,
 )
+from loopd.reactor import IUnixReactor
 from loopd.settings import Config, Endpoint
 from loopd.sse import SSEDecoder, SSEError, SSEEvent
 
@@ -129,7 +130,7 @@ class ChatCall:
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IUnixReactor,
         config: Config,
         endpoint: Endpoint,
         request: ChatRequest,

@@ -55,6 +55,7 @@ from loopd.llama.slot_files import (
     slot_action_path,
 )
 from loopd.llama.types import ChatEvent, ChatRequest, Completion
+from loopd.reactor import IUnixReactor
 from loopd.settings import Config, Endpoint
 
 __all__ = ["Client"]
@@ -74,7 +75,7 @@ class Client:
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IUnixReactor,
         config: Config,
         endpoint: Endpoint,
         gate: ISlotGate | None = None,

@@ -24,6 +24,7 @@ from twisted.python.failure import Failure
 from loopd import http, strict_json
 from loopd.errors import Connect, Http, Protocol, ProxyRefused
 from loopd.llama.types import Timings
+from loopd.reactor import IUnixReactor
 from loopd.settings import Endpoint
 
 __all__ = [
@@ -225,7 +226,7 @@ class Health:
 
 
 def check_health(
-    reactor: Any,
+    reactor: IUnixReactor,
     endpoint: Endpoint,
     *,
     caps: http.HttpCaps,

@@ -57,6 +57,7 @@ from twisted.python.failure import Failure
 
 from loopd import http
 from loopd.errors import Busy, Connect, ProxyRefused
+from loopd.reactor import IUnixReactor
 from loopd.settings import Endpoint
 
 __all__ = ["PacedOpener", "Pacer", "PacingStats", "Ticket"]
@@ -342,7 +343,7 @@ class PacedOpener:
     @ivar pacer: the endpoint's pacer.
     """
 
-    def __init__(self, reactor: Any, endpoint: Endpoint, pacer: Pacer) -> None:
+    def __init__(self, reactor: IUnixReactor, endpoint: Endpoint, pacer: Pacer) -> None:
         """
         @param reactor: provides IReactorTime and IReactorUNIX.
         @param endpoint: the endpoint whose socket is opened.

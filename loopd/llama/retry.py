@@ -13,7 +13,10 @@ already streamed to a consumer is the caller's to judge through C{retryable} (th
 client retries a partly delivered answer only as its continuation, L{loopd.llama.resume}).
 
 The timers run on an injected C{IReactorTime}, the random source is injectable, and the
-schedule itself is pure (L{backoff_wait}, L{backoff_schedule}).
+schedule itself is pure (L{backoff_wait}, L{backoff_schedule}). The loop itself,
+L{retry_loop}, takes what to do after a failure as a L{Pause}: L{with_retry} is the loop
+with this module's policy, and the startup self-test's bounded wait
+(L{loopd.selftest.wait}) is the same loop with its own.
 """
 
 from __future__ import annotations
@@ -31,11 +34,16 @@ from loopd.errors import Connect, Http, LoadTimeout, Stalled, StreamClosedEarly
 from loopd.llama.types import ChatEvent, Retrying
 from loopd.settings import Retry
 
-__all__ = ["backoff_schedule", "backoff_wait", "is_retryable", "with_retry"]
+__all__ = ["Pause", "backoff_schedule", "backoff_wait", "is_retryable", "retry_loop", "with_retry"]
 
 _T = TypeVar("_T")
 
 _log = Logger(namespace="loopd.llama.retry")
+
+#: What a L{retry_loop} does after a failed attempt: given the error, the number of attempts
+#: made so far and the seconds since the first one started, the seconds to wait before the
+#: next attempt, or None to fail the run with that failure. What it raises fails the run.
+Pause = Callable[[BaseException, int, float], float | None]
 
 _RETRYABLE = (Connect, StreamClosedEarly, Stalled, LoadTimeout)
 _SERVICE_UNAVAILABLE = 503
@@ -100,28 +108,65 @@ def with_retry(
         for one that is not retryable). Cancelling it cancels the running attempt or the
         pending wait and fails it with C{CancelledError}.
     """
-    return _Retrier(attempt, clock, policy, on_event, random, retryable).start()
+    return retry_loop(attempt, clock=clock, pause=_backoff(policy, on_event, random, retryable))
+
+
+def _backoff(
+    policy: Retry,
+    on_event: Callable[[ChatEvent], None],
+    random: Callable[[], float],
+    retryable: Callable[[BaseException], bool],
+) -> Pause:
+    """
+    L{with_retry}'s L{Pause}: a retryable failure is tried again after L{backoff_wait},
+    within C{policy}'s attempts and C{total_ms}, L{Retrying} emitted before the wait.
+    """
+
+    def pause(error: BaseException, tries: int, elapsed: float) -> float | None:
+        """The wait before the next attempt, in seconds, or None to give up."""
+        if not retryable(error) or tries >= policy.attempts:
+            return None
+        wait = backoff_wait(policy, tries - 1, random())
+        if elapsed * 1000 + wait > policy.total_ms:
+            return None
+        event = Retrying(attempt=tries, after_ms=wait, error=str(error) or type(error).__name__)
+        try:
+            on_event(event)
+        except Exception:
+            _log.failure("on_event raised while handling {event!r}", event=event)
+        return wait / 1000
+
+    return pause
+
+
+def retry_loop(
+    attempt: Callable[[], Deferred[_T]], *, clock: IReactorTime, pause: Pause
+) -> Deferred[_T]:
+    """
+    Run C{attempt()} and, after each failure, ask C{pause} how long to wait before running
+    it again (L{Pause}); stop at the first success, or when C{pause} says no more.
+
+    @param attempt: starts one attempt; called once per attempt.
+    @param clock: the timers of the waits, and the time since the first attempt started.
+    @param pause: after each failed attempt, the wait before the next (None: give up). It
+        may cancel the run's Deferred; then no attempt follows.
+    @return: a Deferred with the first success, or the failure C{pause} ended the run with.
+        Cancelling it cancels the running attempt or the pending wait and fails it with
+        C{CancelledError}.
+    """
+    return _Retrier(attempt, clock, pause).start()
 
 
 class _Retrier(Generic[_T]):
-    """One run of L{with_retry}: the attempt in progress or the wait before the next."""
+    """One run of L{retry_loop}: the attempt in progress or the wait before the next."""
 
     def __init__(
-        self,
-        attempt: Callable[[], Deferred[_T]],
-        clock: IReactorTime,
-        policy: Retry,
-        on_event: Callable[[ChatEvent], None],
-        random: Callable[[], float],
-        retryable: Callable[[BaseException], bool] = is_retryable,
+        self, attempt: Callable[[], Deferred[_T]], clock: IReactorTime, pause: Pause
     ) -> None:
         """Nothing tried yet; L{start} begins the run."""
         self._attempt = attempt
-        self._retryable = retryable
         self._clock = clock
-        self._policy = policy
-        self._on_event = on_event
-        self._random = random
+        self._pause = pause
         self._result: Deferred[_T] = Deferred(self._cancel)
         self._cancelled = False
         self._started = 0.0
@@ -150,30 +195,27 @@ class _Retrier(Generic[_T]):
             self._result.callback(value)
 
     def _failed(self, failure: Failure) -> None:
-        """An attempt failed: retry it after a wait, or fail the run with its failure."""
+        """An attempt failed: retry it after the pause, or fail the run."""
         self._running = None
         if self._cancelled:
             return
         error = failure.value
-        if error is None or not self._retryable(error) or self._tries >= self._policy.attempts:
+        if error is None:
             self._result.errback(failure)
             return
-        wait = backoff_wait(self._policy, self._tries - 1, self._random())
-        elapsed_ms = (self._clock.seconds() - self._started) * 1000
-        if elapsed_ms + wait > self._policy.total_ms:
-            self._result.errback(failure)
-            return
-        event = Retrying(
-            attempt=self._tries, after_ms=wait, error=str(error) or type(error).__name__
-        )
         try:
-            self._on_event(event)
+            wait = self._pause(error, self._tries, self._clock.seconds() - self._started)
         except Exception:
-            _log.failure("on_event raised while handling {event!r}", event=event)
-        if self._result.called:
-            # The listener cancelled the run.
+            if not self._result.called:
+                self._result.errback(Failure())
             return
-        self._timer = self._clock.callLater(wait / 1000, self._try)
+        if self._result.called:
+            # The pause cancelled the run.
+            return
+        if wait is None:
+            self._result.errback(failure)
+            return
+        self._timer = self._clock.callLater(wait, self._try)
 
     def _cancel(self, result: Deferred[_T]) -> None:
         """

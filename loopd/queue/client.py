@@ -53,6 +53,7 @@ from loopd.queue.client_lease import (
 from loopd.queue.client_link import DaemonLink
 from loopd.queue.scheduler_types import Tier
 from loopd.queue.terms import LeaseTerms, heartbeat_period_ms
+from loopd.reactor import IUnixReactor
 
 __all__ = [
     "FALLBACK_TERMS",
@@ -102,7 +103,7 @@ class LeaseClient:
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IUnixReactor,
         socket_path: str,
         *,
         fallback_terms: LeaseTerms = FALLBACK_TERMS,

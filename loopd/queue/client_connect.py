@@ -21,7 +21,7 @@ from typing import Any
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import UNIXClientEndpoint
 from twisted.internet.error import ConnectError, ConnectionRefusedError
-from twisted.internet.interfaces import IProcessTransport
+from twisted.internet.interfaces import IProcessTransport, IReactorProcess
 from twisted.internet.protocol import ClientFactory, ProcessProtocol, connectionDone
 from twisted.internet.task import deferLater
 from twisted.protocols.basic import LineReceiver
@@ -30,6 +30,7 @@ from twisted.python.failure import Failure
 from loopd import strict_json
 from loopd.queue.client_lease import QueueUnavailable
 from loopd.queue.protocol import encode_message
+from loopd.reactor import IUnixReactor
 from loopd.unixsocket import UnixSocketError, check_peer_socket
 
 __all__ = ["LeaseWire", "connect_daemon", "no_daemon", "spawn_daemon"]
@@ -147,7 +148,7 @@ def _check(path: str) -> None:
 
 
 async def _connect(
-    reactor: Any,
+    reactor: IUnixReactor,
     path: str,
     build: Callable[[], LeaseWire],
     spawn: Callable[[], object] | None,
@@ -190,7 +191,7 @@ async def _connect(
 
 
 def connect_daemon(
-    reactor: Any,
+    reactor: IUnixReactor,
     path: str,
     build: Callable[[], LeaseWire],
     spawn: Callable[[], object] | None = None,
@@ -212,7 +213,7 @@ def connect_daemon(
 
 
 def spawn_daemon(
-    reactor: Any, agent_dir: str, protocol: ProcessProtocol | None = None
+    reactor: IReactorProcess, agent_dir: str, protocol: ProcessProtocol | None = None
 ) -> IProcessTransport:
     """
     Start C{sys.executable -m twisted llmqueue --agent-dir AGENT_DIR} detached: in a session

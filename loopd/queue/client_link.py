@@ -22,6 +22,7 @@ from twisted.python.failure import Failure
 
 from loopd.queue.client_connect import LeaseWire, connect_daemon
 from loopd.queue.client_lease import ClientClosed, QueueError, QueueReplyError, QueueUnavailable
+from loopd.reactor import IUnixReactor
 
 __all__ = ["DaemonLink"]
 
@@ -33,7 +34,7 @@ class DaemonLink:
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IUnixReactor,
         path: str,
         *,
         spawn: Callable[[], object] | None,

@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, TextIO
+from typing import TextIO
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, maybeDeferred
@@ -40,6 +40,7 @@ from loopd.queue.policy import Policy
 from loopd.queue.protocol import LeaseFactory, deliver_grant
 from loopd.queue.scheduler import Scheduler
 from loopd.queue.watch import ConfigWatcher, NotifierFactory
+from loopd.reactor import IServiceReactor
 from loopd.unixsocket import SocketInUseError, UnixSocketError, listen_unix
 
 __all__ = [
@@ -95,7 +96,7 @@ class LlmQueueService(Service):
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IServiceReactor,
         agent_dir: str,
         sweep_ms: int,
         models_json: str | None,

@@ -33,6 +33,7 @@ from twisted.python.failure import Failure
 
 from loopd import http, strict_json
 from loopd.queue.protocol import MAX_LINE_BYTES, encode_message
+from loopd.reactor import IUnixReactor
 from loopd.unixsocket import UnixSocketError, check_peer_socket
 
 __all__ = [
@@ -194,7 +195,7 @@ class _StatusAsker(LineOnlyReceiver):
 
 
 def fetch_status(
-    reactor: Any, socket_path: str, timeout: float = 5.0
+    reactor: IUnixReactor, socket_path: str, timeout: float = 5.0
 ) -> Deferred[list[dict[str, Any]]]:
     """
     Ask the lease socket at C{socket_path} for its C{status}; fire with its C{queues}.
@@ -238,7 +239,9 @@ def _silent(result: object, socket_path: str, timeout: float) -> object:
     return result
 
 
-def fetch_endpoints(reactor: Any, gateway_path: str, timeout: float = 5.0) -> Deferred[Any]:
+def fetch_endpoints(
+    reactor: IUnixReactor, gateway_path: str, timeout: float = 5.0
+) -> Deferred[Any]:
     """
     Ask loopd's gateway at C{gateway_path} for C{GET /v1/queue}; fire with its C{endpoints}
     (each endpoint's health state).
@@ -283,7 +286,7 @@ def fetch_endpoints(reactor: Any, gateway_path: str, timeout: float = 5.0) -> De
 
 
 def queue_status_command(
-    reactor: Any,
+    reactor: IUnixReactor,
     socket_path: str,
     write: Callable[[str], None],
     err: Callable[[str], None],

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorFDSet, IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.filepath import FilePath
@@ -107,7 +107,7 @@ class INotifyNotifier:
     A L{Notifier} over Twisted's C{INotify}: one inotify descriptor read by the reactor.
     """
 
-    def __init__(self, reactor: Any) -> None:
+    def __init__(self, reactor: IReactorFDSet) -> None:
         """
         Open an inotify descriptor and start reading it on C{reactor}.
 
@@ -194,7 +194,8 @@ class ConfigWatcher:
         notifier_factory: NotifierFactory | None = None,
     ) -> None:
         """
-        @param reactor: runs the debounce timer and the re-arm tick (and reads inotify).
+        @param reactor: runs the debounce timer and the re-arm tick; without a
+            C{notifier_factory} it also reads inotify, so it must provide C{IReactorFDSet}.
         @param path: the file to watch.
         @param on_change: called once per burst of changes.
         @param debounce: seconds from the last change of a burst to C{on_change}.
@@ -207,7 +208,9 @@ class ConfigWatcher:
         self._on_change = on_change
         self._debounce = debounce
         self._rearm = rearm
-        self._factory: NotifierFactory = notifier_factory or (lambda: INotifyNotifier(reactor))
+        self._factory: NotifierFactory = notifier_factory or (
+            lambda: INotifyNotifier(IReactorFDSet(reactor))
+        )
         self._tick = LoopingCall(self._check)
         self._tick.clock = reactor
         self.mode = "inotify"

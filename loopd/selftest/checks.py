@@ -31,6 +31,7 @@ from loopd.llama import (
     User,
     cache_outcome,
 )
+from loopd.reactor import IUnixReactor
 from loopd.selftest.report import CheckResult, SelftestFailed, SelftestReport
 from loopd.selftest.wait import (
     GaveUp,
@@ -385,7 +386,7 @@ def run_selftest(
 
 @inlineCallbacks
 def _require(
-    reactor: Any, config: Config, clients: Mapping[str, Client], on_progress: Progress
+    reactor: IUnixReactor, config: Config, clients: Mapping[str, Client], on_progress: Progress
 ) -> Generator[Deferred[Any], Any, list[SelftestReport]]:
     """
     The body of L{require_selftests}: the endpoints' self-tests one after the other, each
@@ -405,7 +406,7 @@ def _require(
 
 
 def require_selftests(
-    reactor: Any,
+    reactor: IUnixReactor,
     config: Config,
     clients: Mapping[str, Client],
     on_progress: Progress = log_progress,

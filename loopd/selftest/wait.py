@@ -4,6 +4,12 @@ The self-test's own short, bounded wait (part of L{loopd.selftest}, whose docstr
 its rules): L{wait_for} tries a request again while the endpoint cannot be reached or loads
 its model, reports each failed attempt as a progress line, and gives up at its bound with
 L{GaveUp}; L{describe_error} says in words what is wrong.
+
+The attempts and the pauses between them are L{loopd.llama.retry.retry_loop}'s, the llama
+client's retry loop; what is the self-test's own is the policy (its L{Pause
+<loopd.llama.retry.Pause>}: which failures wait, the steps of L{RETRY_STEPS_S}, a progress
+line per retry) and the deadline at the bound, which ends a pause, or a running request
+that must answer within it.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from twisted.python.failure import Failure
 from loopd import strict_json
 from loopd.errors import Connect, Http, ProxyRefused, StreamClosedEarly
 from loopd.llama import InferError
+from loopd.llama.retry import retry_loop
 
 __all__ = [
     "RETRY_STEPS_S",
@@ -200,7 +207,11 @@ def wait_for(
 
 
 class _Wait:
-    """One run of L{wait_for}: the attempt in progress or the pause before the next."""
+    """
+    One run of L{wait_for}: L{retry_loop}'s attempts and pauses, under the self-test's
+    bounds: a deadline at the bound of the last failure's kind, and a progress line and a
+    step of L{RETRY_STEPS_S} per retry.
+    """
 
     def __init__(
         self,
@@ -222,10 +233,9 @@ class _Wait:
         self._bounds: dict[str, float] = {}
         self._bound = 0.0
         self._started = 0.0
-        self._tries = 0
         self._last: BaseException | None = None
-        self._running: Deferred[Any] | None = None
-        self._timer: IDelayedCall | None = None
+        self._attempting = False
+        self._loop: Deferred[Any] | None = None
         self._deadline: IDelayedCall | None = None
 
     def start(self, bounds: dict[str, float]) -> Deferred[Any]:
@@ -233,7 +243,9 @@ class _Wait:
         self._bounds = bounds
         self._started = self._clock.seconds()
         self._set_bound(bounds[_UNREACHABLE])
-        self._try()
+        loop = retry_loop(self._one_attempt, clock=self._clock, pause=self._pause)
+        self._loop = loop
+        loop.addCallbacks(self._succeeded, self._failed)
         return self._result
 
     def _elapsed(self) -> float:
@@ -249,41 +261,32 @@ class _Wait:
             max(0.0, bound - self._elapsed()), self._deadline_reached
         )
 
-    def _try(self) -> None:
-        """Start one attempt."""
-        self._timer = None
-        self._tries += 1
-        running = maybeDeferred(self._attempt)
-        self._running = running
-        running.addCallbacks(self._succeeded, self._failed)
+    def _one_attempt(self) -> Deferred[Any]:
+        """Start one attempt, knowing while it runs."""
+        self._attempting = True
 
-    def _succeeded(self, value: object) -> None:
-        """An attempt succeeded, and so does the wait (unless it has ended already)."""
-        self._running = None
-        if not self._result.called:
-            self._stop()
-            self._result.callback(value)
+        def ended(result: object) -> object:
+            """The attempt is over, whichever way."""
+            self._attempting = False
+            return result
 
-    def _failed(self, failure: Failure) -> None:
-        """An attempt failed: report it and retry before the bound, or end the wait."""
-        self._running = None
-        if self._result.called:
-            return
-        error = failure.value
-        kind = _waits_for(error) if error is not None else None
-        if error is None or kind is None:
-            self._stop()
-            self._result.errback(failure)
-            return
+        return maybeDeferred(self._attempt).addBoth(ended)
+
+    def _pause(self, error: BaseException, tries: int, elapsed: float) -> float | None:
+        """
+        The L{Pause} of the loop: what the failure means for the wait (L{_waits_for}); the
+        bound of its kind; past the bound, L{GaveUp}; else a progress line and the step.
+        """
+        kind = _waits_for(error)
+        if kind is None:
+            return None
         self._last = error
         if self._bounds[kind] != self._bound:
             self._set_bound(self._bounds[kind])
-        elapsed = self._elapsed()
         if elapsed >= self._bound:
-            self._give_up()
-            return
+            raise GaveUp(error, self._bound, self._endpoint)
         steps = RETRY_STEPS_S
-        step = steps[min(self._tries - 1, len(steps) - 1)]
+        step = steps[min(tries - 1, len(steps) - 1)]
         if isinstance(error, ProxyRefused) and error.retry_after is not None:
             step = max(step, error.retry_after)
         line = (
@@ -294,45 +297,57 @@ class _Wait:
             self._on_progress(line)
         except Exception:
             _log.failure("the self-test's progress sink raised on {line!r}", line=line)
-        if elapsed + step < self._bound:
-            self._timer = self._clock.callLater(step, self._try)
-        # Otherwise the deadline ends the wait, at the bound.
+        # A step reaching past the bound is never taken: the deadline, set before it,
+        # ends the wait first and cancels it.
+        return step
+
+    def _succeeded(self, value: object) -> None:
+        """The loop succeeded, and so does the wait (unless it has ended already)."""
+        if not self._result.called:
+            self._stop()
+            self._result.callback(value)
+
+    def _failed(self, failure: Failure) -> None:
+        """The loop failed (at once, or with L{GaveUp}): so does the wait, unless ended."""
+        if not self._result.called:
+            self._stop()
+            self._result.errback(failure)
 
     def _deadline_reached(self) -> None:
         """The bound is reached: end a pause with the last failure, and a running /props."""
         self._deadline = None
         if self._result.called:
             return
-        running = self._running
-        if running is None:
+        if not self._attempting:
             self._give_up()
         elif self._answer_within:
-            self._running = None
             self._last = NoAnswer(self._endpoint, self._what, self._bound)
             self._give_up()
-            running.cancel()
 
     def _give_up(self) -> None:
-        """Fail the wait with L{GaveUp} of the last failure."""
+        """Fail the wait with L{GaveUp} of the last failure, and stop the loop."""
         self._stop()
         last = self._last or NoAnswer(self._endpoint, self._what, self._bound)
         self._result.errback(Failure(GaveUp(last, self._bound, self._endpoint)))
+        self._stop_loop()
 
     def _stop(self) -> None:
-        """Cancel the pending retry and the deadline."""
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer = None
+        """Cancel the deadline."""
         if self._deadline is not None and self._deadline.active():
             self._deadline.cancel()
         self._deadline = None
 
+    def _stop_loop(self) -> None:
+        """Cancel the loop: its pending retry, or its running attempt."""
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            # The wait has ended, or ends with the loop's CancelledError (L{_failed}).
+            loop.cancel()
+
     def _cancel(self, result: Deferred[Any]) -> None:
-        """The canceller: stop the timers and cancel the running attempt."""
+        """The canceller: stop the deadline and cancel the loop."""
         self._stop()
-        running, self._running = self._running, None
-        if running is not None:
-            running.cancel()
+        self._stop_loop()
 
 
 def error_text(error: BaseException) -> str:

@@ -6,9 +6,9 @@ The C{twist} plugins' option parsers and service builders, one module per comman
 from __future__ import annotations
 
 import gc
-from typing import Any
 
 from twisted.application.service import MultiService
+from twisted.internet.interfaces import IReactorCore
 
 from loopd.unixsocket import UnixSocketError
 
@@ -66,7 +66,7 @@ def positive_float(value: str) -> float:
 positive_float.coerceDoc = "A positive number."  # type: ignore[attr-defined]
 
 
-def freeze_startup_objects(reactor: Any) -> None:
+def freeze_startup_objects(reactor: IReactorCore) -> None:
     """
     Once C{reactor} runs, move every object made so far (modules, the configuration, the
     services) out of the garbage collector's reach with C{gc.freeze()}.

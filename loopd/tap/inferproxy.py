@@ -17,6 +17,7 @@ from loopd.inferproxy import (
     parse_upstream,
     upstream_endpoint,
 )
+from loopd.reactor import IServiceReactor, global_reactor
 from loopd.tap import ExitOnListenError, freeze_startup_objects, positive_float, positive_int
 
 __all__ = ["Options", "makeService"]
@@ -81,7 +82,7 @@ class Options(usage.Options):
             raise usage.UsageError(str(e)) from None
 
 
-def makeService(options: Options, reactor: Any = None) -> IService:
+def makeService(options: Options, reactor: IServiceReactor | None = None) -> IService:
     """
     Build the inferproxy service from parsed options.
 
@@ -89,8 +90,7 @@ def makeService(options: Options, reactor: Any = None) -> IService:
     @param reactor: the reactor to use; the global one when C{None}.
     """
     if reactor is None:
-        from twisted.internet import reactor
-
+        reactor = global_reactor()
         freeze_startup_objects(reactor)
     limits = ProxyLimits(
         max_connections=options["max-connections"],

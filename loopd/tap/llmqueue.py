@@ -13,6 +13,7 @@ from twisted.python import usage
 
 from loopd.queue.daemon import LlmQueueService
 from loopd.queue.paths import agent_dir
+from loopd.reactor import IServiceReactor, global_reactor
 from loopd.tap import freeze_startup_objects, positive_int
 
 __all__ = ["Options", "makeService"]
@@ -50,7 +51,7 @@ class Options(usage.Options):
     ]
 
 
-def makeService(options: Options, reactor: Any = None) -> IService:
+def makeService(options: Options, reactor: IServiceReactor | None = None) -> IService:
     """
     Build the lease daemon from parsed options.
 
@@ -58,8 +59,7 @@ def makeService(options: Options, reactor: Any = None) -> IService:
     @param reactor: the reactor to use; the global one when C{None}.
     """
     if reactor is None:
-        from twisted.internet import reactor
-
+        reactor = global_reactor()
         freeze_startup_objects(reactor)
     return LlmQueueService(
         reactor,

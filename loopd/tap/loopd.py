@@ -13,6 +13,7 @@ from twisted.application.service import IService
 from twisted.python import usage
 
 from loopd.config import ConfigError, load_config
+from loopd.reactor import IServiceReactor, global_reactor
 from loopd.service import LoopdService
 from loopd.tap import freeze_startup_objects
 
@@ -69,12 +70,11 @@ class Options(usage.Options):
             raise SystemExit(EX_USAGE) from None
 
 
-def makeService(options: Options, reactor: Any = None) -> IService:
+def makeService(options: Options, reactor: IServiceReactor | None = None) -> IService:
     """
     Build the loopd service from parsed options.
     """
     if reactor is None:
-        from twisted.internet import reactor
-
+        reactor = global_reactor()
         freeze_startup_objects(reactor)
     return LoopdService(reactor, options["loaded"])

@@ -13,7 +13,7 @@ import stat
 import tempfile
 from typing import Any
 
-from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd import chatloop
@@ -21,6 +21,7 @@ from loopd.chatloop import ChatSession, _ReadlineLines, _TerminalLines, check_ga
 from loopd.chatui import Conversation, TurnView
 from loopd.testing.fake_llama import CHAT, FakeLlama, Piece, Reply, json_reply, sse_reply
 from loopd.testing.memory_net import MemoryNet
+from loopd.testing.reactor import MemoryLoopdReactor
 
 GATEWAY = "/tmp/ld-memory/chatloop-loopd.sock"
 GREETING_GATEWAY = "/tmp/ld-greeting/loopd.sock"
@@ -44,7 +45,7 @@ class ChatSessionTests(SynchronousTestCase):
     """
 
     def setUp(self) -> None:
-        self.reactor = MemoryReactorClock()
+        self.reactor = MemoryLoopdReactor()
         self.net = MemoryNet(self.reactor)
         self.gateway = FakeLlama(self.reactor)
         self.net.listen(GATEWAY, self.gateway)
@@ -153,7 +154,7 @@ class StreamTurnTests(SynchronousTestCase):
     """
 
     def setUp(self) -> None:
-        self.reactor = MemoryReactorClock()
+        self.reactor = MemoryLoopdReactor()
         self.net = MemoryNet(self.reactor)
         self.gateway = FakeLlama(self.reactor)
         self.net.listen(GATEWAY, self.gateway)
@@ -197,7 +198,7 @@ class TerminalLinesTests(SynchronousTestCase):
     """
 
     def setUp(self) -> None:
-        self.reactor = MemoryReactorClock()
+        self.reactor = MemoryLoopdReactor()
         self.net = MemoryNet(self.reactor)
         self.gateway = FakeLlama(self.reactor)
         self.net.listen(GATEWAY, self.gateway)
@@ -267,7 +268,7 @@ class GreetingTests(SynchronousTestCase):
 
     def chat(self, model: str | None) -> tuple[list[str], FakeLlama]:
         """Start a chat with C{model}, ask one question; its output and the fake gateway."""
-        reactor = MemoryReactorClock()
+        reactor = MemoryLoopdReactor()
         net, gateway = MemoryNet(reactor), FakeLlama(reactor)
         net.listen(GREETING_GATEWAY, gateway)
         gateway.script("POST", CHAT, sse_reply([chunk({"content": "Hi"}), chunk({}, "stop")]))
@@ -309,7 +310,7 @@ class CheckGatewayTests(SynchronousTestCase):
     """
 
     def setUp(self) -> None:
-        self.reactor = MemoryReactorClock()
+        self.reactor = MemoryLoopdReactor()
         self.net = MemoryNet(self.reactor)
         self.gateway = FakeLlama(self.reactor)
         self.net.listen(GATEWAY, self.gateway)
@@ -377,7 +378,7 @@ class QuietSessionTests(SynchronousTestCase):
         No greeting, prompt, progress, thinking or ANSI code: the answer's text and its
         newline, for each turn.
         """
-        reactor = MemoryReactorClock()
+        reactor = MemoryLoopdReactor()
         net, gateway = MemoryNet(reactor), FakeLlama(reactor)
         net.listen(GATEWAY, gateway)
         pieces = [
@@ -419,13 +420,6 @@ class _Editor:
             f.write("\n".join(self.lines[-self.length :]))
 
 
-class _Now:
-    """A reactor whose C{callFromThread} runs the call at once."""
-
-    def callFromThread(self, f: Any, *args: Any) -> None:
-        f(*args)
-
-
 class ReadlineLinesTests(SynchronousTestCase):
     """
     L{_ReadlineLines} reads a line with C{readline} each time the session asks, and keeps
@@ -452,10 +446,10 @@ class ReadlineLinesTests(SynchronousTestCase):
                 raise EOFError from None
 
         editor = _Editor(["a", "b", "/quit"])
-        lines = _ReadlineLines(_Now(), history, editor=editor, read=read)
+        lines = _ReadlineLines(MemoryLoopdReactor(), history, editor=editor, read=read)
         output: list[str] = []
         session = ChatSession(
-            MemoryReactorClock(), GATEWAY, Conversation(), output.append, prompt=lines.ask
+            MemoryLoopdReactor(), GATEWAY, Conversation(), output.append, prompt=lines.ask
         )
         lines.attach(session)
         self.assertEqual((editor.read_from, editor.length), ([history], chatloop.HISTORY_LENGTH))
@@ -476,8 +470,10 @@ class ReadlineLinesTests(SynchronousTestCase):
         def read(prompt: str) -> str:
             raise EOFError
 
-        lines = _ReadlineLines(_Now(), "/nonexistent/h", editor=_Editor([]), read=read)
-        session = ChatSession(MemoryReactorClock(), GATEWAY, Conversation(), lambda t: None)
+        lines = _ReadlineLines(
+            MemoryLoopdReactor(), "/nonexistent/h", editor=_Editor([]), read=read
+        )
+        session = ChatSession(MemoryLoopdReactor(), GATEWAY, Conversation(), lambda t: None)
         lines.attach(session)
         lines.ask()
         self.assertFalse(lines.read_one())

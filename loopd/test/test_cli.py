@@ -17,9 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from twisted.internet.error import ProcessDone, ProcessTerminated
-from twisted.internet.interfaces import IReactorProcess
 from twisted.internet.task import Clock
-from twisted.internet.testing import MemoryReactorClock
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
@@ -37,6 +35,7 @@ from loopd.demo.run import (
     tcp_url_from_log,
 )
 from loopd.digest import sha256_hex
+from loopd.reactor import ILoopdReactor
 from loopd.service import default_socket_path
 from loopd.testing.fake_llama import (
     CHAT,
@@ -49,6 +48,7 @@ from loopd.testing.fake_llama import (
 )
 from loopd.testing.llama_replies import props_reply, slots_reply
 from loopd.testing.memory_net import MemoryNet
+from loopd.testing.reactor import MemoryLoopdReactor
 
 SERVER = "/tmp/ld-memory/cli-server.sock"
 TEMPLATE = "{{ messages }}"
@@ -77,11 +77,29 @@ def config_text(expect_sha: str = TEMPLATE_SHA, selftest: bool = True) -> str:
     )
 
 
+@implementer(ILoopdReactor)
+class SpawningReactor(MemoryLoopdReactor):
+    """
+    A memory reactor that records spawnProcess calls: with them, it provides all of
+    L{ILoopdReactor}, what the CLI's commands run on.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spawned: list[tuple[Any, ...]] = []
+
+    def spawnProcess(self, protocol, executable, args, **kwargs):  # type: ignore[override]
+        process = FakeProcess()
+        protocol.makeConnection(process)
+        self.spawned.append((protocol, executable, list(args), kwargs))
+        return process
+
+
 class MemoryCase(SynchronousTestCase):
     """A memory reactor and net, a temporary directory, captured stdout and stderr."""
 
     def setUp(self) -> None:
-        self.reactor = MemoryReactorClock()
+        self.reactor = SpawningReactor()
         self.net = MemoryNet(self.reactor)
         self.directory = tempfile.mkdtemp(prefix="ld", dir="/tmp")
         self.addCleanup(shutil.rmtree, self.directory, True)
@@ -272,21 +290,6 @@ class FakeProcess:
 
     def signalProcess(self, name: str) -> None:
         self.signals.append(name)
-
-
-@implementer(IReactorProcess)
-class SpawningReactor(MemoryReactorClock):
-    """A memory reactor that records spawnProcess calls."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.spawned: list[tuple[Any, ...]] = []
-
-    def spawnProcess(self, protocol, executable, args, **kwargs):  # type: ignore[override]
-        process = FakeProcess()
-        protocol.makeConnection(process)
-        self.spawned.append((protocol, executable, list(args), kwargs))
-        return process
 
 
 class TokenCommandTests(MemoryCase):
@@ -499,7 +502,7 @@ class DemoConfigTests(SynchronousTestCase):
 
     def test_serving_text(self) -> None:
         """While serving, the demo names both listeners, the token, SDK lines and the logs."""
-        stack = DemoStack(MemoryReactorClock(), lambda text: None)
+        stack = DemoStack(SpawningReactor(), lambda text: None)
         self.addCleanup(shutil.rmtree, stack.directory, True)
         stack.tcp_url, stack.token = "http://127.0.0.1:4321", "loopd-TOKEN"
         text = serving_text(stack)

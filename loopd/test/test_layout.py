@@ -44,6 +44,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "loopd.tcp_address",
             "loopd.config",
             "loopd.access_token",
+            "loopd.reactor",
         ),
     ),
     ("wire: HTTP over a Unix socket, server-sent events", ("loopd.http", "loopd.sse")),

@@ -31,7 +31,6 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
 import loopd
@@ -84,6 +83,7 @@ from loopd.testing.fake_llama import (
 )
 from loopd.testing.llama_replies import chunk, control_reply, slots_reply
 from loopd.testing.memory_net import MemoryNet
+from loopd.testing.reactor import MemoryLoopdReactor
 
 FIXTURES = Path(loopd.__file__).resolve().parent.parent / "fixtures" / "transcripts"
 #: The fake's socket path: in memory only, nothing is created on disk.
@@ -148,7 +148,7 @@ class Harness:
         attaches to C{flow}, if given.
         """
         self.flow = flow
-        self.reactor = MemoryReactorClock()
+        self.reactor = MemoryLoopdReactor()
         self.fake = FakeLlama(self.reactor)
         self.net = MemoryNet(self.reactor)
         self.net.listen(PATH, self.fake)

@@ -61,6 +61,7 @@ from loopd.testing.fake_llama import (
 )
 from loopd.testing.llama_replies import props_reply, slots_reply
 from loopd.testing.memory_net import MemoryNet
+from loopd.testing.reactor import MemoryLoopdReactor
 
 #: Where the fake listens; MemoryNet never touches the file system.
 PATH = "/tmp/ld-memory/llama.sock"
@@ -174,7 +175,7 @@ class ClientTestCase(SynchronousTestCase):
     """A client talking to a scripted fake llama-server in memory."""
 
     def setUp(self) -> None:
-        self.reactor = MemoryReactorClock()
+        self.reactor = MemoryLoopdReactor()
         self.fake = FakeLlama(self.reactor)
         self.net = MemoryNet(self.reactor)
         self.net.listen(PATH, self.fake)

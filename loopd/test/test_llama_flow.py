@@ -16,7 +16,7 @@ from typing import Any
 from twisted.internet.defer import CancelledError, Deferred, inlineCallbacks
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory
-from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.http import HTTPChannel, Request
@@ -39,6 +39,7 @@ from loopd.testing.fake_llama import (
     sse_reply,
 )
 from loopd.testing.memory_net import MemoryNet
+from loopd.testing.reactor import MemoryLoopdReactor
 
 #: Where the fake listens; MemoryNet never touches the file system.
 PATH = "/tmp/ld-memory/llama.sock"
@@ -109,7 +110,7 @@ class FlowTests(SynchronousTestCase):
         """A Flow is an IPushProducer, and a chat call is an IFlowReader."""
         self.assertTrue(verifyObject(IPushProducer, Flow()))
         config = make_config()
-        call = ChatCall(MemoryReactorClock(), config, config.endpoints[0], request(), print)
+        call = ChatCall(MemoryLoopdReactor(), config, config.endpoints[0], request(), print)
         self.assertTrue(verifyObject(IFlowReader, call))
 
     def test_pause_and_resume_reach_every_reader(self) -> None:
@@ -184,7 +185,7 @@ class ChatFlowTestCase(SynchronousTestCase):
     """A client with a flow, talking to the scripted fake llama-server in memory."""
 
     def setUp(self) -> None:
-        self.reactor = MemoryReactorClock()
+        self.reactor = MemoryLoopdReactor()
         self.fake = FakeLlama(self.reactor)
         self.net = MemoryNet(self.reactor)
         self.net.listen(PATH, self.fake)

@@ -11,13 +11,13 @@ import dataclasses
 import math
 
 from twisted.internet.defer import CancelledError
-from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.llama import Client, Health
 from loopd.settings import Config, Endpoint, EndpointKind, Limits
 from loopd.testing.fake_llama import LOADING, NOT_FOUND, FakeLlama, json_reply
 from loopd.testing.memory_net import MemoryNet
+from loopd.testing.reactor import MemoryLoopdReactor
 
 #: Where the fake listens; MemoryNet never touches the file system.
 PATH = "/tmp/ld-memory/llama.sock"
@@ -32,7 +32,7 @@ class HealthTests(SynchronousTestCase):
     """Client.health asks /health and says what it found, as the gateway reports it."""
 
     def setUp(self) -> None:
-        self.reactor = MemoryReactorClock()
+        self.reactor = MemoryLoopdReactor()
         self.fake = FakeLlama(self.reactor)
         self.net = MemoryNet(self.reactor)
         self.net.listen(PATH, self.fake)

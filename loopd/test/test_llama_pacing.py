@@ -18,7 +18,6 @@ from twisted.internet.defer import CancelledError, Deferred, inlineCallbacks
 from twisted.internet.endpoints import UNIXClientEndpoint
 from twisted.internet.protocol import Factory
 from twisted.internet.task import Clock
-from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import capturedLogs
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
@@ -33,6 +32,7 @@ from loopd.settings import Config, Endpoint, Limits, Retry
 from loopd.test.support.peers import ObservedProxyFactory, Peer, UpstreamFactory, real_reactor
 from loopd.testing.fake_llama import FakeLlama, Piece, Reply, json_reply
 from loopd.testing.memory_net import MemoryNet
+from loopd.testing.reactor import MemoryLoopdReactor
 
 #: Where the fake listens; MemoryNet never touches the file system.
 PATH = "/tmp/ld-memory/pace.sock"
@@ -235,7 +235,7 @@ class PacedOpenerTests(SynchronousTestCase):
     """The paced opener of one endpoint, over a memory network."""
 
     def setUp(self) -> None:
-        self.reactor = MemoryReactorClock()
+        self.reactor = MemoryLoopdReactor()
         self.fake = FakeLlama(self.reactor)
         self.net = MemoryNet(self.reactor)
         self.net.listen(PATH, self.fake)

@@ -24,7 +24,13 @@ from loopd.errors import (
     WaitTimeout,
 )
 from loopd.llama.gate import IGrant, SlotGate
-from loopd.llama.retry import backoff_schedule, backoff_wait, is_retryable, with_retry
+from loopd.llama.retry import (
+    backoff_schedule,
+    backoff_wait,
+    is_retryable,
+    retry_loop,
+    with_retry,
+)
 from loopd.llama.types import ChatEvent, Queued, Retrying
 from loopd.settings import Retry
 
@@ -392,6 +398,52 @@ class WithRetryTests(SynchronousTestCase):
         clock.advance(3)
         self.assertEqual(self.successResultOf(d), "ok")
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
+
+class RetryLoopTests(SynchronousTestCase):
+    """
+    L{retry_loop} asks its pause, after each failure, what to do: its policy is the
+    caller's (L{with_retry}'s, the self-test's).
+    """
+
+    def test_pause_asked(self) -> None:
+        """
+        The pause gets each failure, the number of attempts made and the seconds since the
+        first started; the next attempt starts after the wait it returns.
+        """
+        asked: list[tuple[str, int, float]] = []
+
+        def pause(error: BaseException, tries: int, elapsed: float) -> float | None:
+            asked.append((str(error), tries, elapsed))
+            return 2.0
+
+        clock = Clock()
+        attempts = Attempts([ValueError("one"), ValueError("two"), "ok"])
+        d = retry_loop(attempts, clock=clock, pause=pause)
+        clock.advance(1.999)
+        self.assertEqual(len(attempts.calls), 1)
+        clock.advance(0.001)
+        self.assertEqual(len(attempts.calls), 2)
+        clock.advance(2)
+        self.assertEqual(self.successResultOf(d), "ok")
+        self.assertEqual(asked, [("one", 1, 0.0), ("two", 2, 2.0)])
+
+    def test_pause_gives_up(self) -> None:
+        """A pause that returns None fails the run with the attempt's failure."""
+        d = retry_loop(Attempts([Http(500, "x")]), clock=Clock(), pause=lambda e, t, s: None)
+        self.assertEqual(self.failureResultOf(d, Http).value.status, 500)
+
+    def test_pause_raises(self) -> None:
+        """A pause that raises fails the run with what it raised, and no attempt follows."""
+
+        def pause(error: BaseException, tries: int, elapsed: float) -> float | None:
+            raise WaitTimeout(f"gave up after {error}")
+
+        clock = Clock()
+        attempts = Attempts([Connect("refused")])
+        d = retry_loop(attempts, clock=clock, pause=pause)
+        self.assertIn("gave up after", str(self.failureResultOf(d, WaitTimeout).value))
+        self.assertEqual((len(attempts.calls), clock.getDelayedCalls()), (1, []))
 
 
 class ThroughTheGateTests(SynchronousTestCase):

@@ -12,7 +12,6 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet.defer import CancelledError
-from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.errors import Busy, Http, Protocol, Stalled
@@ -21,6 +20,7 @@ from loopd.llama.slot_files import SlotFile, check_filename, parse_slot_file, sl
 from loopd.settings import Config, Endpoint, Limits
 from loopd.testing.fake_llama import FakeLlama, SlotFiles, json_reply
 from loopd.testing.memory_net import MemoryNet
+from loopd.testing.reactor import MemoryLoopdReactor
 
 PATH = "/tmp/ld-memory/llama.sock"
 LIMITS = Limits(poll_ms=100, liveness_ms=100, queue_depth=1)
@@ -87,7 +87,7 @@ class ClientSlotFileTests(SynchronousTestCase):
     """save_slot and restore_slot against the fake's slot files."""
 
     def setUp(self) -> None:
-        self.reactor = MemoryReactorClock()
+        self.reactor = MemoryLoopdReactor()
         self.fake = FakeLlama(self.reactor)
         self.net = MemoryNet(self.reactor)
         self.net.listen(PATH, self.fake)

@@ -54,6 +54,7 @@ from loopd.test.support.peers import real_reactor
 from loopd.test.support.twist import TwistProcess, spawn_twist, stop_twist
 from loopd.testing.lease_daemon import FakeLeaseDaemon
 from loopd.testing.memory_net import MemoryNet
+from loopd.testing.reactor import MemoryLoopdReactor
 from loopd.unixsocket import listen_unix
 
 PATH = "/tmp/ld-memory/llm-queue.sock"
@@ -111,7 +112,7 @@ class Harness:
 
     def __init__(self, listen: bool = True, **client_options: Any) -> None:
         """Build the reactor, the net, the script and the client."""
-        self.reactor = MemoryReactorClock()
+        self.reactor = MemoryLoopdReactor()
         self.net = MemoryNet(self.reactor)
         self.server = ScriptServer(self.reactor)
         if listen:
@@ -755,7 +756,7 @@ class MemoryDaemonTests(SynchronousTestCase):
 
     def test_beats_outlive_ttl(self) -> None:
         """A held lease stays held for ten TTLs while its client beats."""
-        reactor = MemoryReactorClock()
+        reactor = MemoryLoopdReactor()
         net = MemoryNet(reactor)
         daemon = FakeLeaseDaemon(net, PATH, policy=QueuePolicy(lease_ttl_ms=1000, idle_yield_ms=0))
         client = LeaseClient(reactor, PATH)
@@ -768,7 +769,7 @@ class MemoryDaemonTests(SynchronousTestCase):
 
     def test_idle_yield_requeue(self) -> None:
         """A paused holder is yielded to a waiter, learns on resume, and is re-granted."""
-        reactor = MemoryReactorClock()
+        reactor = MemoryLoopdReactor()
         net = MemoryNet(reactor)
         FakeLeaseDaemon(net, PATH, policy=QueuePolicy(lease_ttl_ms=1000, idle_yield_ms=200))
         first, second = LeaseClient(reactor, PATH), LeaseClient(reactor, PATH)

@@ -16,7 +16,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.application.service import IServiceMaker
-from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.internet.testing import StringTransport
 from twisted.plugin import getPlugins
 from twisted.python.usage import UsageError
 from twisted.trial.unittest import SynchronousTestCase
@@ -32,6 +32,7 @@ from loopd.queue.protocol import LeaseProtocol
 from loopd.queue.watch import IN_CLOSE_WRITE
 from loopd.tap.llmqueue import Options, makeService
 from loopd.test.support.notifier import FakeNotifier
+from loopd.testing.reactor import MemoryLoopdReactor
 
 KEY = "http://gpu:8001/v1"
 OTHER = "http://gpu:8002/v1"
@@ -71,7 +72,7 @@ class Daemon:
         self.root = tempfile.mkdtemp(prefix="ld", dir="/tmp")
         case.addCleanup(shutil.rmtree, self.root, True)
         self.agent_dir = agent_dir or os.path.join(self.root, "agent")
-        self.reactor = MemoryReactorClock()
+        self.reactor = MemoryLoopdReactor()
         self.stdout = io.StringIO()
         self.stderr = io.StringIO()
         self.exits: list[int] = []
@@ -471,7 +472,7 @@ class OptionsTests(SynchronousTestCase):
         """The service's socket and config sit in C{--agent-dir}, with C{~} expanded."""
         options = Options()
         options.parseOptions(["--agent-dir", "~/agent-x", "--sweep-ms", "50"])
-        service = makeService(options, reactor=MemoryReactorClock())
+        service = makeService(options, reactor=MemoryLoopdReactor())
         assert isinstance(service, LlmQueueService)
         home = os.path.expanduser("~")
         self.assertEqual(service.socket_path, os.path.join(home, "agent-x", "llm-queue.sock"))

@@ -20,6 +20,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
+from zope.interface import implementer
 
 from loopd import cli
 from loopd.gateway.channel import GatewaySite
@@ -35,6 +36,7 @@ from loopd.queue.show import (
     render_endpoints,
     render_status,
 )
+from loopd.reactor import IUnixReactor
 from loopd.settings import Server
 from loopd.test.support.peers import Peer, real_reactor
 from loopd.unixsocket import listen_unix
@@ -324,6 +326,7 @@ class CommandLineTests(SynchronousTestCase):
         self.assertIn("cannot reach " + path, "".join(errors))
 
 
+@implementer(IUnixReactor)
 class _RealSocketsClockTime:
     """
     A reactor whose sockets are the real reactor's and whose timers are a C{Clock}'s: a

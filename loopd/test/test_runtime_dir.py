@@ -48,6 +48,7 @@ from loopd.test.support.second_user import (
     is_root,
     shared_temp_dir,
 )
+from loopd.testing.reactor import MemoryLoopdReactor
 from loopd.unixsocket import UnsafeSocketError, listen_unix
 
 
@@ -411,7 +412,7 @@ class DefaultDirectoryTakeoverTests(SynchronousTestCase):
         """
         for taken in self.attacks():
             before = self.theirs()
-            reactor = MemoryReactorClock()
+            reactor = MemoryLoopdReactor()
             exits: list[int] = []
             stderr = io.StringIO()
             self.patch(sys, "stderr", stderr)
@@ -433,7 +434,7 @@ class DefaultDirectoryTakeoverTests(SynchronousTestCase):
         for taken in self.attacks():
             for path in (default_socket_path(), queue_socket_path(None)):
                 error = self.assertRaises(
-                    UnsafeSocketError, listen_unix, MemoryReactorClock(), path, Factory()
+                    UnsafeSocketError, listen_unix, MemoryLoopdReactor(), path, Factory()
                 )
                 self.assert_names(str(error), taken)
 
@@ -456,7 +457,7 @@ class DefaultDirectoryTakeoverTests(SynchronousTestCase):
         the chat started): the turn fails with the reason and nothing is connected.
         """
         for taken in self.attacks():
-            reactor = MemoryReactorClock()
+            reactor = MemoryLoopdReactor()
             view = TurnView(tty=False)
             written: list[str] = []
             turn = stream_turn(
@@ -473,7 +474,7 @@ class DefaultDirectoryTakeoverTests(SynchronousTestCase):
         C{loopd queue status} on loopd's default lease socket fails with the reason.
         """
         for taken in self.attacks():
-            reactor = MemoryReactorClock()
+            reactor = MemoryLoopdReactor()
             failure = self.failureResultOf(
                 fetch_status(reactor, queue_socket_path(None)), QueueStatusError
             )
@@ -486,7 +487,7 @@ class DefaultDirectoryTakeoverTests(SynchronousTestCase):
         L{UnsafeSocketError}), neither connecting nor spawning a daemon.
         """
         for taken in self.attacks():
-            reactor = MemoryReactorClock()
+            reactor = MemoryLoopdReactor()
             spawned: list[None] = []
             connecting = connect_daemon(
                 reactor,
@@ -513,7 +514,7 @@ class AgentDirTakeoverTests(SynchronousTestCase):
 
     def start(self, agent_dir: str) -> tuple[LlmQueueService, MemoryReactorClock, list[int], str]:
         """Start a daemon on a memory reactor in C{agent_dir}; the service, exits, stderr."""
-        reactor = MemoryReactorClock()
+        reactor = MemoryLoopdReactor()
         stderr = io.StringIO()
         exits: list[int] = []
         service = LlmQueueService(

@@ -12,7 +12,6 @@ from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
-from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
 import loopd
@@ -43,6 +42,7 @@ from loopd.testing.fake_llama import (
 )
 from loopd.testing.llama_replies import props_reply, slots_reply
 from loopd.testing.memory_net import MemoryNet
+from loopd.testing.reactor import MemoryLoopdReactor
 
 PATH = "/tmp/ld-memory/selftest.sock"
 OTHER = "/tmp/ld-memory/other.sock"
@@ -106,7 +106,7 @@ class SelftestCase(SynchronousTestCase):
     """A fake llama-server whose /props matches L{EXPECT} and whose chats all pass."""
 
     def setUp(self) -> None:
-        self.reactor = MemoryReactorClock()
+        self.reactor = MemoryLoopdReactor()
         self.fake = FakeLlama(self.reactor)
         self.net = MemoryNet(self.reactor)
         self.net.listen(PATH, self.fake)

@@ -11,7 +11,6 @@ import socket
 import tempfile
 
 from twisted.application.service import IServiceMaker
-from twisted.internet.testing import MemoryReactorClock
 from twisted.plugin import getPlugins
 from twisted.python.usage import UsageError
 from twisted.trial.unittest import SynchronousTestCase
@@ -19,6 +18,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from loopd.inferproxy import InferProxyService
 from loopd.tap import ExitOnListenError
 from loopd.tap.inferproxy import Options, makeService
+from loopd.testing.reactor import MemoryLoopdReactor
 
 
 class PluginTests(SynchronousTestCase):
@@ -106,7 +106,7 @@ class MakeServiceTests(SynchronousTestCase):
         options.parseOptions(
             ["--listen", self.path, "--upstream", "localhost:9", "--max-connections", "5"]
         )
-        service = makeService(options, reactor=MemoryReactorClock())
+        service = makeService(options, reactor=MemoryLoopdReactor())
         assert isinstance(service, ExitOnListenError)
         return service
 

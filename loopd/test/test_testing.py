@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from twisted.internet.defer import Deferred, inlineCallbacks
-from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
 import loopd
@@ -30,6 +29,7 @@ from loopd.testing.lease_daemon import FakeLeaseDaemon
 from loopd.testing.llama_replies import answer
 from loopd.testing.memory_net import MemoryNet
 from loopd.testing.mesh import ASK, MeshHarness, content_of, says
+from loopd.testing.reactor import MemoryLoopdReactor
 
 #: The kit's modules, all public.
 KIT = (
@@ -62,7 +62,7 @@ class ReadmeExampleTests(SynchronousTestCase):
 
     def test_answer_under_a_lease(self) -> None:
         """The program gets the scripted answer, and took and gave back one lease."""
-        reactor = MemoryReactorClock()
+        reactor = MemoryLoopdReactor()
         net = MemoryNet(reactor)
         llama = FakeLlama(reactor)
         net.listen(PATH, llama)
@@ -78,7 +78,7 @@ class ReadmeExampleTests(SynchronousTestCase):
 
     def test_example_can_fail(self) -> None:
         """The same program against a daemon whose one slot is taken never gets an answer."""
-        reactor = MemoryReactorClock()
+        reactor = MemoryLoopdReactor()
         net = MemoryNet(reactor)
         llama = FakeLlama(reactor)
         net.listen(PATH, llama)
@@ -122,7 +122,7 @@ class DocstringExampleTests(SynchronousTestCase):
 
     def test_lease_daemon(self) -> None:
         """L{loopd.testing.lease_daemon}'s example: a grant, then the daemon dies."""
-        reactor = MemoryReactorClock()
+        reactor = MemoryLoopdReactor()
         net = MemoryNet(reactor)
         daemon = FakeLeaseDaemon(net, policy=QueuePolicy(max_streams=1))
         client = LeaseClient(reactor, daemon.path)

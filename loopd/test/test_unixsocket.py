@@ -17,7 +17,6 @@ from typing import Any
 
 from twisted.internet.defer import maybeDeferred
 from twisted.internet.protocol import Factory, Protocol
-from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from loopd.config import parse_config
@@ -25,6 +24,7 @@ from loopd.runtime_dir import describe_owner
 from loopd.service import LoopdService
 from loopd.test.support.peers import real_reactor
 from loopd.test.support.second_user import NOT_ROOT, OTHER_UID, give_away, is_root
+from loopd.testing.reactor import MemoryLoopdReactor
 from loopd.unixsocket import (
     MAX_PATH_BYTES,
     SocketInUseError,
@@ -359,7 +359,7 @@ class ServiceBacklogTests(SynchronousTestCase):
         runtime = tempfile.mkdtemp(prefix="ld", dir="/tmp")
         self.addCleanup(shutil.rmtree, runtime, True)
         self.patch(os, "environ", {**os.environ, "XDG_RUNTIME_DIR": runtime})
-        reactor = MemoryReactorClock()
+        reactor = MemoryLoopdReactor()
         endpoint = '[[endpoint]]\nname = "remote"\nsocket = "/tmp/ld/r.sock"\nkind = "openai"\n'
         service = LoopdService(reactor, parse_config(toml + endpoint))
         service.startService()

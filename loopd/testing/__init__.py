@@ -5,6 +5,10 @@ to test themselves against, in memory, on one C{MemoryReactorClock}, with nothin
 As C{treq.testing} is the test double of treq's HTTP stack and C{twisted.internet.testing}
 Twisted's, these are loopd's. They depend on Twisted, treq, prometheus_client and loopd only.
 
+ - L{loopd.testing.reactor}: the C{MemoryReactorClock} that provides loopd's reactor
+   interfaces (L{MemoryLoopdReactor <loopd.testing.reactor.MemoryLoopdReactor>}), for the
+   parts that take an L{IUnixReactor <loopd.reactor.IUnixReactor>} or an
+   L{IServiceReactor <loopd.reactor.IServiceReactor>}.
  - L{loopd.testing.fake_llama}: a scripted llama-server speaking raw HTTP/1.1
    (L{FakeLlama <loopd.testing.fake_llama.FakeLlama>}): every reply byte and its timing
    scripted per route (L{Reply <loopd.testing.fake_llama.Reply>}, C{sse_reply},
@@ -31,7 +35,7 @@ Each name is imported from its module: this package re-exports nothing, so that 
 the fake server does not import the gateway. A program that takes a lease and then asks a
 model (C{ask(client, leases, text)}), tested against both fakes::
 
-    reactor = MemoryReactorClock()
+    reactor = MemoryLoopdReactor()
     net = MemoryNet(reactor)
     llama = FakeLlama(reactor)
     net.listen(PATH, llama)

@@ -29,7 +29,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet.error import ConnectionLost
-from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
 from loopd.gateway.leases import GatewayLeases
@@ -40,6 +40,7 @@ from loopd.queue.host import QueueHost
 from loopd.settings import Config, Endpoint, Expect, Limits, Retry, Server
 from loopd.testing.fake_llama import CHAT, FakeLlama
 from loopd.testing.memory_net import MemoryNet
+from loopd.testing.reactor import MemoryLoopdReactor
 
 __all__ = [
     "BODY_BYTES",
@@ -262,7 +263,7 @@ class GatewayHarness:
         @param props: each endpoint's C{/props} body for the C{auto} router, by name.
         @param rng: the C{auto} router's random source (default: a random one).
         """
-        self.reactor = MemoryReactorClock()
+        self.reactor = MemoryLoopdReactor()
         self.net = MemoryNet(self.reactor)
         self.config = config or make_config()
         self.fakes: dict[str, FakeLlama] = {}
