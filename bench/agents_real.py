@@ -6,14 +6,14 @@ and installs the pinned agents as the tests do (``loopd.test.support.agents``: n
 Aider, PyPI, into ``$LOOPD_AGENT_CACHE``).
 
 Each agent does a fixed three-turn task ("Run the command `true` with your shell tool, then
-say hi", "Now say bye", "One more: say ok"), configured from the README's own recipe, with
-its default tools and prompts, against a real llama.cpp server (xllamacpp) with ONE slot
-serving the project's tiny model with zero-weight compute ballast (``--ballast``, 4096:6 by
-default: the same answers, a real prefill cost of about 1,000 tokens a second on 2 threads),
-by two paths:
+say hi", "Now say bye", "One more: say ok"), configured from the manual's own recipe
+(docs/agents.md), with its default tools and prompts, against a real llama.cpp server
+(xllamacpp) with ONE slot serving the project's tiny model with zero-weight compute ballast
+(``--ballast``, 4096:6 by default: the same answers, a real prefill cost of about 1,000
+tokens a second on 2 threads), by two paths:
 
  - ``loopd``: the agent talks to ``twist loopd`` over TCP with its token, loopd to the server
-   through ``twist inferproxy`` (the README's agent-box limits);
+   through ``twist inferproxy`` (the agent-box limits of docs/demo.md);
  - ``direct``: the agent talks to the server's own TCP port (the anchor).
 
 Two cases: ``alone``, one agent; ``sharing``, two agents of the same kind at once, each its
@@ -58,7 +58,7 @@ from _report import positive
 
 from loopd.demo.real_server import RealServer
 from loopd.demo.tiny_model import ANSWER, Ballast, BallastError, write_tiny_model
-from loopd.test.support.agent_recipes import read_recipes
+from loopd.test.support.agent_recipes import PAGE, read_recipes
 from loopd.test.support.agents import AGENTS, AgentHome, install
 from loopd.test.support.twist import ROOT, spawn_twist, stop_twist
 
@@ -71,7 +71,7 @@ PROMPTS = (
 SLOT_CTX = 131072
 """The one slot's context: Claude Code's prompt is ~72,000 tokens of the tiny vocabulary."""
 PROXY_LIMITS = ("--burst", "100", "--refill", "20", "--max-connections", "32")
-"""The README's inferproxy limits for an agent box."""
+"""The inferproxy limits docs/demo.md gives for an agent box."""
 ENDPOINT_LIMITS = "proxy_burst = 100\nproxy_refill_per_second = 20.0\nproxy_max_connections = 32\n"
 """The endpoint fields that name them."""
 GOAL_ALONE = 1.05
@@ -123,7 +123,7 @@ class Bench:
         """@param args: the command line's options."""
         self.reactor = reactor
         self.args = args
-        self.recipes = read_recipes(ROOT / "README.md")
+        self.recipes = read_recipes(ROOT / PAGE)
         self.scratch = Path(tempfile.mkdtemp(prefix="lda", dir="/tmp"))
         self.model = str(self.scratch / "heavy.gguf")
         write_tiny_model(self.model, ballast=args.ballast)

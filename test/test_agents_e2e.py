@@ -1,11 +1,12 @@
 """
-The real coding agents as loopd's clients (issue 24 item 5, DESIGN decision 47): Claude Code,
-Codex CLI, OpenCode, pi (its three APIs), Cline and Qwen Code from npm, Aider from PyPI, each
-at its pinned version (C{test/agents}), installed by the kit (L{loopd.test.support.agents})
-into a cache on first use, configured from the README's own recipe ("Pointing an agent at
-loopd", read by L{loopd.test.support.agent_recipes}), kept off the network, and run without
-a terminal with its default tools and prompts against C{twist loopd} over TCP with its
-token, in front of a real llama.cpp server with the project's tiny model.
+The real coding agents as loopd's clients (issue 24 item 5, DESIGN decision 47): Claude
+Code, Codex CLI, OpenCode, pi (its three APIs), Cline and Qwen Code from npm, Aider from
+PyPI, each at its pinned version (C{test/agents}), installed by the kit
+(L{loopd.test.support.agents}) into a cache on first use, configured from the manual's own
+recipe (docs/agents.md, "Pointing an agent at loopd", read by
+L{loopd.test.support.agent_recipes}), kept off the network, and run without a terminal with
+its default tools and prompts against C{twist loopd} over TCP with its token, in front of a
+real llama.cpp server with the project's tiny model.
 
 The tiny model is a script: it thinks "Let me think about this...", calls one tool when it
 is offered tools and no call was made yet, and once a tool result came back it answers
@@ -46,7 +47,7 @@ from twisted.web.client import readBody
 from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
 
-from loopd.test.support.agent_recipes import Recipe, read_recipes
+from loopd.test.support.agent_recipes import PAGE, Recipe, read_recipes
 from loopd.test.support.agents import AGENTS, AgentHome, AgentRun, Kit, install
 from loopd.test.support.peers import real_reactor
 from loopd.test.support.twist import ROOT, TwistProcess, spawn_twist, stop_twist
@@ -268,12 +269,12 @@ class AgentTurnsTests:
         return kit
 
     def recipe(self, stack: Stack) -> Recipe:
-        """This agent's README recipe, filled for C{stack}."""
-        return read_recipes(ROOT / "README.md")[self.spec.heading].filled(stack.address, "tiny")
+        """This agent's recipe (docs/agents.md), filled for C{stack}."""
+        return read_recipes(ROOT / PAGE)[self.spec.heading].filled(stack.address, "tiny")
 
     @inlineCallbacks
     def home(self, kit: Kit, stack: Stack) -> Any:
-        """A new private home for this agent, configured from the README, set up."""
+        """A new private home for this agent, configured from its recipe, set up."""
         import tempfile
 
         root = Path(tempfile.mkdtemp(prefix="lag", dir="/tmp"))
@@ -458,15 +459,15 @@ class OpenCodeTests(AgentTests, TestCase):
 
 
 class _Pi(AgentTurnsTests):
-    """pi 0.73.1 on one of its three APIs (C{api}), set in the README's models.json."""
+    """pi 0.73.1 on one of its three APIs (C{api}), set in its recipe's models.json."""
 
     agent = "pi"
     api = "openai-completions"
 
     def files(self, files: dict[str, str]) -> dict[str, str]:
         """
-        The README's models.json with C{api}; for C{anthropic-messages} the base URL has no
-        C{/v1}, as the README says (the Anthropic SDK adds C{/v1/messages}).
+        The recipe's models.json with C{api}; for C{anthropic-messages} the base URL has no
+        C{/v1}, as the recipe says (the Anthropic SDK adds C{/v1/messages}).
         """
         path = "~/.pi/agent/models.json"
         models = json.loads(files[path])

@@ -46,19 +46,22 @@ try:
 except ImportError as e:  # pragma: no cover - the test extra is not installed
     raise SkipTest(f"the gateway end-to-end tests need the test extra: {e}") from None
 
-#: The README's recipe for the openai SDK over the Unix socket: its one Python block that
-#: builds a client with C{HTTPTransport(uds=SOCKET)}.
+#: The recipe for the openai SDK over the Unix socket: the one Python block of each of these
+#: pages (the manual's, and the README's copy of it) that builds a client with
+#: C{HTTPTransport(uds=SOCKET)}.
 RECIPE = re.compile(r"```python\n(import httpx2\b.*?uds=SOCKET.*?)```", re.DOTALL)
+RECIPE_PAGES = ("docs/demo.md", "README.md")
 
 
-def readme_recipe(socket: str) -> str:
+def sdk_recipe(page: str, socket: str) -> str:
     """
-    The README's SDK recipe, its C{SOCKET} line pointed at C{socket}; with an SDK built on
-    C{httpx} (1.x, 2.x) rather than C{httpx2}, its import as the recipe's comment says.
+    The SDK recipe of C{page} (relative to the checkout), its C{SOCKET} line pointed at
+    C{socket}; with an SDK built on C{httpx} (1.x, 2.x) rather than C{httpx2}, its import as
+    the recipe's comment says.
     """
-    found = RECIPE.search(Path(ROOT, "README.md").read_text(encoding="utf-8"))
+    found = RECIPE.search(Path(ROOT, page).read_text(encoding="utf-8"))
     if found is None:
-        raise AssertionError("README.md has no openai SDK recipe over the Unix socket")
+        raise AssertionError(f"{page} has no openai SDK recipe over the Unix socket")
     code = re.sub(r"^SOCKET = .*$", f"SOCKET = {socket!r}", found.group(1), flags=re.M)
     if httpx.__name__ != "httpx2":
         code = re.sub(r"^import httpx2\b.*$", "import httpx as httpx2", code, flags=re.M)
@@ -160,23 +163,25 @@ class GatewayEndToEndTests(TestCase):
         self.assertGreater(usage.completion_tokens, 0)
 
     @inlineCallbacks
-    def test_readme_sdk_recipe(self) -> Any:
+    def test_sdk_recipe(self) -> Any:
         """
-        The README's openai SDK recipe, run as it is written (only its socket path changed),
-        prints the model's answer: the README cannot drift from the SDK the extras install.
+        The openai SDK recipe of docs/demo.md, and the README's copy of it, each run as it is
+        written (only its socket path changed), print the model's answer: neither page can
+        drift from the SDK the extras install.
         """
         yield self.start()
         yield self.loopd.ready
-        code = readme_recipe(self.socket)
 
-        def run() -> str:
+        def run(page: str) -> str:
+            code = sdk_recipe(page, self.socket)
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
-                exec(compile(code, "README.md", "exec"), {"__name__": "recipe"})
+                exec(compile(code, page, "exec"), {"__name__": "recipe"})
             return printed.getvalue()
 
-        printed = yield deferToThread(run)
-        self.assertEqual(printed, ANSWER + "\n")
+        for page in RECIPE_PAGES:
+            printed = yield deferToThread(run, page)
+            self.assertEqual(printed, ANSWER + "\n", page)
 
     @inlineCallbacks
     def test_openai_non_stream(self) -> Any:

@@ -1,5 +1,5 @@
 """
-Tests of the agents kit of the real-agent tests: the README's recipes as
+Tests of the agents kit of the real-agent tests: the recipes of docs/agents.md as
 L{loopd.test.support.agent_recipes} reads them, the private homes and the install failures
 of L{loopd.test.support.agents}. The agents themselves run in L{test.test_agents_e2e}.
 """
@@ -18,7 +18,7 @@ from twisted.internet.defer import inlineCallbacks
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from loopd.test.support import agents
-from loopd.test.support.agent_recipes import RecipeError, commands, exports, read_recipes
+from loopd.test.support.agent_recipes import PAGE, RecipeError, commands, exports, read_recipes
 from loopd.test.support.agents import AGENTS, AgentHome, InstallError, Kit, install
 from loopd.test.support.peers import real_reactor
 from loopd.test.support.twist import ROOT
@@ -28,19 +28,20 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
 
-README = ROOT / "README.md"
+RECIPES = ROOT / PAGE
 MANIFESTS = ROOT / "test" / "agents"
 
 
 class RecipeTests(SynchronousTestCase):
     """
-    The README's section "Pointing an agent at loopd", read as the agents' tests read it.
+    The section "Pointing an agent at loopd" of docs/agents.md, read as the agents' tests
+    read it.
     """
 
     def setUp(self) -> None:
         self.recipes = {
             name: recipe.filled("127.0.0.1:5555", "tiny")
-            for name, recipe in read_recipes(README).items()
+            for name, recipe in read_recipes(RECIPES).items()
         }
 
     def test_every_agent(self) -> None:
@@ -64,7 +65,7 @@ class RecipeTests(SynchronousTestCase):
         )
 
     def test_filled(self) -> None:
-        """The README's address and C{MODEL} are replaced everywhere, words only."""
+        """The page's address and C{MODEL} are replaced everywhere, words only."""
         claude = exports(self.recipes["Claude Code"].shell(), {"LOOPD_TOKEN": "t0k"})
         self.assertEqual(claude["ANTHROPIC_BASE_URL"], "http://127.0.0.1:5555")
         self.assertEqual(claude["ANTHROPIC_AUTH_TOKEN"], "t0k")
@@ -87,7 +88,7 @@ class RecipeTests(SynchronousTestCase):
         self.assertEqual(auth[auth.index("--apikey") + 1], "t0k")
 
     def test_missing(self) -> None:
-        """A README without the section, or a turn the recipe lacks, is a clear error."""
+        """A page without the section, or a turn the recipe lacks, is a clear error."""
         self.assertRaises(RecipeError, read_recipes, "# loopd\n")
         error = self.assertRaises(RecipeError, self.recipes["Cline"].turn, 5, "x")
         self.assertIn("Cline", str(error))
@@ -99,12 +100,12 @@ class HomeTests(SynchronousTestCase):
     """
 
     def home(self, name: str, **options: Any) -> AgentHome:
-        """A home for agent C{name} configured from the README (nothing runs)."""
+        """A home for agent C{name} configured from its recipe (nothing runs)."""
         root = Path(tempfile.mkdtemp(prefix="lak", dir="/tmp"))
         self.addCleanup(shutil.rmtree, root, True)
         kit = Kit(root / "npm", root / "aider", MANIFESTS)
         agent = AGENTS[name]
-        recipe = read_recipes(README)[agent.heading].filled("127.0.0.1:5555", "tiny")
+        recipe = read_recipes(RECIPES)[agent.heading].filled("127.0.0.1:5555", "tiny")
         return AgentHome(real_reactor(), kit, agent, recipe, root, token="t0k", **options)
 
     def test_environment(self) -> None:

