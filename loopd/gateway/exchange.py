@@ -295,7 +295,7 @@ class _Exchange:
             continues=session.continues,
         )
         self._flow = Flow() if parsed.stream else None
-        self._reply = Reply(request, self, host.in_flight, self._flow)
+        self._reply = Reply(request, self, host.in_flight, self._flow, door.stream_type)
         self._started_at = host.reactor.seconds()
         self._first_token_seen = False
         self._created = int(host.wall_clock())

@@ -209,7 +209,7 @@ class MeshExchange:
         """
         self._host = host
         self._stream = parsed.stream
-        self._reply = Reply(request, self, host.in_flight)
+        self._reply = Reply(request, self, host.in_flight, stream_type=door.stream_type)
         self._pending: list[bytes] = []
         now_ns = int(host.wall_clock() * 1e9)
         self._id = moa_id(now_ns)

@@ -45,6 +45,7 @@ class Reply:
         exchange: Exchange,
         in_flight: set[Exchange],
         flow: Flow | None = None,
+        stream_type: bytes = b"text/event-stream",
     ) -> None:
         """
         @param request: the client's request.
@@ -52,12 +53,14 @@ class Reply:
         @param in_flight: the daemon's exchanges under way, which its stop ends.
         @param flow: the producer registered on C{request} for a streaming answer, whose
             upstream read it paces; unregistered before the end.
+        @param stream_type: the content type of the stream, the door's.
         """
         self.phase = Phase.QUIET
         self._request = request
         self._exchange = exchange
         self._in_flight = in_flight
         self._flow = flow
+        self._stream_type = stream_type
 
     @property
     def done(self) -> bool:
@@ -90,7 +93,7 @@ class Reply:
         if self.phase is not Phase.QUIET:
             return
         self.phase = Phase.STREAMING
-        open_event_stream(self._request)
+        open_event_stream(self._request, self._stream_type)
         for name, value in headers:
             self._request.setHeader(name, value)
         if opening:

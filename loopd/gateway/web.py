@@ -53,10 +53,13 @@ def write_json(request: Request, status: int, body: object) -> bytes:
     return encoded
 
 
-def open_event_stream(request: Request) -> None:
-    """Answer C{request} with C{200} and the headers of an unbuffered event stream."""
+def open_event_stream(request: Request, content_type: bytes = b"text/event-stream") -> None:
+    """
+    Answer C{request} with C{200} and the headers of an unbuffered stream of
+    C{content_type} (server-sent events unless a door streams another way).
+    """
     request.setResponseCode(200)
-    request.setHeader(b"content-type", b"text/event-stream")
+    request.setHeader(b"content-type", content_type)
     request.setHeader(b"cache-control", b"no-cache")
     request.setHeader(b"x-accel-buffering", b"no")
 

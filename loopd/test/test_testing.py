@@ -10,6 +10,7 @@ import dataclasses
 import importlib
 import inspect
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Generator
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.trial.reporter import TestResult
 from twisted.trial.unittest import SynchronousTestCase
 
 import loopd
@@ -40,7 +42,20 @@ KIT = (
     "loopd.testing.lease_daemon",
     "loopd.testing.gateway",
     "loopd.testing.mesh",
+    "loopd.testing.reactor",
 )
+
+#: The manual's page on the kit, whose one Python block is a test module of its own.
+MANUAL = Path(loopd.__file__).parent.parent / "docs" / "testing.md"
+
+
+def manual_example() -> dict[str, Any]:
+    """The names the manual's Python block defines, run as a module."""
+    text = MANUAL.read_text(encoding="utf-8")
+    (code,) = re.findall(r"^```python\n(.*?)^```$", text, re.M | re.S)
+    names: dict[str, Any] = {"__name__": "manual_example"}
+    exec(compile(code, str(MANUAL), "exec"), names)
+    return names
 
 
 @inlineCallbacks
@@ -59,6 +74,13 @@ class ManualExampleTests(SynchronousTestCase):
     """
     The manual's "Testing a program that embeds loopd" (docs/testing.md), as written there.
     """
+
+    def test_manual_block(self) -> None:
+        """The manual's block, run as it is written: its one test passes."""
+        case = manual_example()["AskTests"]("test_answer_under_a_lease")
+        result = TestResult()
+        case.run(result)
+        self.assertEqual((result.testsRun, result.errors, result.failures), (1, [], []))
 
     def test_answer_under_a_lease(self) -> None:
         """The program gets the scripted answer, and took and gave back one lease."""

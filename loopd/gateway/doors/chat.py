@@ -20,6 +20,7 @@ from typing import Any
 from loopd.gateway.doors.chat_mesh import MeshChatAnswer
 from loopd.gateway.doors.chat_read import parse_request
 from loopd.gateway.doors.door import (
+    EVENT_STREAM,
     Answer,
     Header,
     comment_line,
@@ -245,6 +246,7 @@ class ChatDoor:
     """
 
     name = "chat"
+    stream_type = EVENT_STREAM
 
     def read(self, body: bytes, header: Header, anonymous: Callable[[], str]) -> GatewayRequest:
         """

@@ -41,6 +41,7 @@ from loopd.sse import DONE, encode_comment, encode_data
 __all__ = [
     "Answer",
     "Door",
+    "EVENT_STREAM",
     "MESH_MODEL",
     "Header",
     "comment_line",
@@ -50,6 +51,9 @@ __all__ = [
     "loopd_comment",
     "replay",
 ]
+
+EVENT_STREAM = b"text/event-stream"
+"""The content type of a stream of server-sent events."""
 
 MESH_MODEL = "mesh"
 """The virtual model a mesh turn answers as (L{loopd.moa.roles.VIRTUAL_MODEL_NAME})."""
@@ -108,9 +112,12 @@ class Door(Protocol):
     One front door: how its API's requests are read and its answers written.
 
     @ivar name: the door's name in logs and metrics: C{chat}, C{messages}, C{responses}.
+    @ivar stream_type: the content type of its streamed answers (L{EVENT_STREAM} for the
+        three APIs of server-sent events; Ollama's NDJSON would say its own).
     """
 
     name: str
+    stream_type: bytes
 
     def read(self, body: bytes, header: Header, anonymous: Callable[[], str]) -> GatewayRequest:
         """

@@ -36,6 +36,7 @@ from typing import Any, Final
 
 from loopd import strict_json
 from loopd.gateway.doors.door import (
+    EVENT_STREAM,
     MESH_MODEL,
     Answer,
     Header,
@@ -86,6 +87,7 @@ class MessagesDoor:
     """
 
     name = "messages"
+    stream_type = EVENT_STREAM
 
     def __init__(self, hosted_tools: HostedTools = "drop") -> None:
         """

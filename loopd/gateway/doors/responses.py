@@ -22,7 +22,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from loopd.gateway.doors.door import MESH_MODEL, Answer, Header, compact_json, loopd_comment
+from loopd.gateway.doors.door import (
+    EVENT_STREAM,
+    MESH_MODEL,
+    Answer,
+    Header,
+    compact_json,
+    loopd_comment,
+)
 from loopd.gateway.doors.hosted_tools import HostedTools
 from loopd.gateway.doors.responses_read import parse_responses
 from loopd.gateway.doors.responses_store import ResponseStore, StoredResponse
@@ -59,6 +66,7 @@ class ResponsesDoor:
     """
 
     name = "responses"
+    stream_type = EVENT_STREAM
 
     def __init__(self, store: ResponseStore, hosted_tools: HostedTools = "drop") -> None:
         """
