@@ -87,8 +87,9 @@ class Reply:
 
     def open_stream(self, opening: bytes, headers: Headers = ()) -> None:
         """
-        Open the event stream, once: C{200}, the stream's headers and C{headers}, then
-        C{opening} (the door's role chunk, C{message_start} ...). Nothing once it is open.
+        Open the event stream, once: C{200}, the stream's headers and C{headers}, sent now,
+        then C{opening} (the door's role chunk, C{message_start} ...). Nothing once it is
+        open.
         """
         if self.phase is not Phase.QUIET:
             return
@@ -96,8 +97,9 @@ class Reply:
         open_event_stream(self._request, self._stream_type)
         for name, value in headers:
             self._request.setHeader(name, value)
-        if opening:
-            self._request.write(opening)
+        # Written even when empty: the first write sends the headers, and the stream is open
+        # for the client only then (a client that waits for headers gives up on none).
+        self._request.write(opening)
 
     def write(self, data: bytes) -> None:
         """Send C{data} on the open stream (C{b""}: nothing)."""

@@ -127,4 +127,4 @@ class ReplyTests(SynchronousTestCase):
         reply.open_stream(b"")
         reply.end_stream(b"last")
         self.assertIsNone(request.producer)
-        self.assertEqual(request.written, [b"last"])
+        self.assertEqual(request.written, [b"", b"last"])
