@@ -1,6 +1,6 @@
 """
 The paths into a JSON document, for tests that alter one value at a time (the gateway's
-request parsing: L{loopd.test.test_gateway_errors}, L{loopd.test.test_gateway_translate}).
+request parsing: L{loopd.test.test_gateway_errors}, L{loopd.test.test_doors_chat_read}).
 """
 
 from __future__ import annotations
