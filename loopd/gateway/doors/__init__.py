@@ -20,7 +20,8 @@ everything between, the same for every door.
     L{responses} (OpenAI Responses), with L{responses_store} keeping finished responses for
     C{previous_response_id}.
 
-Adding a fourth API (Ollama's C{/api/chat}, Gemini's C{generateContent}) is a reader module,
-a writer module whose door class has the L{door.Door} methods, and one entry in
-L{table.front_doors}; the exchange, the router and the mesh need no edit.
+Adding a fourth API (Ollama's C{/api/chat}) is a reader module, a writer module whose door
+class has the L{door.Door} methods, and one entry in L{table.front_doors}; the exchange, the
+router and the mesh need no edit (docs/doors.md; an API with the model in its path, as
+Gemini's, would also need the site to route by path prefix).
 """
