@@ -559,7 +559,7 @@ def _tool_choice(
     if kind == "none":
         _only(choice, frozenset(), "tool_choice")
         return "none", tools, None
-    if kind not in _CHOICES:
+    if not isinstance(kind, str) or kind not in _CHOICES:
         fail(_PARAM, "tool_choice.type", 'expected "auto", "any", "tool" or "none"')
     allowed = (
         {"disable_parallel_tool_use", "name"} if kind == "tool" else {"disable_parallel_tool_use"}

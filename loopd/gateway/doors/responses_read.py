@@ -615,7 +615,7 @@ def _check_accepted(document: dict[str, Any]) -> None:
         if not isinstance(include, list):
             fail(_INVALID, "include", "expected an array of strings")
         for j, name in enumerate(include):
-            if name not in _INCLUDES:
+            if not isinstance(name, str) or name not in _INCLUDES:
                 shown = show(name) if isinstance(name, str) else "a non-string"
                 fail(_UNSUPPORTED, f"include[{j}]", f"{shown} is not supported")
     metadata = document.get("metadata")
