@@ -33,13 +33,20 @@ from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web.http import RESPONSES, HTTPChannel
 from twisted.web.resource import Resource
-from twisted.web.server import Site
+from twisted.web.server import Request, Site
 
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.web_internals import ChunkedTransferDecoder, IdentityTransferDecoder
 from loopd.settings import Server
 
-__all__ = ["ErrorShape", "GatewayChannel", "GatewaySite", "error_response"]
+__all__ = [
+    "ErrorShape",
+    "GatewayChannel",
+    "GatewayWebRequest",
+    "GatewaySite",
+    "error_response",
+    "origin_form",
+]
 
 #: How Twisted's log lines name the gateway's HTTP listener (the C{logPrefix} of its protocols and
 #: factories), instead of a private class name.
@@ -73,6 +80,53 @@ def error_response(error: GatewayError, shape: ErrorShape = _openai_shape) -> by
     )
 
 
+def origin_form(target: bytes) -> bytes:
+    """
+    A request target as the path and query the routes read: an absolute-form target
+    (C{http://host/v1/models?x}, RFC 9112 §3.2.2, which a server must accept and a proxy
+    sends) as its path and query (C{/}: none), any other target as it is.
+    """
+    scheme, found, rest = target.partition(b"://")
+    if not found or scheme.lower() not in (b"http", b"https") or b"/" in scheme:
+        return target
+    slash = rest.find(b"/")
+    query = rest.find(b"?")
+    if slash < 0 or 0 <= query < slash:
+        return b"/" + (rest[query:] if query >= 0 else b"")
+    return rest[slash:]
+
+
+class GatewayWebRequest(Request):
+    """
+    A request of the gateway's site: its target in origin form (L{origin_form}), and the
+    asterisk-form target C{*}, which only C{OPTIONS} may use (RFC 9112 §3.2.4), a JSON 400
+    for any other method instead of twisted.web's empty 405.
+    """
+
+    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        """Take the request with its target in origin form."""
+        super().requestReceived(command, origin_form(path), version)
+
+    def process(self) -> None:
+        """Refuse C{*} but for C{OPTIONS}; else route as twisted.web does."""
+        if self.path == b"*" and self.method != b"OPTIONS":
+            error = GatewayError(
+                400,
+                f"the request target * is for OPTIONS only, not {self.method.decode('latin-1')}",
+                "invalid_request_error",
+                "bad_request_target",
+            )
+            status, document = _openai_shape(error)
+            self.setResponseCode(status)
+            self.setHeader(b"content-type", b"application/json")
+            body = json.dumps(document, separators=(",", ":")).encode()
+            self.setHeader(b"content-length", b"%d" % len(body))
+            self.write(body)
+            self.finish()
+            return
+        super().process()
+
+
 def _bad_request(message: str) -> GatewayError:
     """A 400 for a request that is not well-formed HTTP."""
     return GatewayError(400, message, "invalid_request_error", "bad_request")
@@ -91,6 +145,8 @@ class GatewayChannel(HTTPChannel):
     _request_path: bytes | None = None
     _header_call: IDelayedCall | None = None
     _header_started = False
+    #: Whether a request was answered on this connection (after one, silence is keep-alive).
+    _answered = False
     _body_call: IDelayedCall | None = None
     _body_received = 0
     _window_start = 0
@@ -153,13 +209,20 @@ class GatewayChannel(HTTPChannel):
     # --- input ---
 
     def dataReceived(self, data: bytes) -> None:
-        """Read nothing after a refusal; start the header deadline at a request's first byte."""
+        """
+        Read nothing after a refusal; start the header deadline at a request's first byte
+        (the first request's runs from the accept, L{connectionMade}).
+        """
         if self._refused:
             return
         if self.line_mode and not self._handlingRequest and self._header_call is None:
-            timeout = self.site.server.header_timeout_ms / 1000
-            self._header_call = self.callLater(timeout, self._header_deadline)
+            self._arm_header_deadline()
         super().dataReceived(data)
+
+    def _arm_header_deadline(self) -> None:
+        """The header block has C{header_timeout_ms} from now."""
+        timeout = self.site.server.header_timeout_ms / 1000
+        self._header_call = self.callLater(timeout, self._header_deadline)
 
     def lineReceived(self, line: bytes) -> None:
         """
@@ -285,9 +348,15 @@ class GatewayChannel(HTTPChannel):
         return self.site.server.body_timeout_ms / 1000
 
     def _header_deadline(self) -> None:
-        """The header block ran out of time: 408, unless nothing of a request came yet."""
+        """
+        The header block ran out of time: 408. Nothing of a request yet: a connection that
+        never sent a request is closed quietly (it holds a connection of the cap for
+        nothing); one that did is kept alive, the site's idle timeout ruling.
+        """
         self._header_call = None
         if not self._header_started and not self._buffer.strip():
+            if not self._answered and not self._handlingRequest:
+                self.timeoutConnection()
             return
         timeout = self.site.server.header_timeout_ms
         self._refuse(
@@ -342,6 +411,7 @@ class GatewayChannel(HTTPChannel):
         buffer drains (L{resumeProducing}); else go on as twisted.web does.
         """
         self._header_started = False
+        self._answered = True
         if not (self.persistent and self._waitingForTransport):
             super().requestDone(request)
             return
@@ -369,10 +439,15 @@ class GatewayChannel(HTTPChannel):
     # --- the site's count ---
 
     def connectionMade(self) -> None:
-        """Count this connection on the site."""
+        """
+        Count this connection on the site; its first request's header deadline runs from
+        now, so a connection that sends nothing is closed at C{header_timeout_ms}, not held
+        to the idle timeout.
+        """
         self._on_close: list[Callable[[], None]] = []
         self.site.open_channels.add(self)
         super().connectionMade()
+        self._arm_header_deadline()
 
     def when_closed(self, callback: Callable[[], None]) -> None:
         """
@@ -403,6 +478,7 @@ class GatewaySite(Site):
     """
 
     protocol = GatewayChannel  # type: ignore[assignment]
+    requestFactory = GatewayWebRequest
 
     def logPrefix(self) -> str:
         """The component that Twisted's log lines of this connection name: L{LOG_PREFIX}."""
@@ -444,7 +520,7 @@ class GatewaySite(Site):
         known yet).
         """
         if path is not None:
-            path = path.split(b"?", 1)[0]
+            path = origin_form(path).split(b"?", 1)[0]
             for prefix, shape in self.shapes:
                 if path.startswith(prefix):
                     return shape

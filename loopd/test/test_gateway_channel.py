@@ -23,6 +23,7 @@ from twisted.logger import capturedLogs, formatEvent
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
+from loopd.gateway.channel import origin_form
 from loopd.gateway.site import Gateway
 from loopd.llama import Client
 from loopd.settings import Config, Endpoint, Limits, Server
@@ -316,6 +317,33 @@ class DeadlineTests(SynchronousTestCase):
         harness.advance(0.999)
         self.assertEqual((connection.responses(), connection.transport.disconnecting), ([], False))
         harness.advance(0.001)
+        _timed_out(self, connection)
+
+    def test_silent_connection_closed_at_the_header_deadline(self) -> None:
+        """
+        A connection that never sends a byte is closed at C{header_timeout_ms} from its
+        accept (10 s), quietly (no answer, nothing logged), not held to the 60 s idle
+        timeout; its place under the connection cap is free again (issue 26, item 2).
+        """
+        harness = GatewayHarness()
+        connection = harness.connect()
+        with capturedLogs() as events:
+            harness.advance(9.999)
+            self.assertFalse(connection.transport.disconnecting)
+            harness.advance(0.001)
+        self.assertTrue(connection.transport.disconnecting)
+        self.assertEqual(connection.transport.value(), b"")
+        self.assertEqual([formatEvent(event) for event in events], [])
+
+    def test_first_header_deadline_from_the_accept(self) -> None:
+        """The first request's header block has 10 s from the accept, not from its first byte."""
+        harness = GatewayHarness()
+        connection = harness.connect()
+        harness.advance(5)
+        connection.send(b"GET /v1/mo")
+        harness.advance(4.5)
+        self.assertEqual(connection.responses(), [])
+        harness.advance(0.5)
         _timed_out(self, connection)
 
     def test_header_in_time_answered(self) -> None:
@@ -660,3 +688,64 @@ class PipelineTests(TestCase):
         self.assertEqual({(r.status, r.complete) for r in responses}, {(200, True)})
         self.assertEqual(len(responses), PIPELINED)
         self.assertLess(peak[0], PIPELINE_BOUND)
+
+
+class RequestTargetTests(SynchronousTestCase):
+    """
+    The request target's forms (RFC 9112 §3.2): the absolute form routed by its path (a
+    proxy sends it; a server must take it), the asterisk form for C{OPTIONS} only, a JSON
+    400 for any other method (issue 26, item 7).
+    """
+
+    def answer(self, request_line: str, body: bytes = b"") -> Any:
+        """The one response to C{request_line} with C{body}, on a fresh gateway."""
+        harness = GatewayHarness()
+        connection = harness.connect()
+        head = f"{request_line}\r\nHost: loopd\r\nContent-Length: {len(body)}\r\n\r\n"
+        connection.send(head.encode() + body)
+        harness.advance(1)
+        return connection.response()
+
+    def test_origin_form(self) -> None:
+        """An absolute-form target reads as its path and query; any other stays."""
+        cases = {
+            b"http://loopd/v1/models": b"/v1/models",
+            b"HTTPS://127.0.0.1:8080/v1/models?x=1": b"/v1/models?x=1",
+            b"http://loopd": b"/",
+            b"http://loopd?x=1": b"/?x=1",
+            b"/v1/models": b"/v1/models",
+            b"*": b"*",
+            b"/a://b": b"/a://b",
+        }
+        self.assertEqual({target: origin_form(target) for target in cases}, cases)
+
+    @given(st.binary().map(lambda tail: b"/" + tail))
+    def test_origin_form_kept(self, target: bytes) -> None:
+        """A target in origin form (starting with C{/}) is left as it is."""
+        self.assertEqual(origin_form(target), target)
+
+    def test_absolute_form_routed(self) -> None:
+        """An absolute-form target is answered by the route of its path."""
+        response = self.answer("GET http://loopd/v1/models HTTP/1.1")
+        self.assertEqual(response.status, 200)
+        self.assertIn("tiny", [model["id"] for model in response.json()["data"]])
+
+    def test_absolute_form_not_found(self) -> None:
+        """An unknown path in absolute form is a 404 naming the path, not the URL cut."""
+        response = self.answer("GET http://loopd/nowhere?x=1 HTTP/1.1")
+        self.assertEqual(response.status, 404)
+        self.assertEqual(response.json()["error"]["message"], "no route /nowhere")
+
+    def test_absolute_form_in_the_doors_shape(self) -> None:
+        """A refusal under a door's path in absolute form is in that door's shape."""
+        response = self.answer("POST http://loopd/v1/messages HTTP/1.1", b"{}")
+        self.assertEqual((response.status, response.json()["type"]), (400, "error"))
+
+    def test_asterisk(self) -> None:
+        """C{GET *} is a JSON 400 naming the rule; C{OPTIONS *} is answered as before."""
+        response = self.answer("GET * HTTP/1.1")
+        self.assertEqual(response.status, 400)
+        self.assertEqual(response.headers["content-type"], "application/json")
+        self.assertEqual(response.json()["error"]["code"], "bad_request_target")
+        self.assertIn("OPTIONS only", response.json()["error"]["message"])
+        self.assertEqual(self.answer("OPTIONS * HTTP/1.1").status, 200)
