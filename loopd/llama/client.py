@@ -22,6 +22,7 @@ request (C{/props} is asked once at start).
 
 from __future__ import annotations
 
+import json
 import random as _random
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +41,7 @@ from loopd.llama.info import (
     SharedRequest,
     SlotState,
     check_health,
+    count_tokens,
     get_json,
     parse_slots,
 )
@@ -59,6 +61,10 @@ from loopd.reactor import IUnixReactor
 from loopd.settings import Config, Endpoint
 
 __all__ = ["Client"]
+
+#: How many times the JSON body sent to C{/apply-template} its answer may be: the prompt
+#: is about the messages, and JSON escapes (C{\u0001}: six bytes for one) at most this.
+_PROMPT_GROWTH = 6
 
 _log = Logger(namespace="loopd.llama.client")
 
@@ -216,9 +222,12 @@ class Client:
         )
         return running.addCallback(lambda completion: merge(delivered.prefix, completion))
 
-    def _get(self, method: str, path: str, body: object = None) -> Deferred[Any]:
+    def _get(
+        self, method: str, path: str, body: object = None, answer_bytes: int | None = None
+    ) -> Deferred[Any]:
         """
-        One JSON request to this endpoint (L{get_json}), connecting within C{limits.poll_ms}.
+        One JSON request to this endpoint (L{get_json}), connecting within C{limits.poll_ms},
+        its answer at most C{answer_bytes} (default: the C{body_bytes} cap).
         """
         return get_json(
             self._open,
@@ -227,6 +236,7 @@ class Client:
             body,
             caps=self._caps,
             connect_timeout=self.config.limits.poll_ms / 1000.0,
+            answer_bytes=answer_bytes,
         )
 
     def _poll_slots(self) -> Deferred[Any]:
@@ -296,15 +306,18 @@ class Client:
         answer.addCallback(tokens)
         return answer
 
-    def apply_template(self, body: dict[str, Any]) -> Deferred[str]:
+    def apply_template(
+        self, body: dict[str, Any], *, answer_bytes: int | None = None
+    ) -> Deferred[str]:
         """
         The prompt the server's chat template makes of the chat-completions C{body}
         (C{POST /apply-template}), naming C{endpoint.model} when it is set, as a router
         needs. Fails as L{get_json} does (an L{Http} for a template that raised), and with
-        L{Protocol} for an answer without a C{prompt}.
+        L{Protocol} for an answer without a C{prompt}, or one over C{answer_bytes} (default:
+        the C{body_bytes} cap).
         """
         model = {"model": self.endpoint.model} if self.endpoint.model else {}
-        answer = self._get("POST", "/apply-template", {**model, **body})
+        answer = self._get("POST", "/apply-template", {**model, **body}, answer_bytes)
 
         def prompt(value: object) -> str:
             """The answer's C{prompt}."""
@@ -320,27 +333,29 @@ class Client:
         """
         How many tokens the server's prompt for the chat-completions C{body} has: the
         prompt its chat template makes (L{apply_template}), tokenized as a completion
-        tokenizes it (C{POST /tokenize}, special tokens parsed and added). Fails as
-        L{tokenize} does, and as L{apply_template} does. Both requests name
-        C{endpoint.model} when it is set, as a router needs.
+        tokenizes it (C{POST /tokenize}, special tokens parsed and added) and counted as
+        the answer arrives (L{count_tokens}), so that a prompt of megabytes is counted, its
+        ids never held. The template's answer may be as long as the prompt it makes, which
+        is about the messages sent, escaped: it is read up to L{_PROMPT_GROWTH} times the
+        body's size (at least the C{body_bytes} cap). Fails as L{tokenize} does, and as
+        L{apply_template} does. Both requests name C{endpoint.model} when it is set, as a
+        router needs.
         """
         model = {"model": self.endpoint.model} if self.endpoint.model else {}
+        size = len(json.dumps(body, separators=(",", ":")))
+        prompt_bytes = max(self._caps.body_bytes, _PROMPT_GROWTH * size + 65536)
 
-        def tokenize(prompt: str) -> Deferred[Any]:
-            """Tokenize the template's prompt."""
+        def tokenize(prompt: str) -> Deferred[int]:
+            """Count the tokens of the template's prompt."""
             content = {"content": prompt, "add_special": True}
-            return self._get("POST", "/tokenize", {**model, **content})
+            return count_tokens(
+                self._open,
+                {**model, **content},
+                caps=self._caps,
+                connect_timeout=self.config.limits.poll_ms / 1000.0,
+            )
 
-        def count(value: object) -> int:
-            """The length of the answer's C{tokens} list."""
-            ids = _expect_object(value, "/tokenize").get("tokens")
-            if not isinstance(ids, list):
-                raise Protocol("/tokenize did not answer a list of token ids")
-            return len(ids)
-
-        counting: Deferred[int] = self.apply_template(body).addCallback(tokenize)
-        counting.addCallback(count)
-        return counting
+        return self.apply_template(body, answer_bytes=prompt_bytes).addCallback(tokenize)
 
     def save_slot(self, slot: int, filename: str) -> Deferred[SlotFile]:
         """

@@ -23,11 +23,13 @@ from twisted.python.failure import Failure
 
 from loopd import http, strict_json
 from loopd.errors import Connect, Http, Protocol, ProxyRefused
+from loopd.llama.token_list import TokenListCounter
 from loopd.llama.types import Timings
 from loopd.reactor import IUnixReactor
 from loopd.settings import Endpoint
 
 __all__ = [
+    "count_tokens",
     "CacheOutcome",
     "Health",
     "SharedRequest",
@@ -171,15 +173,17 @@ def get_json(
     *,
     caps: http.HttpCaps,
     connect_timeout: float,
+    answer_bytes: int | None = None,
 ) -> Deferred[Any]:
     """
     One JSON request through C{open_http}: the decoded answer of a 200, L{Http} for any
-    other status, L{Protocol} for a body that is not JSON.
+    other status, L{Protocol} for a body that is not JSON, or longer than C{answer_bytes}
+    (default: the C{body_bytes} cap).
     """
     payload = None if body is None else json.dumps(body, separators=(",", ":")).encode()
 
     def read(response: http.HttpResponse) -> Deferred[Any]:
-        reading = response.read_body()
+        reading = response.read_body(answer_bytes)
         reading.addCallback(decode, response.status)
         return reading
 
@@ -199,6 +203,35 @@ def get_json(
     answer = open_http(method, path, payload, caps=caps, connect_timeout=connect_timeout)
     answer.addCallback(read)
     return answer
+
+
+def count_tokens(
+    open_http: http.Opener,
+    body: object,
+    *,
+    caps: http.HttpCaps,
+    connect_timeout: float,
+) -> Deferred[int]:
+    """
+    C{POST /tokenize} with C{body}: how many ids the answer of a 200 lists, counted as the
+    answer arrives (L{TokenListCounter}: the ids of a long prompt are never held);
+    L{Http} for any other status, L{Protocol} for an answer of another shape.
+    """
+    payload = json.dumps(body, separators=(",", ":")).encode()
+
+    def read(response: http.HttpResponse) -> Deferred[int]:
+        if response.status != 200:
+            failing = response.read_body()
+
+            def refuse(raw: bytes) -> int:
+                raise Http(response.status, raw.decode("utf-8", "replace"))
+
+            return failing.addCallback(refuse)
+        counter = TokenListCounter()
+        return response.deliver(counter.feed).addCallback(lambda _: counter.count())
+
+    answer = open_http("POST", "/tokenize", payload, caps=caps, connect_timeout=connect_timeout)
+    return answer.addCallback(read)
 
 
 @dataclass(frozen=True)

@@ -182,6 +182,34 @@ class CountTokensTests(SynchronousTestCase):
         status, body = self.post(model="tiny")
         self.assertEqual((status, body["error"]["type"]), (502, "api_error"))
 
+    def test_a_long_prompt(self) -> None:
+        """
+        A prompt of 4.5 MB, whose template answer and token list are each over the client's
+        4 MiB cap on a server's answer, is counted (issue 26, item 6: it was a 502 "the
+        model server broke the protocol" for loopd's own cap), the ids counted as they
+        arrive rather than held.
+        """
+        text = "word " * 900_000
+        tokens = 1_200_000
+        fake = self.harness.fakes["tiny"]
+        fake.script("POST", TEMPLATE, json_reply(200, {"prompt": "<s>user: " + text}))
+        fake.script("POST", TOKENIZE, json_reply(200, {"tokens": list(range(tokens))}))
+        document = {"model": "tiny", "messages": [{"role": "user", "content": text}]}
+        posted = Posted(self.route, document)
+        self.harness.advance(1)
+        self.assertEqual(posted.answer(), (200, {"input_tokens": tokens}))
+
+    def test_a_template_answer_past_its_bound(self) -> None:
+        """
+        A template answer many times longer than the request could make is still the
+        server breaking the protocol (a 502), read no further than its bound.
+        """
+        fake = self.harness.fakes["tiny"]
+        bound = max(self.harness.config.caps.body_bytes, 6 * 1000 + 65536)
+        fake.script("POST", TEMPLATE, json_reply(200, {"prompt": "x" * (bound + 1)}))
+        status, body = self.post(model="tiny")
+        self.assertEqual((status, body["error"]["type"]), (502, "api_error"))
+
     def test_client_gone(self) -> None:
         """A client that leaves cancels the count, and nothing is written."""
         self.harness.fake.script("POST", TEMPLATE, json_reply(200, {"prompt": "p"}, delay_s=5))
