@@ -26,9 +26,9 @@ import json
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, ITCPTransport
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web.http import RESPONSES, HTTPChannel
@@ -145,6 +145,9 @@ class GatewayChannel(HTTPChannel):
     _request_path: bytes | None = None
     _header_call: IDelayedCall | None = None
     _header_started = False
+    #: Whether a request on this connection showed the listener's token (always, on a
+    #: listener that asks none): such a connection is never closed to make room for another.
+    shown_token = False
     #: Whether a request was answered on this connection (after one, silence is keep-alive).
     _answered = False
     _body_call: IDelayedCall | None = None
@@ -445,7 +448,8 @@ class GatewayChannel(HTTPChannel):
         to the idle timeout.
         """
         self._on_close: list[Callable[[], None]] = []
-        self.site.open_channels.add(self)
+        self.site.open_channels[self] = None
+        self.shown_token = not self.site.guarded
         super().connectionMade()
         self._arm_header_deadline()
 
@@ -458,7 +462,7 @@ class GatewayChannel(HTTPChannel):
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         """Uncount it, stop every timer, then tell those who asked (L{when_closed})."""
-        self.site.open_channels.discard(self)
+        self.site.open_channels.pop(self, None)
         self._cancel_timers()
         super().connectionLost(reason)
         callbacks, self._on_close = self._on_close, []
@@ -472,7 +476,9 @@ class GatewaySite(Site):
     of C{[server]}, at most C{max_connections} of them open at once.
 
     @ivar server: the limits (C{[server]}).
-    @ivar open_channels: the channels connected now.
+    @ivar open_channels: the channels connected now, oldest first.
+    @ivar guarded: whether requests here must show a token (the TCP listener): then, at the
+        cap, the oldest connection that has not shown one is closed to make room.
     @ivar on_refusal: told of every refusal the channels and the cap make, for C{/metrics}.
     @ivar shapes: the error shapes of the front doors, by path prefix (L{shape_for}).
     """
@@ -490,6 +496,7 @@ class GatewaySite(Site):
         server: Server,
         on_refusal: Callable[[GatewayError], None] = lambda error: None,
         shapes: Sequence[tuple[bytes, ErrorShape]] = (),
+        guarded: bool = False,
         **kwargs: Any,
     ) -> None:
         """
@@ -498,6 +505,7 @@ class GatewaySite(Site):
         @param on_refusal: told of each refusal (its error) as it is answered.
         @param shapes: (path prefix, error shape) of each front door whose errors are not
             OpenAI's, such as C{(b"/v1/messages", anthropic_error)}.
+        @param guarded: whether requests here must show a token (L{buildProtocol}).
         @param kwargs: as for C{Site} (C{reactor}, ...).
         """
         # Every body is JSON read by a door: Twisted's form parsing would only cost each
@@ -509,7 +517,8 @@ class GatewaySite(Site):
         self.server = server
         self.on_refusal = on_refusal
         self.shapes = tuple(shapes)
-        self.open_channels: set[GatewayChannel] = set()
+        self.guarded = guarded
+        self.open_channels: dict[GatewayChannel, None] = {}
         self.displayTracebacks = False
         self.noisy = False
 
@@ -529,10 +538,27 @@ class GatewaySite(Site):
     def buildProtocol(self, addr: Any) -> Any:
         """
         A L{GatewayChannel}, or, past C{max_connections} open, a protocol that answers 503
-        and closes (the open connections are not disturbed).
+        and closes (the open connections are not disturbed). On a guarded listener a
+        connection that has not shown the token cannot crowd out one that has: at the cap,
+        the oldest connection that has not shown it is closed (aborted: it holds nothing
+        of a request past the guard) and the new one takes its place; only when every open
+        connection has shown the token is the new one refused.
         """
         if len(self.open_channels) >= self.server.max_connections:
-            return _Overloaded(self.server.max_connections, self.on_refusal)
+            unproven = next((c for c in self.open_channels if not c.shown_token), None)
+            if unproven is None:
+                return _Overloaded(self.server.max_connections, self.on_refusal)
+            self.open_channels.pop(unproven)
+            self.on_refusal(
+                GatewayError(
+                    503,
+                    "closed to make room: no token shown yet, the listener at its cap",
+                    "server_error",
+                    "displaced",
+                )
+            )
+            # TCP and Unix transports both abort (an unproven client may not read a reply).
+            cast(ITCPTransport, unproven.transport).abortConnection()
         return super().buildProtocol(addr)
 
 

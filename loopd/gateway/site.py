@@ -215,6 +215,7 @@ class Gateway:
             self.config.server,
             on_refusal=self.metrics.observe_refusal,
             shapes=self.error_shapes(),
+            guarded=guard is not None,
             reactor=self.reactor,
         )
         self._sites.append(site)

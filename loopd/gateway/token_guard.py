@@ -22,6 +22,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request
 
 from loopd.access_token import presented_tokens, token_matches
+from loopd.gateway.channel import GatewayChannel
 from loopd.gateway.errors import GatewayError
 from loopd.gateway.web import write_json
 
@@ -112,6 +113,9 @@ class TokenGuard(Resource):
             request.getHeader(b"authorization"), request.getHeader(b"x-api-key")
         )
         if token_matches(self._token, presented):
+            channel = request.channel
+            if isinstance(channel, GatewayChannel):
+                channel.shown_token = True
             return None
         if presented:
             message = f"the API key is not loopd's token: {_HOW}"

@@ -8,6 +8,7 @@ on 127.0.0.1 port 0 and a real Unix socket are asked with twisted.web's C{Agent}
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -30,7 +31,7 @@ from loopd.gateway.web import JsonRoute, Root
 from loopd.settings import Server
 from loopd.test.support.peers import real_reactor
 from loopd.testing.fake_llama import CHAT
-from loopd.testing.gateway import HI, GatewayHarness, Response
+from loopd.testing.gateway import HI, GatewayHarness, Response, make_config
 from loopd.testing.llama_replies import answer
 from loopd.unixsocket import listen_unix
 
@@ -249,3 +250,60 @@ class RealListenerTests(TestCase):
         """The Unix socket answers without a token."""
         agent = Agent.usingEndpointFactory(self.reactor, _UnixEndpoints(self.reactor, self.socket))
         self.assertEqual((yield self.get(agent, b"/health", {})), (200, {"status": "ok"}))
+
+
+class FloodTests(SynchronousTestCase):
+    """
+    On the guarded listener, connections that have not shown the token cannot crowd out
+    those that have (issue 26, item 1): at the cap the oldest of them is closed for the
+    newcomer, and only connections that showed the token are never displaced.
+    """
+
+    CAP = 4
+
+    def setUp(self) -> None:
+        config = make_config()
+        config = dataclasses.replace(
+            config, server=dataclasses.replace(config.server, max_connections=self.CAP)
+        )
+        self.harness = GatewayHarness(config)
+        gateway = self.harness.gateway
+        self.harness.site = gateway.site(
+            guard=lambda root: TokenGuard(
+                root, TOKEN, gateway.error_shapes(), on_refusal=gateway.metrics.observe_refusal
+            )
+        )
+        replies = [answer({"content": "ok"}, delay_s=0) for _ in range(self.CAP)]
+        self.harness.fake.script("POST", CHAT, *replies)
+
+    def holder(self) -> Any:
+        """A connection of the token holder that asks once and stays open (kept alive)."""
+        connection = self.harness.connect()
+        headers = ["Content-Type: application/json", f"Authorization: Bearer {TOKEN}"]
+        connection.request("POST", CHAT, json.dumps(HI).encode(), headers)
+        self.harness.advance(0.1)
+        return connection
+
+    def test_holder_served_through_a_flood(self) -> None:
+        """
+        A cap's worth of silent connections without the token, then the token holder: its
+        connection displaces the oldest silent one and is answered; the flood goes on, and
+        the holder is served again.
+        """
+        flood = [self.harness.connect() for _ in range(self.CAP)]
+        first = self.holder()
+        self.assertEqual([r.status for r in first.responses()], [200])
+        self.assertTrue(flood[0].transport.disconnecting)
+        self.assertEqual([c.transport.disconnecting for c in flood[1:]], [False] * 3)
+        more = [self.harness.connect() for _ in range(self.CAP)]
+        self.assertFalse(first.transport.disconnecting)
+        second = self.holder()
+        self.assertEqual([r.status for r in second.responses()], [200])
+        self.assertEqual(sum(not c.transport.disconnecting for c in flood + more), 2)
+
+    def test_proven_connections_kept(self) -> None:
+        """When every open connection has shown the token, a newcomer is refused 503."""
+        holders = [self.holder() for _ in range(self.CAP)]
+        refused = self.harness.connect()
+        self.assertEqual([r.status for r in refused.responses()], [503])
+        self.assertEqual([h.transport.disconnecting for h in holders], [False] * self.CAP)
