@@ -206,8 +206,9 @@ def _messages(document: dict[str, Any], store: ResponseStore) -> tuple[ChatMessa
             fail(
                 "previous_response_not_found",
                 "previous_response_id",
-                f"no stored response {show(previous)} (unknown, expired, or stored with "
-                "store: false; loopd keeps responses in memory for a limited time)",
+                f"no stored response {show(previous)} (unknown, expired, stored with "
+                "store: false, or evicted: loopd keeps responses in memory for an hour, the "
+                "last 1,000 and 64 Mi characters of their text)",
             )
         messages.extend(stored.messages)
     if "input" in document:
