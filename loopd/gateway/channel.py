@@ -36,6 +36,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
 from loopd.gateway.errors import GatewayError
+from loopd.gateway.web import write_json
 from loopd.gateway.web_internals import ChunkedTransferDecoder, IdentityTransferDecoder
 from loopd.settings import Server
 
@@ -116,10 +117,7 @@ class GatewayWebRequest(Request):
                 "invalid_request_error",
                 "bad_request_target",
             )
-            status, document = _openai_shape(error)
-            self.setResponseCode(status)
-            self.setHeader(b"content-type", b"application/json")
-            body = json.dumps(document, separators=(",", ":")).encode()
+            body = write_json(self, *_openai_shape(error))
             self.setHeader(b"content-length", b"%d" % len(body))
             self.write(body)
             self.finish()

@@ -415,7 +415,7 @@ class _Exchange:
         self._host.metrics.observe_request(name, "ok")
         if self._parsed.stream:
             self._start_stream()
-            self._reply.end_stream(self._answer.closing(completion))
+            self._reply.finish(self._answer.closing(completion))
         else:
             self._reply.respond(200, self._answer.body(completion))
 

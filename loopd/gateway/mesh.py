@@ -307,7 +307,7 @@ class MeshExchange:
         self._flush()
         for event in replay(completion):
             self._reply.write(answer.during(event))
-        self._reply.end_stream(answer.closing(completion))
+        self._reply.finish(answer.closing(completion))
 
     def _completion(self, result: TurnResult) -> Completion:
         """The turn's answer as a completion: its tool call, else its text."""

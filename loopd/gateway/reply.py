@@ -106,10 +106,6 @@ class Reply:
         if data:
             self._request.write(data)
 
-    def end_stream(self, data: bytes = b"") -> None:
-        """Send the stream's last C{data} and end the response."""
-        self.finish(data)
-
     def respond(
         self, status: int, body: object, headers: Headers = (), *, with_length: bool = False
     ) -> None:
@@ -137,7 +133,7 @@ class Reply:
         if self.phase is Phase.DONE:
             return
         if self.phase is Phase.STREAMING:
-            self.end_stream(stream_error())
+            self.finish(stream_error())
         else:
             status()
 

@@ -22,7 +22,6 @@ request (C{/props} is asked once at start).
 
 from __future__ import annotations
 
-import json
 import random as _random
 from collections.abc import Callable
 from typing import Any
@@ -223,11 +222,16 @@ class Client:
         return running.addCallback(lambda completion: merge(delivered.prefix, completion))
 
     def _get(
-        self, method: str, path: str, body: object = None, answer_bytes: int | None = None
+        self,
+        method: str,
+        path: str,
+        body: object = None,
+        answer_bytes: Callable[[int], int] | None = None,
     ) -> Deferred[Any]:
         """
         One JSON request to this endpoint (L{get_json}), connecting within C{limits.poll_ms},
-        its answer at most C{answer_bytes} (default: the C{body_bytes} cap).
+        its answer at most what C{answer_bytes} gives for the size of the body sent
+        (default: the C{body_bytes} cap).
         """
         return get_json(
             self._open,
@@ -307,13 +311,14 @@ class Client:
         return answer
 
     def apply_template(
-        self, body: dict[str, Any], *, answer_bytes: int | None = None
+        self, body: dict[str, Any], *, answer_bytes: Callable[[int], int] | None = None
     ) -> Deferred[str]:
         """
         The prompt the server's chat template makes of the chat-completions C{body}
         (C{POST /apply-template}), naming C{endpoint.model} when it is set, as a router
         needs. Fails as L{get_json} does (an L{Http} for a template that raised), and with
-        L{Protocol} for an answer without a C{prompt}, or one over C{answer_bytes} (default:
+        L{Protocol} for an answer without a C{prompt}, or one over what C{answer_bytes}
+        gives for the size of the body sent (default:
         the C{body_bytes} cap).
         """
         model = {"model": self.endpoint.model} if self.endpoint.model else {}
@@ -342,8 +347,6 @@ class Client:
         router needs.
         """
         model = {"model": self.endpoint.model} if self.endpoint.model else {}
-        size = len(json.dumps(body, separators=(",", ":")))
-        prompt_bytes = max(self._caps.body_bytes, _PROMPT_GROWTH * size + 65536)
 
         def tokenize(prompt: str) -> Deferred[int]:
             """Count the tokens of the template's prompt."""
@@ -354,6 +357,10 @@ class Client:
                 caps=self._caps,
                 connect_timeout=self.config.limits.poll_ms / 1000.0,
             )
+
+        def prompt_bytes(sent: int) -> int:
+            """The most bytes the template's answer for a body of C{sent} bytes may have."""
+            return max(self._caps.body_bytes, _PROMPT_GROWTH * sent + 65536)
 
         return self.apply_template(body, answer_bytes=prompt_bytes).addCallback(tokenize)
 

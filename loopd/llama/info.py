@@ -173,17 +173,19 @@ def get_json(
     *,
     caps: http.HttpCaps,
     connect_timeout: float,
-    answer_bytes: int | None = None,
+    answer_bytes: Callable[[int], int] | None = None,
 ) -> Deferred[Any]:
     """
     One JSON request through C{open_http}: the decoded answer of a 200, L{Http} for any
     other status, L{Protocol} for a body that is not JSON, or longer than C{answer_bytes}
+    says for the size of the body sent
     (default: the C{body_bytes} cap).
     """
     payload = None if body is None else json.dumps(body, separators=(",", ":")).encode()
 
     def read(response: http.HttpResponse) -> Deferred[Any]:
-        reading = response.read_body(answer_bytes)
+        sent = 0 if payload is None else len(payload)
+        reading = response.read_body(None if answer_bytes is None else answer_bytes(sent))
         reading.addCallback(decode, response.status)
         return reading
 

@@ -125,6 +125,6 @@ class ReplyTests(SynchronousTestCase):
         reply.watch(lambda: None)
         self.assertIs(request.producer, flow)
         reply.open_stream(b"")
-        reply.end_stream(b"last")
+        reply.finish(b"last")
         self.assertIsNone(request.producer)
         self.assertEqual(request.written, [b"", b"last"])

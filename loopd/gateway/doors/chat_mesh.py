@@ -273,19 +273,22 @@ def stream_chunks(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(usage, Mapping):
         usage = usage_for(usage_text)
 
-    def chunk(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        """A chunk of this body with one choice."""
-        return {
-            "id": completion_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": MODEL,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
-        }
-
-    last = chunk({}, finish_reason)
+    last = _chunk(completion_id, created, {}, finish_reason)
     last["usage"] = dict(usage)
-    return [chunk(delta, None), last]
+    return [_chunk(completion_id, created, delta, None), last]
+
+
+def _chunk(
+    completion_id: str, created: int, delta: dict[str, Any], finish_reason: str | None
+) -> dict[str, Any]:
+    """A C{chat.completion.chunk} of a mesh answer with one choice."""
+    return {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": MODEL,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+    }
 
 
 class MeshChatAnswer:
@@ -313,15 +316,7 @@ class MeshChatAnswer:
 
     def keepalive(self) -> bytes:
         """A chunk of this answer whose first choice has an empty delta."""
-        return data_line(
-            {
-                "id": self._id,
-                "object": "chat.completion.chunk",
-                "created": self._created,
-                "model": MODEL,
-                "choices": [{"index": 0, "delta": {}, "finish_reason": None}],
-            }
-        )
+        return data_line(_chunk(self._id, self._created, {}, None))
 
     def closing(self, completion: Completion) -> bytes:
         """The two chunks of L{stream_chunks} for the answer's body, then C{[DONE]}."""
