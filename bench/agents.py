@@ -180,14 +180,15 @@ def start_case(children: Children, case: Case, args: argparse.Namespace) -> tupl
     more: dict[str, Any] = {"n_ctx": N_CTX}
     if case.slot_save:
         more["slot_save_path"] = os.path.join(children.dir, "slots")
-        os.mkdir(more["slot_save_path"])
+        os.mkdir(more["slot_save_path"], 0o700)
     port = start_server(children, model, args.threads, 1, case.cache_ram_mib, **more)
     infer = start_forwarder(children, "inferproxy", PROXY_CMD, port)
     listen = os.path.join(children.dir, "loopd.sock")
     config = os.path.join(children.dir, "loopd.toml")
     with open(config, "w", encoding="utf-8") as f:
         f.write(loopd_config(listen, infer))
-        f.write(SLOT_SAVE if case.slot_save else "")
+        if case.slot_save:
+            f.write(SLOT_SAVE + f"slot_dir = {json.dumps(more['slot_save_path'])}\n")
         f.write("\n[queue]\nserve = false\n")
         if args.grace_ms is not None:
             f.write(f"grace_ms = {args.grace_ms}\n")

@@ -173,7 +173,11 @@ class Bench:
             f"socket = {json.dumps(infer)}\n"
             "selftest = false\n"
             + ENDPOINT_LIMITS
-            + ("slot_save = true\n" if self.args.slot_save else "")
+            + (
+                f"slot_save = true\nslot_dir = {json.dumps(str(where / 'slots'))}\n"
+                if self.args.slot_save
+                else ""
+            )
         )
         loopd = spawn_twist(self.reactor, b"loopd serving", "loopd", "--config", str(config))
         await loopd.ready

@@ -222,6 +222,15 @@ _SAMPLING_RULES: Final[Mapping[str, Rule]] = {
     "frequency_penalty": number(-2, 2),
     "seed": integer(0, UINT32_MAX),
 }
+
+
+def _file_path(value: object) -> str:
+    """A file path, C{~} expanded."""
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise RuleError("a non-empty path string")
+    return os.path.expanduser(value)
+
+
 _EXPECT_RULES: Final[Mapping[str, Rule]] = {
     "chat_template_sha256": _sha256,
     "n_ctx": integer(1),
@@ -247,16 +256,11 @@ _ENDPOINT_RULES: Final[Mapping[str, Rule]] = {
     "affinity_field": _affinity_field,
     "affinity_priority": boolean,
     "slot_save": boolean,
+    "slot_dir": _file_path,
+    "slot_dir_bytes": integer(1, 2**62),
 }
 #: The keys only an openai endpoint takes: a llama-server's affinity is loopd's own slot pin.
 _OPENAI_ONLY: Final = ("affinity_header", "affinity_field", "affinity_priority")
-
-
-def _file_path(value: object) -> str:
-    """A file path, C{~} expanded."""
-    if not isinstance(value, str) or not value or "\0" in value:
-        raise RuleError("a non-empty path string")
-    return os.path.expanduser(value)
 
 
 _UNIX_LISTEN: Final = 'a Unix socket, "unix:PATH"'
@@ -387,6 +391,17 @@ def _parse_endpoint(
         problems.add(
             key_path(path, "slot_save"),
             "must be false for an openai endpoint: slot files need llama-server's /slots",
+        )
+    if kind == "llama-server" and values.get("slot_save") is True and "slot_dir" not in values:
+        problems.add(
+            key_path(path, "slot_dir"),
+            "needed with slot_save = true: the server's --slot-save-path, which loopd checks "
+            "(slot files hold prompts) and cleans",
+        )
+    if "slot_dir" in values and values.get("slot_save") is not True:
+        problems.add(
+            key_path(path, "slot_dir"),
+            "only with slot_save = true (the slot files' directory)",
         )
     expect = table.get("expect", ABSENT)
     values["expect"] = _parse_expect(expect, key_path(path, "expect"), problems)

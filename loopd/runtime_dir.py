@@ -27,6 +27,8 @@ else can); the repair is logged. A sticky directory that others may write to, su
 C{/tmp} itself, is shared on purpose and never repaired. Anything else is refused and left
 as it is.
 L{check_directory} (before connecting) creates nothing and repairs nothing.
+L{check_private_directory} is the stricter rule for a directory of files others must not
+read (llama-server's slot files): it must exist, be yours, and be closed to group and others.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = [
     "DirectoryError",
     "UnsafeDirectoryError",
     "check_directory",
+    "check_private_directory",
     "describe",
     "describe_owner",
     "prepare_directory",
@@ -50,6 +53,7 @@ _log = Logger(namespace="loopd.runtime_dir")
 
 _DIRECTORY_MODE = 0o700
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+_GROUP_OTHERS = stat.S_IRWXG | stat.S_IRWXO
 # As many symlinks as Linux follows in one path before ELOOP.
 _MAX_LINKS = 40
 
@@ -138,19 +142,19 @@ def _make(path: str) -> None:
     os.chmod(path, _DIRECTORY_MODE)
 
 
-def _check_above(directory: str, path: str, info: os.stat_result) -> None:
+def _check_above(directory: str, path: str, info: os.stat_result, what: str) -> None:
     """
     The rule for a directory above the socket's own: yours or root's, and not writable by
     others unless sticky.
     """
     if info.st_uid not in _trusted():
         raise UnsafeDirectoryError(
-            f"unsafe socket directory {directory}: {path} above it is {describe(info)}, "
+            f"unsafe {what} {directory}: {path} above it is {describe(info)}, "
             f"not owned by {_owners()}; use a directory of your own"
         )
     if info.st_mode & _OTHERS_WRITE and not info.st_mode & stat.S_ISVTX:
         raise UnsafeDirectoryError(
-            f"unsafe socket directory {directory}: {path} above it is {describe(info)}, "
+            f"unsafe {what} {directory}: {path} above it is {describe(info)}, "
             f"writable by others and not sticky; chmod go-w {path} or use another directory"
         )
 
@@ -166,7 +170,7 @@ def _foreign_entry(directory: str) -> tuple[str, os.stat_result] | None:
     return None
 
 
-def _check_own(directory: str, info: os.stat_result, repair: bool) -> None:
+def _check_own(directory: str, info: os.stat_result, repair: bool, what: str) -> None:
     """
     The rule for the socket's own directory: yours or root's and not writable by others;
     with C{repair}, a directory of yours writable by others that holds only your files is
@@ -174,7 +178,7 @@ def _check_own(directory: str, info: os.stat_result, repair: bool) -> None:
     """
     if info.st_uid not in _trusted():
         raise UnsafeDirectoryError(
-            f"unsafe socket directory {directory}: it is {describe(info)}, not owned by "
+            f"unsafe {what} {directory}: it is {describe(info)}, not owned by "
             f"{_owners()}; remove it (as its owner or root) or use another directory"
         )
     if not info.st_mode & _OTHERS_WRITE:
@@ -182,13 +186,13 @@ def _check_own(directory: str, info: os.stat_result, repair: bool) -> None:
     if info.st_mode & stat.S_ISVTX:
         # Sticky and open: shared on purpose, as /tmp is; never tightened.
         raise UnsafeDirectoryError(
-            f"unsafe socket directory {directory}: it is {describe(info)}, a shared "
+            f"unsafe {what} {directory}: it is {describe(info)}, a shared "
             "directory that anyone may create names in; put the socket in a directory of "
             "your own (mode 0700) below it"
         )
     if not repair or info.st_uid != os.geteuid():
         raise UnsafeDirectoryError(
-            f"unsafe socket directory {directory}: it is {describe(info)}, writable by "
+            f"unsafe {what} {directory}: it is {describe(info)}, writable by "
             f"others; chmod 700 {directory} (if it is yours) or use a directory of your own"
         )
     foreign = _foreign_entry(directory)
@@ -198,23 +202,27 @@ def _check_own(directory: str, info: os.stat_result, repair: bool) -> None:
     if foreign is not None:
         entry, entry_info = foreign
         raise UnsafeDirectoryError(
-            f"unsafe socket directory {directory}: it is {describe(info)}, writable by "
+            f"unsafe {what} {directory}: it is {describe(info)}, writable by "
             f"others, and holds {entry}, {describe(entry_info)}; remove what is not yours, "
             f"then chmod 700 {directory}"
         )
     _log.warn(
-        "socket directory {directory} was writable by others (mode {mode:04o}) and held "
+        "{what} {directory} was writable by others (mode {mode:04o}) and held "
         "only your files: now mode 0700",
+        what=what,
         directory=directory,
         mode=stat.S_IMODE(info.st_mode),
     )
 
 
-def _walk(directory: str, *, listening: bool) -> None:
+def _walk(directory: str, *, listening: bool, what: str = "socket directory") -> str | None:
     """
     Check C{directory} and every directory above it from C{/}, following the symlinks that
     may be followed. Listening, create what is missing (mode 0700) and repair the socket's
     own directory where that is provably safe; connecting, stop at the first missing one.
+
+    @param what: the directory's use, for the messages.
+    @return: the directory's path with its symlinks resolved; C{None} when it is missing.
     """
     # Not os.path.abspath: ".." must go up from where a symlink led, as the kernel does.
     path = directory if os.path.isabs(directory) else os.path.join(os.getcwd(), directory)
@@ -222,7 +230,7 @@ def _walk(directory: str, *, listening: bool) -> None:
     resolved = "/"
     root = _lstat("/")
     assert root is not None
-    _check_above(directory, "/", root)
+    _check_above(directory, "/", root, what)
     links = 0
     while pending:
         name = pending.pop(0)
@@ -233,7 +241,7 @@ def _walk(directory: str, *, listening: bool) -> None:
         info = _lstat(candidate)
         if info is None:
             if not listening:
-                return
+                return None
             _make(candidate)
             info = _lstat(candidate)
             assert info is not None
@@ -242,7 +250,7 @@ def _walk(directory: str, *, listening: bool) -> None:
             target = os.readlink(candidate)
             if info.st_uid not in _trusted():
                 raise UnsafeDirectoryError(
-                    f"unsafe socket directory {directory}: {candidate} is {describe(info)} "
+                    f"unsafe {what} {directory}: {candidate} is {describe(info)} "
                     f"(to {target}), not owned by {_owners()}; remove it (as its owner or "
                     "root) or use another directory"
                 )
@@ -253,16 +261,17 @@ def _walk(directory: str, *, listening: bool) -> None:
                 resolved = "/"
             continue
         if not stat.S_ISDIR(info.st_mode):
+            doing = "create directory" if listening else f"use {what}"
             raise DirectoryError(
-                f"cannot create directory {directory}: {candidate} is {describe(info)}, "
-                "not a directory"
+                f"cannot {doing} {directory}: {candidate} is {describe(info)}, not a directory"
             )
         if pending:
-            _check_above(directory, candidate, info)
+            _check_above(directory, candidate, info, what)
         resolved = candidate
     own = _lstat(resolved)
     assert own is not None
-    _check_own(directory, own, repair=listening)
+    _check_own(directory, own, repair=listening, what=what)
+    return resolved
 
 
 def prepare_directory(directory: str) -> None:
@@ -286,3 +295,33 @@ def check_directory(directory: str) -> None:
     @raise DirectoryError: a path on the way is not a directory or cannot be checked.
     """
     _walk(directory, listening=False)
+
+
+def check_private_directory(directory: str, what: str) -> None:
+    """
+    Check that C{directory} exists, passes L{check_directory}'s rules, belongs to you and
+    that neither its group nor others may enter or read it (mode 0700 or tighter): a
+    directory for files that hold what others must not read (llama-server's slot files
+    hold prompts). Nothing is created or changed.
+
+    @param what: the directory's use, for the messages (C{"slot directory"}).
+    @raise UnsafeDirectoryError: someone else controls it, or may read in it.
+    @raise DirectoryError: it does not exist, is not a directory or cannot be checked.
+    """
+    resolved = _walk(directory, listening=False, what=what)
+    if resolved is None:
+        raise DirectoryError(
+            f"{what} {directory} does not exist; create it with mkdir -m 700 {directory}"
+        )
+    info = _lstat(resolved)
+    assert info is not None
+    if info.st_uid != os.geteuid():
+        raise UnsafeDirectoryError(
+            f"unsafe {what} {directory}: it is {describe(info)}, not yours "
+            f"({describe_owner(os.geteuid())}); use a directory of your own with mode 0700"
+        )
+    if stat.S_IMODE(info.st_mode) & _GROUP_OTHERS:
+        raise UnsafeDirectoryError(
+            f"unsafe {what} {directory}: it is {describe(info)}, open to group or others, "
+            f"who could read what is in it; chmod 700 {directory}"
+        )

@@ -26,6 +26,7 @@ from twisted.python.failure import Failure
 from loopd.access_token import load_or_create_token, token_path
 from loopd.gateway.leases import GatewayLeases
 from loopd.gateway.site import Gateway
+from loopd.gateway.slot_dir import open_slot_directories
 from loopd.gateway.token_guard import TokenGuard
 from loopd.llama import Client
 from loopd.queue.eventlog import EventLog
@@ -160,6 +161,7 @@ class LoopdService(Service):
         stopped the start; L{_start_failed} handles both.
         """
         tcp, token = self._prepare_tcp()
+        open_slot_directories(self.config.endpoints)
         reports = yield require_selftests(self._reactor, self.config, self.clients)
         for report in reports:
             for line in report.lines():

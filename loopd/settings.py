@@ -178,7 +178,15 @@ class Endpoint:
     slot_save: bool = False
     """The server was started with C{--slot-save-path}: loopd saves a session's slot to a file
     there before another session takes the slot, and restores it when the session comes back
-    to a slot that does not hold it (only for C{llama-server} endpoints)."""
+    to a slot that does not hold it (only for C{llama-server} endpoints; needs C{slot_dir})."""
+    slot_dir: str | None = None
+    """The server's C{--slot-save-path} as loopd sees it (the server runs on loopd's machine, as
+    the same user). Slot files hold prompts: loopd refuses to start unless the directory is
+    the user's and neither group nor others may enter it, makes each file 0600, and deletes a
+    session's file once it is restored or the session is over. Needed with C{slot_save}."""
+    slot_dir_bytes: int = 16 * 1024**3
+    """The disk budget of loopd's slot files on this endpoint: when the files it keeps exceed
+    it, the least recently saved go first (> 0)."""
     expect: Expect = field(default_factory=Expect)
     """What the self-test checks in /props."""
     group: str | None = None

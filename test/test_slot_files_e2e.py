@@ -1,15 +1,18 @@
 """
 Slot files end to end (DESIGN §3 decision 39): a real llama.cpp server (xllamacpp) with one
 slot, no RAM prompt cache and a C{--slot-save-path}, behind C{twist inferproxy}, and
-C{twist loopd} with C{slot_save = true} on that endpoint. A session switched out of the
-slot by another finds its prompt cached when it comes back, because loopd saved it before
-the switch and restored it before its return; without C{slot_save} it finds next to nothing.
+C{twist loopd} with C{slot_save = true} (and C{slot_dir}) on that endpoint. A session
+switched out of the slot by another finds its prompt cached when it comes back, because
+loopd saved it before the switch and restored it before its return (and then deleted its
+file); without C{slot_save} it finds next to nothing.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import stat
 import tempfile
 from typing import Any
 
@@ -17,6 +20,7 @@ from twisted.internet.defer import inlineCallbacks
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import SkipTest, TestCase
 
+from loopd.gateway.slot_store import filename
 from loopd.test.support.peers import real_reactor
 from loopd.test.support.twist import TwistProcess, spawn_twist, stop_twist
 
@@ -61,7 +65,8 @@ class SlotFilesEndToEndTests(TestCase):
         config = os.path.join(self.directory, "loopd.toml")
         with open(config, "w") as f:
             f.write(loopd_toml(self.socket, infer, None, long=False))
-            f.write(f"slot_save = {'true' if slot_save else 'false'}\n")
+            if slot_save:
+                f.write(f"slot_save = true\nslot_dir = {json.dumps(self.saves)}\n")
             f.write("[queue]\ngrace_ms = 0\n")
         self.loopd: TwistProcess = spawn_twist(
             reactor, b"loopd serving", "loopd", "--config", config
@@ -104,7 +109,11 @@ class SlotFilesEndToEndTests(TestCase):
         yield self.start(slot_save=True)
         cached, prompt = yield self.switch_and_return()
         self.assertGreater(cached, prompt - 64)
-        self.assertTrue(any(name.startswith("loopd-") for name in os.listdir(self.saves)))
+        # a's file went once it was restored; b's stays for b's return, 0600 (the server
+        # wrote it with its umask).
+        (kept,) = os.listdir(self.saves)
+        self.assertEqual(kept, filename("tiny", "b"))
+        self.assertEqual(stat.S_IMODE(os.stat(os.path.join(self.saves, kept)).st_mode), 0o600)
 
     @inlineCallbacks
     def test_lost_without_slot_save(self) -> Any:

@@ -13,7 +13,11 @@ without C{slot_save} nothing is asked and nothing is kept.
 Every outcome is counted in L{SlotSwap.counts} (C{/metrics} shows them as
 C{loopd_slot_files_total}): a save C{saved} or C{failed}; a restore C{worked} (the next
 answer reused the file), C{did_nothing} (it loaded, the answer did not reuse it), C{empty}
-(the server loaded no tokens) or C{failed}.
+(the server loaded no tokens) or C{failed}; a file deleted, by why: C{restored} (loaded
+into its slot), C{failed} (its save or restore failed or did nothing), C{ended} (its
+session is over: L{SlotSwap.forget}) or C{budget} (beyond the table's bounds). The files
+are deleted in the endpoint's C{slot_dir} (L{loopd.gateway.slot_dir}) as the table
+(L{loopd.gateway.slot_store}) says, and each saved file is made 0600 first.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from loopd.gateway.slot_store import SlotPlan, SlotStore, restore_worked
+from loopd.gateway.slot_dir import SlotDirectory
+from loopd.gateway.slot_store import SlotPlan, SlotStore, filename, restore_worked
 from loopd.llama import Client
 from loopd.llama.slot_files import SlotFile
 from loopd.llama.types import Timings
@@ -58,12 +63,18 @@ class SlotSwap:
             table still knows it).
         @param threshold: the cache-loss threshold (C{cache_loss_tokens}): a restore
             worked when the next answer reused more than this.
-        @param store: the table of slots and files; a new one when not given.
+        @param store: the table of slots and files; a new one, with each endpoint's
+            C{slot_dir_bytes} as its budget, when not given.
         """
         self._clients = clients
         self._keep = keep
         self._threshold = threshold
-        self.store = store if store is not None else SlotStore()
+        saving = [c.endpoint for c in clients.values() if c.endpoint.slot_save]
+        budgets = {e.name: e.slot_dir_bytes for e in saving}
+        self.store = store if store is not None else SlotStore(budgets=budgets)
+        self._directories = {
+            e.name: SlotDirectory(e.name, e.slot_dir) for e in saving if e.slot_dir is not None
+        }
         self.counts: Counter[tuple[str, str, str]] = Counter()
 
     def enabled(self, endpoint: str) -> bool:
@@ -124,8 +135,19 @@ class SlotSwap:
                     restored=restored.tokens,
                     cached=timings.cache_n,
                 )
-                self.store.restore_failed(endpoint, slot, session)
+                self._delete(self.store.restore_failed(endpoint, slot, session), "failed")
         self.store.completed(endpoint, slot, session)
+
+    def forget(self, session: str) -> None:
+        """C{session} is over: its files are deleted on every endpoint (C{ended})."""
+        self._delete(self.store.forget(session), "ended")
+
+    def _delete(self, files: list[tuple[str, str]], why: str) -> None:
+        """Delete C{files} (endpoint, name) in their endpoints' directories; count each."""
+        for endpoint, name in files:
+            directory = self._directories.get(endpoint)
+            if directory is not None and directory.delete(name):
+                self.counts[endpoint, "delete", why] += 1
 
     def _save(self, client: Client, endpoint: str, slot: int, plan: SlotPlan) -> Deferred[None]:
         """Save the session C{plan} names; a failure is logged and passed over."""
@@ -133,13 +155,17 @@ class SlotSwap:
         session = plan.save
 
         def saved(answer: SlotFile) -> None:
-            self.store.saved(endpoint, slot, session, answer.tokens)
+            directory = self._directories.get(endpoint)
+            if directory is not None:
+                directory.protect(filename(endpoint, session))
+            over = self.store.saved(endpoint, slot, session, answer.tokens, answer.size)
             self.counts[endpoint, "save", "saved"] += 1
+            self._delete(over, "budget" if answer.tokens > 0 else "failed")
 
         def failed(reason: Failure) -> Failure | None:
             if reason.check(CancelledError):
                 return reason
-            self.store.save_failed(endpoint, session)
+            self._delete(self.store.save_failed(endpoint, session), "failed")
             self.counts[endpoint, "save", "failed"] += 1
             _log.warn(
                 "slot save failed for session {session} on {endpoint} slot {slot}: {why}",
@@ -167,7 +193,7 @@ class SlotSwap:
 
         def restored(answer: SlotFile) -> SlotFile | None:
             if answer.tokens == 0:
-                self.store.restore_failed(endpoint, slot, session)
+                self._delete(self.store.restore_failed(endpoint, slot, session), "failed")
                 self.counts[endpoint, "restore", "empty"] += 1
                 _log.warn(
                     "slot restore loaded nothing for session {session} on {endpoint} slot "
@@ -177,13 +203,13 @@ class SlotSwap:
                     slot=slot,
                 )
                 return None
-            self.store.restored(endpoint, slot, session)
+            self._delete(self.store.restored(endpoint, slot, session), "restored")
             return answer
 
         def failed(reason: Failure) -> Failure | None:
             if reason.check(CancelledError):
                 return reason
-            self.store.restore_failed(endpoint, slot, session)
+            self._delete(self.store.restore_failed(endpoint, slot, session), "failed")
             self.counts[endpoint, "restore", "failed"] += 1
             _log.warn(
                 "slot restore failed for session {session} on {endpoint} slot {slot}, "

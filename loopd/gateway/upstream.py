@@ -265,12 +265,13 @@ class Upstreams:
         C{session} is gone (an anonymous session whose connection closed): its leases, and
         those of its other conversations, go back with no grace (L{GatewayLeases.end}) and
         the session table forgets it, so its slots are nobody's home (nor is any endpoint
-        its home for C{auto}).
+        its home for C{auto}), and its slot files are deleted.
         """
         keys = {session, *self.sessions.conversations(session)}
         self.sessions.forget(session)
         for key in keys:
             self._homes.pop(key, None)
+            self.slot_swap.forget(key)
             if self.leases is not None:
                 self.leases.end(key)
 

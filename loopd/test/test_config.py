@@ -264,7 +264,10 @@ class ValidDocumentTests(SynchronousTestCase):
     def test_slot_save(self) -> None:
         """slot_save is off unless a llama-server endpoint says true; openai may say false."""
         self.assertFalse(parse_config(EP).endpoints[0].slot_save)
-        self.assertTrue(parse_config(EP + "slot_save = true").endpoints[0].slot_save)
+        endpoint = parse_config(EP + 'slot_save = true\nslot_dir = "~/slots"').endpoints[0]
+        self.assertTrue(endpoint.slot_save)
+        self.assertEqual(endpoint.slot_dir, os.path.expanduser("~/slots"))
+        self.assertEqual(endpoint.slot_dir_bytes, 16 * 1024**3)
         self.assertFalse(parse_config(OPENAI + "slot_save = false").endpoints[0].slot_save)
 
     def test_expect_partial_and_case(self) -> None:
@@ -422,6 +425,8 @@ BAD_VALUES = [
     ],
     ("endpoint.affinity_priority", '"yes"', "a boolean (true or false)"),
     ("endpoint.slot_save", '"yes"', "a boolean (true or false)"),
+    ("endpoint.slot_dir", '""', "a non-empty path string"),
+    ("endpoint.slot_dir_bytes", "0", "an integer from 1 to 4611686018427387904"),
     ("endpoint.expect.n_ctx", '"8192"', "a positive integer"),
     ("endpoint.expect.total_slots", "0", "a positive integer"),
     (
@@ -463,6 +468,15 @@ OTHER_PROBLEMS = [
         EP + 'group = "b"\n' + EP.replace("local", "b"),
         'endpoint[0].group: group "b" is the name of an endpoint (endpoint[1]): '
         "a model name must say which it means",
+    ),
+    (
+        EP + "slot_save = true",
+        "endpoint[0].slot_dir: needed with slot_save = true: the server's --slot-save-path, "
+        "which loopd checks (slot files hold prompts) and cleans",
+    ),
+    (
+        EP + 'slot_dir = "/tmp/slots"',
+        "endpoint[0].slot_dir: only with slot_save = true (the slot files' directory)",
     ),
     (
         OPENAI + "slot_save = true",

@@ -70,9 +70,15 @@ class PlanTests(SynchronousTestCase):
         store.completed("e", 0, "a")
         store.saved("e", 0, "a", 100)
         self.assertEqual(store.plan("e", 0, "b", keep_all).save, None)
-        store.restored("e", 1, "a")
-        self.assertEqual(store.plan("e", 1, "b", keep_all).save, None)
-        store.completed("e", 1, "a")
+        store.completed("e", 0, "a")
+        self.assertEqual(store.plan("e", 0, "b", keep_all).save, "a")
+
+    def test_restored_resident_saved_again(self) -> None:
+        """A restored file is deleted at once, so the slot's conversation is saved anew."""
+        store = SlotStore()
+        store.saved("e", 0, "a", 100)
+        self.assertEqual(store.restored("e", 1, "a"), [("e", filename("e", "a"))])
+        self.assertFalse(store.has_file("e", "a"))
         self.assertEqual(store.plan("e", 1, "b", keep_all).save, "a")
 
     def test_gone_resident_not_saved(self) -> None:
@@ -126,7 +132,94 @@ class OutcomeTests(SynchronousTestCase):
     def test_bounded(self) -> None:
         """Past max_files, the least recently saved session loses its file first."""
         store = SlotStore(max_files=2)
-        for session in ("a", "b", "a", "c"):
-            store.saved("e", 0, session, 10)
+        deleted = [store.saved("e", 0, session, 10) for session in ("a", "b", "a", "c")]
         self.assertEqual([store.has_file("e", s) for s in "abc"], [True, False, True])
+        self.assertEqual(deleted, [[], [], [], [("e", filename("e", "b"))]])
         self.assertRaises(ValueError, SlotStore, 0)
+
+
+class DeletionTests(SynchronousTestCase):
+    """Which files the table says to delete, and the byte budget."""
+
+    def test_failures_delete(self) -> None:
+        """A failed save or restore, or an empty save: that file goes."""
+        store = SlotStore()
+        self.assertEqual(store.saved("e", 0, "a", 0, 0), [("e", filename("e", "a"))])
+        store.saved("e", 0, "a", 10, 100)
+        self.assertEqual(store.save_failed("e", "a"), [("e", filename("e", "a"))])
+        store.saved("e", 0, "a", 10, 100)
+        self.assertEqual(store.restore_failed("e", 0, "a"), [("e", filename("e", "a"))])
+        self.assertEqual(store.kept_bytes("e"), 0)
+
+    def test_forget(self) -> None:
+        """A session that is over: its files on every endpoint go, and its slot is not saved."""
+        store = SlotStore()
+        store.saved("e", 0, "a", 10, 100)
+        store.saved("f", 0, "a", 10, 100)
+        store.saved("e", 1, "b", 10, 100)
+        store.completed("e", 0, "a")
+        forgotten = store.forget("a")
+        self.assertEqual(sorted(forgotten), [("e", filename("e", "a")), ("f", filename("f", "a"))])
+        self.assertEqual((store.kept_files("e"), store.kept_bytes("e")), (1, 100))
+        self.assertEqual(store.plan("e", 0, "c", keep_all), SlotPlan())
+        self.assertEqual(store.forget("a"), [])
+
+    def test_budget_per_endpoint(self) -> None:
+        """An endpoint's files beyond its budget go, oldest first; another's are untouched."""
+        store = SlotStore(budgets={"e": 250})
+        store.saved("f", 0, "x", 10, 1000)
+        store.saved("e", 0, "a", 10, 100)
+        store.saved("e", 0, "b", 10, 100)
+        self.assertEqual(store.saved("e", 0, "c", 10, 100), [("e", filename("e", "a"))])
+        self.assertEqual(store.saved("e", 0, "b", 10, 200), [("e", filename("e", "c"))])
+        self.assertEqual((store.kept_files("e"), store.kept_bytes("e")), (1, 200))
+        self.assertTrue(store.has_file("f", "x"))
+
+    def test_over_the_budget_alone(self) -> None:
+        """A file larger than the budget is not kept, and its slot is not saved again."""
+        store = SlotStore(budgets={"e": 50})
+        store.completed("e", 0, "a")
+        self.assertEqual(store.saved("e", 0, "a", 10, 100), [("e", filename("e", "a"))])
+        self.assertEqual(store.kept_bytes("e"), 0)
+        self.assertEqual(store.plan("e", 0, "b", keep_all), SlotPlan())
+
+    @given(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["saved", "restored", "restore_failed", "forget"]),
+                st.sampled_from(["e", "f"]),
+                st.sampled_from("abcd"),
+                st.integers(0, 400),
+            )
+        )
+    )
+    def test_disk_follows_the_table(self, steps: list[tuple[str, str, str, int]]) -> None:
+        """
+        Deleting what the table says leaves on disk exactly the files it holds, within
+        each endpoint's budget and the count bound, whatever the order of events.
+        """
+        store = SlotStore(max_files=3, budgets={"e": 500, "f": 300})
+        disk: dict[tuple[str, str], int] = {}
+        for action, endpoint, session, size in steps:
+            name = filename(endpoint, session)
+            if action == "saved":
+                disk[(endpoint, name)] = size  # the server writes the file
+                deleted = store.saved(endpoint, 0, session, 1 if size else 0, size)
+            elif action == "restored":
+                deleted = store.restored(endpoint, 0, session)
+            elif action == "restore_failed":
+                deleted = store.restore_failed(endpoint, 0, session)
+            else:
+                deleted = store.forget(session)
+            for gone in deleted:
+                disk.pop(gone, None)
+            for each in ("e", "f"):
+                kept = {n for (e, n) in disk if e == each}
+                held = {filename(each, s) for s in "abcd" if store.has_file(each, s)}
+                self.assertEqual(kept, held)
+                self.assertEqual(
+                    sum(v for (e, _), v in disk.items() if e == each), store.kept_bytes(each)
+                )
+            self.assertLessEqual(store.kept_bytes("e"), 500)
+            self.assertLessEqual(store.kept_bytes("f"), 300)
+            self.assertLessEqual(len(disk), 3)

@@ -2,14 +2,18 @@
 Tests for L{loopd.gateway.slot_swap} in the leased call: on a C{slot_save} endpoint, the
 session a slot holds is saved before another takes it, a returning session's file is
 restored before its request, and a restore that fails or does nothing falls back to a plain
-request; against the fake llama-server's slot files (L{SlotFiles}) in memory. Each outcome
-is counted in C{/metrics} as C{loopd_slot_files_total}.
+request; the files on disk are 0600 and deleted once of no use (restored, failed, the
+session over, beyond the budget). Against the fake llama-server's slot files (L{SlotFiles})
+written in a temporary directory. Each outcome is counted in C{/metrics} as
+C{loopd_slot_files_total}.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import stat
 from typing import Any
 
 from twisted.internet.defer import CancelledError, Deferred
@@ -39,13 +43,22 @@ class SwapCase(SynchronousTestCase):
     """One slot_save endpoint, C{tiny}, with one slot; calls made without leases."""
 
     slot_save = True
+    #: The endpoint's slot_dir_bytes.
+    budget = 16 * 1024**3
 
     def setUp(self) -> None:
         config = make_config(slots=1)
-        endpoint = dataclasses.replace(config.endpoints[0], slot_save=self.slot_save)
+        self.directory = self.mktemp()
+        os.makedirs(self.directory, 0o700)
+        endpoint = dataclasses.replace(
+            config.endpoints[0],
+            slot_save=self.slot_save,
+            slot_dir=self.directory if self.slot_save else None,
+            slot_dir_bytes=self.budget,
+        )
         self.harness = GatewayHarness(dataclasses.replace(config, endpoints=(endpoint,)))
         self.fake = self.harness.fake
-        self.files = SlotFiles(self.fake, 1)
+        self.files = SlotFiles(self.fake, 1, directory=self.directory)
         self.upstreams = self.harness.gateway.upstreams
 
     def call(self, session: str, timings: dict[str, Any] = HIT) -> Deferred[Completion]:
@@ -53,6 +66,9 @@ class SwapCase(SynchronousTestCase):
         self.fake.script("POST", CHAT, answer({"content": session}, timings=timings))
         d = self.upstreams.call("tiny", REQUEST, CallKeys(session))
         self.harness.advance(0.5)
+        if not d.called:
+            # Past the inferproxy's burst, connections are paced (2 a second).
+            self.harness.advance(1.0)
         # The slot now holds this session's conversation, as a real server's would.
         self.files.tokens[0] = 910
         return d
@@ -70,6 +86,13 @@ class SwapCase(SynchronousTestCase):
                 self.assertEqual(named["endpoint"], "tiny")
                 found[named["action"], named["outcome"]] = value
         return found
+
+    def on_disk(self) -> dict[str, int]:
+        """The files in the slot directory, by name: their mode bits."""
+        return {
+            name: stat.S_IMODE(os.stat(os.path.join(self.directory, name)).st_mode)
+            for name in os.listdir(self.directory)
+        }
 
     def sent(self) -> list[str]:
         """What reached the fake, in order: C{chat} or the slot action."""
@@ -97,9 +120,13 @@ class SwapTests(SwapCase):
             self.turn(session)
         self.assertEqual(self.sent(), ["chat", "save", "chat", "save", "restore", "chat"])
         self.assertEqual(self.files.actions[-1], ("restore", 0, file_of("a")))
-        self.assertTrue(self.upstreams.slot_swap.store.has_file("tiny", "a"))
+        self.assertFalse(self.upstreams.slot_swap.store.has_file("tiny", "a"))
         self.assertEqual(self.upstreams.slot_swap.store.resident("tiny", 0), "a")
-        self.assertEqual(self.counted(), {("save", "saved"): 2.0, ("restore", "worked"): 1.0})
+        expected = {("save", "saved"): 2.0, ("restore", "worked"): 1.0}
+        self.assertEqual(self.counted(), {**expected, ("delete", "restored"): 1.0})
+        # a's file went once it was in the slot; b's stays, for b's return, readable by
+        # its owner only.
+        self.assertEqual(self.on_disk(), {file_of("b"): 0o600})
 
     def test_own_slot_nothing_asked(self) -> None:
         """A session whose slot still holds it: no slot action at all."""
@@ -107,10 +134,11 @@ class SwapTests(SwapCase):
         self.turn("a")
         self.assertEqual(self.sent(), ["chat", "chat"])
 
-    def test_restored_not_saved_again_unchanged(self) -> None:
+    def test_restored_saved_again(self) -> None:
         """
-        A restored conversation that has not run since is not saved again: b's request after
-        a's failed one does not save a.
+        A restored conversation is saved again when another session comes, even when it has
+        not run since (its file was deleted at the restore): b's request after a's failed
+        one saves a, and a comes back from that file.
         """
         for session in ("a", "b"):
             self.turn(session)
@@ -119,8 +147,10 @@ class SwapTests(SwapCase):
         self.harness.advance(0.5)
         self.failureResultOf(failing)
         self.turn("b")
-        expected = ["chat", "save", "chat", "save", "restore", "chat", "restore", "chat"]
-        self.assertEqual(self.sent(), expected)
+        self.turn("a")
+        expected = ["chat", "save", "chat", "save", "restore", "chat", "save", "restore", "chat"]
+        self.assertEqual(self.sent(), [*expected, "save", "restore", "chat"])
+        self.assertEqual(self.counted()[("restore", "worked")], 2.0)
 
     def test_closed_anonymous_session_not_saved(self) -> None:
         """A session that ended (its connection closed) is not saved when another comes."""
@@ -146,7 +176,9 @@ class FallbackTests(SwapCase):
         self.assertTrue(any("slot restore failed for session a on tiny slot 0" in t for t in text))
         self.assertTrue(any("Unable to restore slot" in t for t in text))
         self.assertFalse(self.upstreams.slot_swap.store.has_file("tiny", "a"))
-        self.assertEqual(self.counted(), {("save", "saved"): 2.0, ("restore", "failed"): 1.0})
+        expected = {("save", "saved"): 2.0, ("restore", "failed"): 1.0}
+        # What the server still had on disk of a's file is deleted.
+        self.assertEqual(self.counted(), {**expected, ("delete", "failed"): 1.0})
 
     def test_restore_that_did_nothing(self) -> None:
         """
@@ -160,7 +192,8 @@ class FallbackTests(SwapCase):
         text = [formatEvent(e) for e in events]
         self.assertTrue(any("slot restore did nothing for session a" in t for t in text))
         self.assertFalse(self.upstreams.slot_swap.store.has_file("tiny", "a"))
-        self.assertEqual(self.counted(), {("save", "saved"): 2.0, ("restore", "did_nothing"): 1.0})
+        expected = {("save", "saved"): 2.0, ("restore", "did_nothing"): 1.0}
+        self.assertEqual(self.counted(), {**expected, ("delete", "restored"): 1.0})
 
     def test_restore_of_nothing(self) -> None:
         """A restore that loaded 0 tokens counts as failed at once."""
@@ -169,7 +202,8 @@ class FallbackTests(SwapCase):
         self.files.files[file_of("a")] = 0
         self.turn("a")
         self.assertFalse(self.upstreams.slot_swap.store.has_file("tiny", "a"))
-        self.assertEqual(self.counted(), {("save", "saved"): 2.0, ("restore", "empty"): 1.0})
+        expected = {("save", "saved"): 2.0, ("restore", "empty"): 1.0}
+        self.assertEqual(self.counted(), {**expected, ("delete", "failed"): 1.0})
 
     def test_failed_save_request_goes_on(self) -> None:
         """A save the server refuses (no --slot-save-path after all): b's request still runs."""
@@ -210,6 +244,70 @@ class FallbackTests(SwapCase):
         self.assertEqual(self.sent(), ["chat", "save"])
         self.assertTrue(self.fake.connections[-1].client_closed)
         self.assertFalse(self.upstreams.clients["tiny"].gate.in_flight(0))
+
+
+#: The bytes of one session's file in these tests (910 tokens).
+ONE_FILE = 910 * SlotFiles.BYTES_PER_TOKEN
+
+
+class DeleteTests(SwapCase):
+    """The files on disk: private, and deleted once of no use."""
+
+    #: Room for three sessions' files.
+    budget = 3 * ONE_FILE
+
+    def test_saved_file_is_private(self) -> None:
+        """The server writes a file 0644 (its umask); loopd makes it 0600 at once."""
+        self.turn("a")
+        self.turn("b")
+        self.assertEqual(self.on_disk(), {file_of("a"): 0o600})
+
+    def test_session_over_deletes_its_file(self) -> None:
+        """An anonymous session whose connection closed: its file is deleted."""
+        self.turn("anonymous:1")
+        self.turn("b")
+        self.assertEqual(list(self.on_disk()), [file_of("anonymous:1")])
+        self.upstreams.end_session("anonymous:1")
+        self.assertEqual(self.on_disk(), {})
+        self.assertEqual(self.counted()[("delete", "ended")], 1.0)
+
+    def test_failed_restore_deletes_the_file(self) -> None:
+        """A restore after which the answer reused nothing: the file is deleted too."""
+        for session in ("a", "b"):
+            self.turn(session)
+        self.turn("a", MISS)
+        self.assertNotIn(file_of("a"), self.on_disk())
+
+    def test_budget_keeps_the_newest(self) -> None:
+        """
+        Sixty sessions taking turns on one slot (the probe's case: 58 files left, never
+        deleted): the files on disk stay within the budget, the least recently saved
+        deleted first.
+        """
+        sessions = [f"s{n}" for n in range(60)]
+        for session in sessions:
+            self.turn(session)
+        kept = self.on_disk()
+        self.assertEqual(sorted(kept), sorted(file_of(s) for s in sessions[-4:-1]))
+        self.assertLessEqual(
+            sum(os.path.getsize(os.path.join(self.directory, n)) for n in kept), self.budget
+        )
+        self.assertEqual(self.upstreams.slot_swap.store.kept_bytes("tiny"), self.budget)
+        self.assertEqual(self.counted()[("delete", "budget")], 56.0)
+        # The newest come back from their files; the oldest start afresh, asking nothing.
+        self.harness.advance(10.0)  # the inferproxy's pacing refills its burst
+        self.turn("s58")
+        self.assertEqual(self.sent()[-3:], ["save", "restore", "chat"])
+        self.turn("s0")
+        self.assertEqual(self.sent()[-2:], ["save", "chat"])
+
+    def test_a_file_over_the_budget_alone(self) -> None:
+        """A session larger than the whole budget is saved, then its file deleted at once."""
+        self.turn("a")
+        self.files.tokens[0] = 4 * 910
+        self.turn("b")
+        self.assertEqual(self.on_disk(), {})
+        self.assertEqual(self.counted()[("delete", "budget")], 1.0)
 
 
 class DisabledTests(SwapCase):

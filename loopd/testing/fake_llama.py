@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -508,19 +509,31 @@ class SlotFiles:
     an action other than save and restore, a file name with a path in it, and a restore of a
     file never saved are 400 C{invalid_request_error}.
 
+    With a C{directory} (the server's C{--slot-save-path}) a save also writes the file
+    there, C{n_written} bytes with the process's umask as llama-server does, and a restore
+    of a file no longer there fails as llama-server's does; so a test sees what loopd
+    leaves on disk.
+
     @ivar tokens: how many tokens each slot holds now (tests set it, as a chat would).
     @ivar files: how many tokens each saved file holds, by name.
     @ivar actions: every action that arrived, in order: C{(action, slot, filename)}
         (C{filename} is C{None} when the body named none).
     """
 
-    def __init__(self, fake: FakeLlama, n_slots: int, *, enabled: bool = True) -> None:
+    #: The bytes a saved token takes in a file (llama-server's depend on the model).
+    BYTES_PER_TOKEN = 512
+
+    def __init__(
+        self, fake: FakeLlama, n_slots: int, *, enabled: bool = True, directory: str | None = None
+    ) -> None:
         """
         Answer C{POST /slots/0} to C{/slots/<n_slots - 1>} on C{fake}.
 
         @param enabled: whether the server was started with C{--slot-save-path}.
+        @param directory: where the files are written; C{None}: in memory only.
         """
         self.enabled = enabled
+        self.directory = directory
         self.tokens: dict[int, int] = dict.fromkeys(range(n_slots), 0)
         self.files: dict[str, int] = {}
         self.actions: list[tuple[str, int, str | None]] = []
@@ -541,14 +554,21 @@ class SlotFiles:
             return error_reply(400, "invalid_request_error", "Invalid action")
         if not isinstance(filename, str) or not filename or "/" in filename or ".." in filename:
             return error_reply(400, "invalid_request_error", "Invalid filename")
+        size = self.tokens[slot] * self.BYTES_PER_TOKEN
         if action == "save":
             self.files[filename] = self.tokens[slot]
+            if self.directory is not None:
+                with open(os.path.join(self.directory, filename), "wb") as file:
+                    file.write(bytes(size))
             saved = {"id_slot": slot, "filename": filename, "n_saved": self.tokens[slot]}
-            saved.update(n_written=self.tokens[slot] * 512, timings={"save_ms": 1.5})
+            saved.update(n_written=size, timings={"save_ms": 1.5})
             return json_reply(200, saved)
-        if filename not in self.files:
+        on_disk = self.directory is None or os.path.exists(os.path.join(self.directory, filename))
+        if filename not in self.files or not on_disk:
             return error_reply(400, "invalid_request_error", _RESTORE_FAILED)
         self.tokens[slot] = self.files[filename]
         restored = {"id_slot": slot, "filename": filename, "n_restored": self.tokens[slot]}
-        restored.update(n_read=self.tokens[slot] * 512, timings={"restore_ms": 2.5})
+        restored.update(
+            n_read=self.tokens[slot] * self.BYTES_PER_TOKEN, timings={"restore_ms": 2.5}
+        )
         return json_reply(200, restored)

@@ -5,6 +5,7 @@ back into a decoded document or TOML text, and hypothesis strategies for valid c
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
@@ -179,7 +180,16 @@ def endpoints_of(kind: str, selftest: st.SearchStrategy[bool]) -> st.SearchStrat
         affinity_field=st.sampled_from([None, "user"] if openai else [None]),
         affinity_priority=st.booleans() if openai else st.just(False),
         slot_save=st.booleans() if kind == "llama-server" else st.just(False),
-    )
+        slot_dir_bytes=st.integers(1, 2**62),
+    ).flatmap(_with_slot_dir)
+
+
+def _with_slot_dir(endpoint: Endpoint) -> st.SearchStrategy[Endpoint]:
+    """An endpoint that saves slots names their directory; one that does not, none."""
+    if not endpoint.slot_save:
+        return st.just(endpoint)
+    directories = st.text("abcz09._-/", min_size=1, max_size=30).map(lambda tail: "/tmp/" + tail)
+    return directories.map(lambda path: dataclasses.replace(endpoint, slot_dir=path))
 
 
 endpoints = endpoints_of("llama-server", st.booleans()) | endpoints_of("openai", st.just(False))
