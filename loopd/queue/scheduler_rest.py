@@ -50,7 +50,7 @@ class RestingQueues:
     Queue key -> the switches of the forgotten queue of that key, least recently rested first.
 
     C{switches} is the sum of the resting switches, so the scheduler's accounting reads it
-    without a scan.
+    without a scan, and C{key_chars} the characters their keys hold between them.
     """
 
     def __init__(
