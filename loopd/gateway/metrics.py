@@ -302,9 +302,12 @@ class SchedulerCollector(Collector):
 
     The per-queue series (C{loopd_lease_switches}, C{loopd_lease_holders},
     C{loopd_lease_waiters}) cover the queues that exist now: a queue the config does not name
-    is forgotten once idle, and its series go with it; its switches are then counted in
-    C{loopd_lease_forgotten_switches}, so the per-queue switches and that total add up to
-    every switch.
+    is forgotten once idle, and its series go with it while its switches rest
+    (C{loopd_lease_resting_switches}, a gauge); used again, its series come back with the
+    count it had, never a lower one. Switches whose queue is gone for good (pushed out of the
+    bounded resting table, or merged into a group by a reload) are counted in
+    C{loopd_lease_forgotten_switches}, a counter that never falls. The per-queue switches, the
+    resting ones and the forgotten ones add up to every switch.
     """
 
     def __init__(self, scheduler: Scheduler) -> None:
@@ -315,7 +318,7 @@ class SchedulerCollector(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         """
-        Yield the scheduler's totals and its per-queue gauges.
+        Yield the scheduler's totals, the resting queues' gauges and the per-queue series.
         """
         counters = self._scheduler.counters()
         status = self._scheduler.status()
@@ -337,17 +340,28 @@ class SchedulerCollector(Collector):
             ),
             (
                 "loopd_lease_forgotten_queues",
-                "Queues gone: unnamed ones dropped once idle, or merged away by a reload.",
+                "Queues whose counters are gone for good: pushed out of the resting table,"
+                " dropped with no switch to keep, or merged away by a reload.",
                 counters.forgotten_queues,
             ),
             (
                 "loopd_lease_forgotten_switches",
-                "Session switches of the queues that are gone (no per-queue series left).",
+                "Session switches of the queues whose counters are gone for good.",
                 counters.forgotten_switches,
             ),
         )
         for name, documentation, value in totals:
             yield CounterMetricFamily(name, documentation, value=value)
+        yield GaugeMetricFamily(
+            "loopd_lease_resting_queues",
+            "Idle unnamed queues whose counters rest until their key is used again.",
+            value=counters.resting_queues,
+        )
+        yield GaugeMetricFamily(
+            "loopd_lease_resting_switches",
+            "Session switches of the resting queues (their per-queue series return with them).",
+            value=counters.resting_switches,
+        )
         switches = CounterMetricFamily(
             "loopd_lease_switches",
             "Session switches: grants of a queued waiter, each a KV-cache re-prefill.",

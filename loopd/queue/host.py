@@ -8,7 +8,8 @@ its own way of learning that the config file changed.
 
 Which queues are named (L{QueueHost.names}) is decided here: those stay when idle, and every
 other queue a client's key created is forgotten once it has no holder and no waiter, so keys
-invented by clients cost nothing for long.
+invented by clients cost nothing for long (only their switch counts rest, in the scheduler's
+bounded table, L{loopd.queue.scheduler_rest}).
 """
 
 from __future__ import annotations

@@ -11,8 +11,10 @@ The protocol layer calls the public methods and runs L{Scheduler.sweep} on its o
 Rules (the seed's, with DESIGN §3 decisions 10 and 20-23):
  - a queue is created on first use; an unknown key gets the defaults;
  - with a C{keep} rule, a queue it does not keep (one the config does not name) is forgotten
-   as soon as it has no holder and no waiter, its switches folded into a total, so keys a
-   client invents cost nothing once they are idle;
+   as soon as it has no holder and no waiter, so keys a client invents cost nothing once
+   they are idle; its switches rest in a bounded table (L{loopd.queue.scheduler_rest}), and
+   a queue created again under its key resumes from them, so no client sees its count fall
+   while the key rests there;
  - a grant is a lease whose terms (TTL, idle-yield window) are fixed at grant, except that
    the TTL term only ever grows to the queue's current TTL;
  - waiters are granted by tier (parent over child, FIFO inside a tier); the longest-waiting
@@ -44,6 +46,7 @@ from loopd.queue.scheduler_queue import (
     next_waiter,
     status_entries,
 )
+from loopd.queue.scheduler_rest import Gone, RestingQueues
 from loopd.queue.scheduler_types import (
     Clock,
     Grant,
@@ -101,6 +104,7 @@ class Scheduler:
         self._seq = 0
         self._grants = self._releases = self._evictions = self._switches = 0
         self._forgotten_queues = self._forgotten_switches = 0
+        self._resting = RestingQueues()
         self._conns = ConnIndex()
         self._lapses = LapseHeap(self._holds)
         self._waiting_watcher: Callable[[str], None] | None = None
@@ -295,7 +299,8 @@ class Scheduler:
         it drains. A lengthened TTL applies to held leases at once, a shortened one at the
         next grant. A session met twice in one merged queue keeps its earlier lease (the
         other is released) or its earlier place; a waiter that meets its own lease is granted.
-        A queue merged away, or left empty and no longer kept, is forgotten.
+        A queue merged away, live or resting, is forgotten for good; one left empty and no
+        longer kept rests.
         """
         now = self._now()
         self._evict_lapsed(now)
@@ -309,6 +314,8 @@ class Scheduler:
             if route.queue_key == key:
                 queue.policy = route.settings
                 self._queues[key] = queue
+        # a resting queue whose key now leads to a group is merged away like a live one
+        self._gone(self._resting.drop_where(lambda key: router(key).queue_key != key))
         for lease in leases:
             queue = self._rehome(router(lease.asked_key), old)
             if lease.session_key in queue.holders:
@@ -369,7 +376,7 @@ class Scheduler:
         """
         queue = self._queues.get(route.queue_key)
         if queue is None:
-            queue = old.get(route.queue_key) or QueueState(route.queue_key, route.settings)
+            queue = old.get(route.queue_key) or self._new_queue(route)
             queue.policy = route.settings
             self._queues[route.queue_key] = queue
         return queue
@@ -395,8 +402,8 @@ class Scheduler:
 
     def counters(self) -> SchedulerCounters:
         """
-        Return the grant, release, eviction and switch totals, and those of the forgotten
-        queues (for C{/metrics}).
+        Return the grant, release, eviction and switch totals, those of the queues gone
+        for good and those of the resting queues (for C{/metrics}).
         """
         return SchedulerCounters(
             self._grants,
@@ -405,6 +412,8 @@ class Scheduler:
             self._switches,
             self._forgotten_queues,
             self._forgotten_switches,
+            len(self._resting),
+            self._resting.switches,
         )
 
     # -- internals ---------------------------------------------------------------------
@@ -421,26 +430,40 @@ class Scheduler:
         """
         queue = self._queues.get(route.queue_key)
         if queue is None:
-            queue = QueueState(route.queue_key, route.settings)
+            queue = self._new_queue(route)
             self._queues[route.queue_key] = queue
         return queue
 
+    def _new_queue(self, route: Route) -> QueueState:
+        """
+        Return a new queue for C{route}, resuming the switches of the queue that rests under
+        its key, if one does.
+        """
+        switches = self._resting.wake(route.queue_key)
+        return QueueState(route.queue_key, route.settings, switches=switches)
+
     def _settle(self, queue: QueueState) -> None:
         """
-        Forget C{queue} if it is empty and the keep rule does not keep it.
+        Forget C{queue} if it is empty and the keep rule does not keep it: its counters rest.
         """
         if queue.holders or queue.waiting or self._keep is None or self._keep(queue.key):
             return
         if self._queues.get(queue.key) is queue:
             del self._queues[queue.key]
-            self._fold(queue)
+            self._gone(self._resting.rest(queue.key, queue.switches))
 
     def _fold(self, queue: QueueState) -> None:
         """
-        Count a queue that is gone, and its switches, in the forgotten totals.
+        Count a queue merged away by a reload, and its switches, as gone for good.
         """
-        self._forgotten_queues += 1
-        self._forgotten_switches += queue.switches
+        self._gone(Gone(1, queue.switches))
+
+    def _gone(self, gone: Gone) -> None:
+        """
+        Add queues whose counters are gone for good to the forgotten totals.
+        """
+        self._forgotten_queues += gone.queues
+        self._forgotten_switches += gone.switches
 
     def _holds(self, lease: Lease) -> bool:
         """

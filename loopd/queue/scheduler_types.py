@@ -53,9 +53,20 @@ class SchedulerCounters:
     """
     Totals since the scheduler started: C{grants - releases - evictions} is the holder count.
 
-    C{forgotten_queues} counts the queues that are gone (an unnamed queue dropped once empty,
-    or a queue a reload merged away) and C{forgotten_switches} their switches, so that the
-    live queues' C{switches} plus C{forgotten_switches} is always C{switches}.
+    A queue the config does not name is dropped once it has no holder and no waiter; its
+    counters then rest (L{loopd.queue.scheduler_rest}), and a queue created again under its
+    key resumes from them. C{resting_queues} and C{resting_switches} are the queues resting
+    now and their switches: gauges, which fall when a queue resumes or leaves the table.
+    C{forgotten_queues} counts the queues whose counters are gone for good, and
+    C{forgotten_switches} their switches: a dropped queue with no switch (nothing to keep),
+    one pushed out of the resting table (or whose key alone is over its character budget),
+    and a queue, live or resting, that a reload merged into another. Both only ever grow,
+    since counters that are gone for good never come back. So at every moment::
+
+        sum of the live queues' switches + resting_switches + forgotten_switches == switches
+
+    and a live queue's C{switches} never falls while its key rests between uses, only when
+    its counters were gone for good before the key came back.
     """
 
     grants: int
@@ -64,6 +75,8 @@ class SchedulerCounters:
     switches: int
     forgotten_queues: int = 0
     forgotten_switches: int = 0
+    resting_queues: int = 0
+    resting_switches: int = 0
 
 
 @dataclass(frozen=True)

@@ -1328,6 +1328,8 @@ class MetricsTests(LeaseTestCase):
                 "loopd_lease_evictions_total": 0.0,
                 "loopd_lease_forgotten_queues_total": 0.0,
                 "loopd_lease_forgotten_switches_total": 0.0,
+                "loopd_lease_resting_queues": 0.0,
+                "loopd_lease_resting_switches": 0.0,
             },
         )
         self.script(answer({"content": "first"}), answer({"content": "second"}))

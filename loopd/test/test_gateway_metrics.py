@@ -231,7 +231,9 @@ class IsolationTests(SynchronousTestCase):
 
 
 class SchedulerCollectorTests(SynchronousTestCase):
-    """The lease scheduler's families: totals, per-queue series, and forgotten queues."""
+    """
+    The lease scheduler's families: totals, per-queue series, resting and forgotten queues.
+    """
 
     def setUp(self) -> None:
         self.router = StaticRouter(defaults=QueuePolicy(), queues={"named": QueuePolicy()})
@@ -239,8 +241,23 @@ class SchedulerCollectorTests(SynchronousTestCase):
         self.metrics = GatewayMetrics()
         self.metrics.watch_scheduler(self.scheduler)
 
-    def test_forgotten_queue_series_vanish(self) -> None:
-        """An unnamed queue's series go with it; its switches stay in the forgotten total."""
+    def totals(self) -> dict[str, float]:
+        """The value of each unlabelled lease family of one scrape."""
+        families = scrape(self.metrics)
+        names = (
+            "loopd_lease_grants",
+            "loopd_lease_forgotten_queues",
+            "loopd_lease_forgotten_switches",
+            "loopd_lease_resting_queues",
+            "loopd_lease_resting_switches",
+        )
+        return {name: sum(families[name].values()) for name in names}
+
+    def test_resting_queue_series_vanish_and_return(self) -> None:
+        """
+        An unnamed queue's series go with it while its switches rest (a gauge; the forgotten
+        counters do not count them), and come back with the old count when it is used again.
+        """
         for key in ("k1", "named"):
             self.scheduler.acquire("c1", key, "s1")
             self.scheduler.acquire("c2", key, "s2")
@@ -258,15 +275,45 @@ class SchedulerCollectorTests(SynchronousTestCase):
         for name in ("loopd_lease_switches", "loopd_lease_holders", "loopd_lease_waiters"):
             self.assertEqual({dict(key[1])["queue"] for key in families[name]}, {"named"}, name)
         self.assertEqual(
-            families["loopd_lease_forgotten_switches"],
-            {("loopd_lease_forgotten_switches_total", labels()): 1.0},
+            families["loopd_lease_resting_switches"],
+            {("loopd_lease_resting_switches", labels()): 1.0},
         )
         self.assertEqual(
-            families["loopd_lease_forgotten_queues"],
-            {("loopd_lease_forgotten_queues_total", labels()): 1.0},
+            self.totals(),
+            {
+                "loopd_lease_grants": 4.0,
+                "loopd_lease_forgotten_queues": 0.0,
+                "loopd_lease_forgotten_switches": 0.0,
+                "loopd_lease_resting_queues": 1.0,
+                "loopd_lease_resting_switches": 1.0,
+            },
         )
+        self.scheduler.acquire("c1", "k1", "s3")
+        families = scrape(self.metrics)
         self.assertEqual(
-            families["loopd_lease_grants"], {("loopd_lease_grants_total", labels()): 4.0}
+            families["loopd_lease_switches"][("loopd_lease_switches_total", labels(queue="k1"))],
+            1.0,
+        )
+        self.assertEqual(self.totals()["loopd_lease_resting_switches"], 0.0)
+
+    def test_merge_counts_forgotten(self) -> None:
+        """
+        A resting queue that a reload merges into a group is gone for good: its switches
+        move from the resting gauge to the forgotten counter, which only grows.
+        """
+        self.scheduler.acquire("c1", "k1", "s1")
+        self.scheduler.acquire("c2", "k1", "s2")
+        self.scheduler.release("k1", "s1")
+        self.scheduler.release("k1", "s2")
+        self.scheduler.reload(StaticRouter(defaults=QueuePolicy(), groups={"gpu": ("k1",)}))
+        totals = self.totals()
+        self.assertEqual(
+            (
+                totals["loopd_lease_resting_switches"],
+                totals["loopd_lease_forgotten_switches"],
+                totals["loopd_lease_forgotten_queues"],
+            ),
+            (0.0, 1.0, 1.0),
         )
 
     def test_lone_surrogate_key_leaves_metrics_working(self) -> None:

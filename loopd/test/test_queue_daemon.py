@@ -445,6 +445,33 @@ class ReloadTests(SynchronousTestCase):
         self.assertEqual(self.events()[0]["ts"], "2027-01-15T08:00:00.000Z")
 
 
+class StatusTests(SynchronousTestCase):
+    """
+    The C{status} op over the wire: a queue the config does not name leaves it once idle,
+    and its C{switches} resume when its key is used again (issue 26, item 8).
+    """
+
+    def test_switches_never_go_backwards(self) -> None:
+        """Used, left idle (forgotten), used again: C{switches} goes on from 1, not 0."""
+        d = Daemon(self)
+        d.config({"defaults": {"maxStreams": 1, "daemonIdleExitMs": 10**9}, "queues": {KEY: {}}})
+        d.start()
+        a, b = d.client(), d.client()
+        a.acquire("a", OTHER)
+        b.acquire("b", OTHER)
+        a.send(op="release", queueKey=OTHER, sessionKey="a")
+        b.send(op="release", queueKey=OTHER, sessionKey="b")
+        a.replies()
+        a.send(op="status")
+        (reply,) = a.replies()
+        self.assertEqual([q["queueKey"] for q in reply["queues"]], [])
+        a.acquire("a", OTHER)
+        a.send(op="status")
+        granted, reply = a.replies()
+        self.assertEqual(granted["op"], "granted")
+        self.assertEqual([(q["queueKey"], q["switches"]) for q in reply["queues"]], [(OTHER, 1)])
+
+
 class OptionsTests(SynchronousTestCase):
     """
     C{twist llmqueue}'s plugin and options.

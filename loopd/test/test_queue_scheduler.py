@@ -13,6 +13,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.queue.scheduler import Scheduler
+from loopd.queue.scheduler_rest import RESTING_KEY_CHARS, RESTING_QUEUES
 from loopd.queue.scheduler_types import Grant, QueueEvent, QueuePolicy, StaticRouter
 from loopd.test.support.scheduler_machine import SchedulerMachine
 
@@ -71,6 +72,22 @@ class Harness:
     def advance_ms(self, ms: float) -> None:
         """Move the clock on."""
         self.clock.advance(ms / 1000.0)
+
+    def switch(self, key: str) -> None:
+        """
+        Make one switch on the one-slot queue C{key} and leave it with no holder and no
+        waiter: s1 holds, s2 waits, s1 releases (s2 is switched in), s2 releases.
+        """
+        self.sched.acquire("c1", key, "s1")
+        self.sched.acquire("c2", key, "s2")
+        self.sched.release(key, "s1")
+        self.sched.release(key, "s2")
+
+    def balanced(self) -> bool:
+        """Whether the live, resting and forgotten switches add up to every switch."""
+        counters = self.sched.counters()
+        live = sum(int(q["switches"]) for q in self.sched.status())
+        return live + counters.resting_switches + counters.forgotten_switches == counters.switches
 
 
 class QueuesTests(SynchronousTestCase):
@@ -486,17 +503,23 @@ class ReloadTests(SynchronousTestCase):
 class ForgetTests(SynchronousTestCase):
     """
     A queue the config does not name is dropped once it has no holder and no waiter; its
-    switches fold into the scheduler's total of forgotten queues. Named queues stay.
+    switches rest in a bounded table, and a queue of that key created again resumes from
+    them (issue 26, item 8). What is pushed out of the table, or merged away by a reload, is
+    gone for good: it counts in the forgotten totals. Named queues stay.
     """
 
     def test_unnamed_queue_goes_after_release(self) -> None:
-        """Acquire then release: the queue is gone from status, counted as forgotten."""
+        """
+        Acquire then release: the queue is gone from status; with no switch there is
+        nothing to keep, so it is forgotten at once and nothing rests.
+        """
         h = Harness(forget=True)
         h.sched.acquire("c1", "q", "s1")
         self.assertEqual(h.keys(), ["q"])
         h.sched.release("q", "s1")
         self.assertEqual(h.sched.status(), [])
-        self.assertEqual(h.sched.counters().forgotten_queues, 1)
+        counters = h.sched.counters()
+        self.assertEqual((counters.forgotten_queues, counters.resting_queues), (1, 0))
 
     def test_a_waiter_keeps_it(self) -> None:
         """A queue whose holder leaves while a session waits stays, with the waiter granted."""
@@ -506,18 +529,31 @@ class ForgetTests(SynchronousTestCase):
         h.sched.release("q", "s1")
         self.assertEqual((h.keys(), h.holders()), (["q"], ["s2"]))
 
-    def test_switches_fold_into_the_total(self) -> None:
-        """The switches of a forgotten queue stay counted; a new queue of that key starts at 0."""
+    def test_switches_resume_after_a_rest(self) -> None:
+        """
+        A queue used, left idle (forgotten) and used again continues its switches from the
+        old value; while it rests its switches count as resting, and the live, resting and
+        forgotten switches add up to the total throughout.
+        """
         h = Harness(forget=True)
-        h.sched.acquire("c1", "q", "s1")
-        h.sched.acquire("c2", "q", "s2")
-        h.sched.release("q", "s1")
-        h.sched.release("q", "s2")
+        h.switch("q")
         counters = h.sched.counters()
-        self.assertEqual((counters.switches, counters.forgotten_switches), (1, 1))
-        self.assertEqual((counters.grants, counters.releases), (2, 2))
+        self.assertEqual(h.sched.status(), [])
+        self.assertEqual((counters.switches, counters.grants, counters.releases), (1, 2, 2))
+        self.assertEqual((counters.resting_queues, counters.resting_switches), (1, 1))
+        self.assertEqual((counters.forgotten_queues, counters.forgotten_switches), (0, 0))
+        self.assertTrue(h.balanced())
         h.sched.acquire("c1", "q", "s3")
-        self.assertEqual(h.queue()["switches"], 0)
+        self.assertEqual(h.queue()["switches"], 1)
+        counters = h.sched.counters()
+        self.assertEqual((counters.resting_queues, counters.resting_switches), (0, 0))
+        self.assertTrue(h.balanced())
+        h.sched.release("q", "s3")
+        h.switch("q")
+        h.sched.acquire("c1", "q", "s3")
+        self.assertEqual(h.queue()["switches"], 2)
+        self.assertEqual(h.sched.counters().forgotten_switches, 0)
+        self.assertTrue(h.balanced())
 
     def test_every_way_out(self) -> None:
         """cancel, disconnect and a TTL eviction forget an emptied queue too."""
@@ -549,8 +585,11 @@ class ForgetTests(SynchronousTestCase):
         )
         self.assertEqual(h.sched.counters().forgotten_queues, 0)
 
-    def test_reload_forgets_what_it_no_longer_names(self) -> None:
-        """An empty queue whose entry a reload removed goes; its switches are folded."""
+    def test_reload_rests_what_it_no_longer_names(self) -> None:
+        """
+        An empty queue whose entry a reload removed goes; its switches rest, and the key
+        used again resumes from them.
+        """
         h = Harness(StaticRouter(defaults=ONE, queues={"z": ONE}), forget=True)
         h.sched.acquire("c1", "z", "s1")
         h.sched.acquire("c2", "z", "s2")
@@ -558,7 +597,10 @@ class ForgetTests(SynchronousTestCase):
         h.sched.disconnect("c2")
         h.reload(StaticRouter(defaults=ONE))
         self.assertEqual(h.sched.status(), [])
-        self.assertEqual(h.sched.counters().forgotten_switches, 1)
+        counters = h.sched.counters()
+        self.assertEqual((counters.resting_switches, counters.forgotten_switches), (1, 0))
+        h.sched.acquire("c1", "z", "s1")
+        self.assertEqual(h.queue("z")["switches"], 1)
 
     def test_reload_merge_folds_the_merged_queue(self) -> None:
         """A queue merged into a group by a reload is gone: its switches stay counted."""
@@ -571,14 +613,77 @@ class ForgetTests(SynchronousTestCase):
         self.assertEqual(h.keys(), ["gpu"])
         self.assertEqual((counters.forgotten_queues, counters.forgotten_switches), (1, 1))
 
+    def test_reload_merge_ends_a_rest(self) -> None:
+        """
+        A resting queue whose key a reload puts in a group is merged away like a live one:
+        its switches are gone for good, and the key split off again starts from 0.
+        """
+        h = Harness(forget=True)
+        h.switch("u1")
+        h.reload(StaticRouter(defaults=ONE, groups={"gpu": ("u1",)}))
+        counters = h.sched.counters()
+        self.assertEqual((counters.resting_queues, counters.resting_switches), (0, 0))
+        self.assertEqual((counters.forgotten_queues, counters.forgotten_switches), (1, 1))
+        h.reload(StaticRouter(defaults=ONE))
+        h.sched.acquire("c1", "u1", "s1")
+        self.assertEqual(h.queue("u1")["switches"], 0)
+        self.assertTrue(h.balanced())
+
     def test_twenty_thousand_keys_leave_nothing(self) -> None:
-        """20,000 distinct keys acquired and released leave no queue and a short status."""
+        """
+        20,000 distinct keys acquired and released without a switch leave no queue, nothing
+        resting and a short status.
+        """
         h = Harness(forget=True)
         for n in range(20_000):
             h.sched.acquire("c", f"k{n}", "s")
             h.sched.release(f"k{n}", "s")
         self.assertEqual(h.sched.status(), [])
-        self.assertEqual(h.sched.counters().forgotten_queues, 20_000)
+        counters = h.sched.counters()
+        self.assertEqual((counters.forgotten_queues, counters.resting_queues), (20_000, 0))
+
+    def test_twenty_thousand_switched_keys_stay_bounded(self) -> None:
+        """
+        20,000 distinct keys, each switched once and left idle, leave no queue and the
+        resting table at its cap: the 4,096 most recently rested keep their counters, the
+        older ones are gone for good; C{forgotten_switches} never falls on the way.
+        """
+        h = Harness(forget=True)
+        seen = 0
+        for n in range(20_000):
+            h.switch(f"k{n}")
+            forgotten = h.sched.counters().forgotten_switches
+            self.assertGreaterEqual(forgotten, seen)
+            seen = forgotten
+        counters = h.sched.counters()
+        self.assertEqual(h.sched.status(), [])
+        self.assertEqual((counters.resting_queues, counters.resting_switches), (4_096, 4_096))
+        self.assertEqual(RESTING_QUEUES, 4_096)
+        self.assertEqual((counters.forgotten_queues, counters.forgotten_switches), (15_904, 15_904))
+        self.assertTrue(h.balanced())
+        h.sched.acquire("c", "k19999", "s")
+        h.sched.acquire("c", "k0", "s")
+        self.assertEqual((h.queue("k19999")["switches"], h.queue("k0")["switches"]), (1, 0))
+
+    def test_long_keys_bounded_by_characters(self) -> None:
+        """
+        Keys as long as a protocol line allows rest within a character budget: eleven keys
+        of 100,000 characters leave ten resting, the oldest pushed out; a key over the
+        budget alone never rests.
+        """
+        h = Harness(forget=True)
+        keys = [chr(ord("a") + n) * 100_000 for n in range(11)]
+        for key in keys:
+            h.switch(key)
+        counters = h.sched.counters()
+        self.assertEqual((counters.resting_queues, counters.forgotten_queues), (10, 1))
+        h.sched.acquire("c", keys[0], "s")
+        h.sched.acquire("c", keys[1], "s")
+        self.assertEqual((h.queue(keys[0])["switches"], h.queue(keys[1])["switches"]), (0, 1))
+        h.switch("x" * (RESTING_KEY_CHARS + 1))
+        counters = h.sched.counters()
+        self.assertEqual((counters.forgotten_queues, counters.forgotten_switches), (2, 2))
+        self.assertTrue(h.balanced())
 
     def test_kept_without_a_keep_rule(self) -> None:
         """A scheduler given no keep rule keeps every queue (as embedders had it)."""

@@ -1,7 +1,8 @@
 """
 A hypothesis state machine over L{loopd.queue.scheduler.Scheduler}: random acquire, release,
 cancel, role, renew, beat, disconnect, reload, sweep and clock steps, with the scheduler's
-invariants checked after every step. L{loopd.test.test_queue_scheduler} runs it, and
+invariants checked after every step, among them that no counter C{status} or C{counters()}
+reports ever falls. L{loopd.test.test_queue_scheduler} runs it, and
 L{loopd.test.test_queue_scheduler_index} runs a subclass that also checks the indexes.
 """
 
@@ -15,7 +16,7 @@ from hypothesis.stateful import (
 )
 from twisted.internet.task import Clock
 
-from loopd.queue.scheduler import Scheduler
+from loopd.queue.scheduler import Scheduler, SchedulerCounters
 from loopd.queue.scheduler_queue import aged
 from loopd.queue.scheduler_types import Grant, QueueEvent, QueuePolicy, StaticRouter, Waiter
 
@@ -68,6 +69,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.over: set[str] = set()
         self.told: set[str] = set()
         self.sched.watch_waiting(self.told.add)
+        # the highest switches status showed for each queue key, and the last counters
+        self.high: dict[str, int] = {}
+        self.last = SchedulerCounters(0, 0, 0, 0)
 
     def now(self) -> float:
         """The clock in milliseconds."""
@@ -178,6 +182,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.router = router
         self.longest_ttl = max(self.longest_ttl, router.defaults.lease_ttl_ms)
         self.sched.reload(router)
+        # a queue merged into a group is gone for good: its key's count may start again
+        self.high = {k: n for k, n in self.high.items() if router(k).queue_key == k}
         # reload moves leases between queues; re-key the refresh record by their new owner
         moved: dict[tuple[str, str], float] = {}
         for q in self.sched._queues.values():
@@ -214,15 +220,41 @@ class SchedulerMachine(RuleBasedStateMachine):
     def forgetting(self) -> None:
         """
         Every queue status lists has a holder or a waiter or is named; the switches of the
-        listed queues and of the forgotten ones add up to every switch made.
+        listed queues, of the resting ones and of those gone for good add up to every switch
+        made.
         """
         status = self.sched.status()
         for q in status:
             named = self.router.names(q["queueKey"])
             assert q["holders"] or q["waiting"] or named, "an empty unnamed queue is kept"
+            assert q["queueKey"] not in self.sched._resting, "a live queue also rests"
         counters = self.sched.counters()
         listed = sum(q["switches"] for q in status)
-        assert listed + counters.forgotten_switches == counters.switches == self.switches
+        resting, forgotten = counters.resting_switches, counters.forgotten_switches
+        assert listed + resting + forgotten == counters.switches == self.switches
+        assert counters.resting_queues == len(self.sched._resting)
+
+    @invariant()
+    def never_backwards(self) -> None:
+        """
+        No total of C{counters()} falls but the resting gauges, and no queue's C{switches}
+        in C{status} falls, also across its rests (only a reload's merge ends a count).
+        """
+        counters = self.sched.counters()
+        for name in (
+            "grants",
+            "releases",
+            "evictions",
+            "switches",
+            "forgotten_queues",
+            "forgotten_switches",
+        ):
+            assert getattr(counters, name) >= getattr(self.last, name), f"{name} fell"
+        self.last = counters
+        for q in self.sched.status():
+            key, switches = q["queueKey"], q["switches"]
+            assert switches >= self.high.get(key, 0), f"switches of {key} went backwards"
+            self.high[key] = switches
 
     @invariant()
     def waiting_watched(self) -> None:
