@@ -422,8 +422,9 @@ class _Exchange:
     def _failed(self, reason: Failure) -> None:
         """
 
-        The call failed: fail over when the endpoint is down or its inferproxy refused at a
-        limit (nothing reached a server) while the client has seen nothing and the router
+        The call failed: fail over when the endpoint is down (or confirmed down while the
+        call waited to retry it) or its inferproxy refused at a limit (nothing reached a
+        server) while the client has seen nothing and the router
         has a next candidate that is not down; else answer the error, which for a down
         endpoint is 503 C{endpoint_unavailable} naming every candidate tried. A cancellation
         is this exchange's own doing (the client left, or the daemon stopped) and answers
@@ -433,7 +434,8 @@ class _Exchange:
         if self._reply.done or reason.check(CancelledError):
             return
         error = reason.value or Exception(reason.getErrorMessage())
-        down = means_down(error)
+        # A call that gave up waiting to retry on an endpoint confirmed down reached nothing.
+        down = means_down(error) or isinstance(error, EndpointUnavailableError)
         unreached = down or isinstance(error, ProxyRefused)
         health = self._host.health
         self._alternatives = [e for e in self._alternatives if health.eligible(e.name)]

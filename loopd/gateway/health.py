@@ -14,7 +14,9 @@ B{The states.}
     C{mesh} leave it out; a request naming it is answered 503 C{endpoint_unavailable} at
     once, with C{Retry-After} the seconds until its next probe (at least 1). It is probed
     every C{down_interval_ms}, and only a successful probe takes it out of C{down} (to
-    C{probing}): an endpoint nobody sends requests to must still come back.
+    C{probing}): an endpoint nobody sends requests to must still come back. Once a probe
+    has failed too, it is I{confirmed} down (L{HealthBoard.confirmed_down}): a request
+    waiting in a retry's backoff to try it again gives up then.
 
 B{What counts as down} (L{means_down}): no connection (L{Connect}); the connection closed
 before the response's headers (L{StreamClosedEarly} C{before_headers}: an inferproxy whose
@@ -140,8 +142,8 @@ def describe(error: BaseException) -> str:
 
 class _Endpoint:
     """
-    One endpoint's state, why it is in it, its probe's schedule and whether a probe of it
-    is in flight.
+    One endpoint's state, why it is in it, its probe's schedule, whether a probe of it is
+    in flight, and whether its probe has found it down since it went down.
     """
 
     def __init__(self, now: float) -> None:
@@ -150,6 +152,7 @@ class _Endpoint:
         self.why = "not probed yet"
         self.due = now
         self.probing = False
+        self.confirmed = False
 
 
 class HealthBoard:
@@ -184,6 +187,15 @@ class HealthBoard:
     def why(self, name: str) -> str:
         """What put endpoint C{name} in its state: the last failure or probe answer."""
         return self._endpoints[name].why
+
+    def confirmed_down(self, name: str) -> bool:
+        """
+        Whether endpoint C{name} is down and its probe has found it so since it went down:
+        the failure that put it down was not a passing one (a request waiting to retry on it
+        gives up, L{loopd.gateway.upstream}).
+        """
+        endpoint = self._endpoints[name]
+        return endpoint.state is State.DOWN and endpoint.confirmed
 
     def eligible(self, name: str) -> bool:
         """Whether endpoint C{name} takes requests (it is not down)."""
@@ -263,6 +275,9 @@ class HealthBoard:
             endpoint.state = after[endpoint.state]
         elif outcome is ProbeOutcome.FAILED:
             endpoint.state = State.DOWN
+        endpoint.confirmed = endpoint.state is State.DOWN and (
+            outcome is ProbeOutcome.FAILED or endpoint.confirmed
+        )
         if outcome is not ProbeOutcome.BUSY:
             endpoint.why = f"/health: {detail}" if detail else outcome.value
         endpoint.due = now + self._interval(endpoint.state)
@@ -278,6 +293,7 @@ class HealthBoard:
         """C{name} is in C{state} from C{now}, its next probe one interval away (or sooner)."""
         endpoint = self._endpoints[name]
         endpoint.state = state
+        endpoint.confirmed = False
         endpoint.due = min(endpoint.due, now + self._interval(state))
         self._tell(name)
 

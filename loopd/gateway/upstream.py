@@ -57,7 +57,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from loopd.errors import Connect, ProxyRefused, WaitTimeout
-from loopd.gateway.health import HealthBoard
+from loopd.gateway.health import EndpointUnavailableError, HealthBoard
 from loopd.gateway.late_system import LateSystem
 from loopd.gateway.leases import GatewayLeases, LeaseHold
 from loopd.gateway.metrics import GatewayMetrics
@@ -74,7 +74,18 @@ from loopd.gateway.slot_swap import SlotSwap
 from loopd.llama import Client, Flow
 from loopd.llama.retry import is_retryable
 from loopd.llama.slot_files import SlotFile
-from loopd.llama.types import ChatEvent, ChatMessage, ChatRequest, Completion, Queued
+from loopd.llama.types import (
+    ChatEvent,
+    ChatMessage,
+    ChatRequest,
+    Completion,
+    Content,
+    Queued,
+    Reasoning,
+    Retrying,
+    ToolCallDelta,
+    Waiting,
+)
 from loopd.queue.scheduler_types import Tier
 from loopd.settings import Config
 
@@ -169,6 +180,11 @@ class Upstreams:
         # The endpoint of each session's last completion, most recent last, bounded like the
         # session table: where the session's cache is, for auto (decision 34).
         self._homes: OrderedDict[str, str] = OrderedDict()
+        # The calls waiting in a retry's backoff with nothing delivered yet, by endpoint:
+        # they give up when the endpoint is confirmed down (L{_health_changed}).
+        self._backing_off: dict[str, set[_LeasedCall]] = {}
+        if health is not None:
+            health.watch(self._health_changed)
 
     def slot_count(self, endpoint: str) -> int:
         """How many slots endpoint C{endpoint} has."""
@@ -230,6 +246,46 @@ class Upstreams:
         return calling.addCallbacks(
             self._answered, self._failed, callbackArgs=(endpoint,), errbackArgs=(endpoint,)
         )
+
+    def backing_off(self, endpoint: str, call: _LeasedCall, waiting: bool) -> None:
+        """
+        C{call} to C{endpoint} waits in a retry's backoff with nothing delivered
+        (C{waiting}), or no longer does. A call that starts waiting on an endpoint already
+        confirmed down gives up at once.
+        """
+        calls = self._backing_off.setdefault(endpoint, set())
+        if not waiting:
+            calls.discard(call)
+            if not calls:
+                del self._backing_off[endpoint]
+            return
+        calls.add(call)
+        if self.health is not None and self.health.confirmed_down(endpoint):
+            self._give_up(endpoint)
+
+    def _health_changed(self, endpoint: str) -> None:
+        """The board changed C{endpoint}: confirmed down, its waiting calls give up."""
+        assert self.health is not None
+        if self.health.confirmed_down(endpoint) and endpoint in self._backing_off:
+            self._give_up(endpoint)
+
+    def _give_up(self, endpoint: str) -> None:
+        """
+        Every call waiting to retry on C{endpoint} ends now with the 503 of a down endpoint
+        (DESIGN decision 38: a request naming it fails at once; C{auto} and groups fail over).
+        """
+        assert self.health is not None
+        calls = self._backing_off.pop(endpoint, set())
+        error = self.health.unavailable([endpoint], self.reactor.seconds())
+        if calls:
+            _log.warn(
+                "endpoint {endpoint} is confirmed down: {count} request(s) waiting to retry "
+                "on it give up",
+                endpoint=endpoint,
+                count=len(calls),
+            )
+        for call in calls:
+            call.give_up(error)
 
     def _telling(
         self, endpoint: str, retryable: Callable[[BaseException], bool]
@@ -435,6 +491,10 @@ class _LeasedCall:
         self._restored: SlotFile | None = None
         self._conversation = conversation_key(request.messages)
         self._result: Deferred[Completion] = Deferred(self._cancel)
+        # Whether a piece of the answer reached on_event: a retry is then its resumption,
+        # which a confirmed-down endpoint does not end (the server may be restarting).
+        self._delivered = False
+        self._given_up: EndpointUnavailableError | None = None
 
     def start(self) -> Deferred[Completion]:
         """
@@ -489,12 +549,39 @@ class _LeasedCall:
         request = replace(
             self._request, messages=messages, slot=self._slot, session=session, tier=keys.tier
         )
-        calling = client.chat_with_retry(request, self._on_event, self._retryable, flow=self._flow)
+        calling = client.chat_with_retry(request, self._event, self._retryable, flow=self._flow)
         self._step = calling
         calling.addCallbacks(self._completed, self._failed)
 
+    def _event(self, event: ChatEvent) -> None:
+        """
+        One event of the client's call, handed on: a retry's wait with nothing delivered
+        yet is one the endpoint's confirmed fall ends (L{Upstreams.backing_off}); the
+        first piece of the answer, or the server's progress, ends that.
+        """
+        if isinstance(event, (Reasoning, Content, ToolCallDelta)):
+            self._delivered = True
+        if isinstance(event, Retrying):
+            if not self._delivered:
+                self._up.backing_off(self._endpoint, self, True)
+        elif not isinstance(event, (Queued, Waiting)):
+            self._up.backing_off(self._endpoint, self, False)
+        self._on_event(event)
+
+    def give_up(self, error: EndpointUnavailableError) -> None:
+        """
+        The endpoint is confirmed down while this call waits to retry: end it with
+        C{error} (the wait, or the attempt that has just begun, is cancelled).
+        """
+        step = self._step
+        if step is None or self._result.called:
+            return
+        self._given_up = error
+        step.cancel()
+
     def _completed(self, completion: Completion) -> None:
         """The client answered: account for the answer, give the lease back, hand it on."""
+        self._up.backing_off(self._endpoint, self, False)
         self._step = None
         # The slot's file state first, then the accounts: the give-back may hand the slot on,
         # and the grace it starts is priced by this completion.
@@ -507,15 +594,20 @@ class _LeasedCall:
 
     def _failed(self, reason: Failure) -> None:
         """The lease wait or the call failed: give the lease back, hand the failure on."""
+        self._up.backing_off(self._endpoint, self, False)
         self._step = None
+        if self._given_up is not None:
+            reason = Failure(self._given_up)
         # Nothing of the session is cached where nothing answered (no connection, or the
-        # inferproxy refused it before the server saw it): no grace there.
-        self._give_back(self._keys.ends or reason.check(Connect, ProxyRefused) is not None)
+        # inferproxy refused it before the server saw it, or the server is gone): no grace.
+        unanswered = reason.check(Connect, ProxyRefused, EndpointUnavailableError) is not None
+        self._give_back(self._keys.ends or unanswered)
         if not self._result.called:
             self._result.errback(reason)
 
     def _cancel(self, result: Deferred[Completion]) -> None:
         """Withdraw the lease wait or abort the request; give the lease back."""
+        self._up.backing_off(self._endpoint, self, False)
         step, self._step = self._step, None
         if step is not None:
             step.cancel()

@@ -189,6 +189,44 @@ class TransitionTests(SynchronousTestCase):
         self.assertEqual(ProbePace.from_settings(settings), ProbePace(4.0, 0.25))
 
 
+class ConfirmedTests(SynchronousTestCase):
+    """Down, and found down by a probe since: the sign a waiting retry gives up on."""
+
+    def test_a_request_failure_alone_is_not_confirmed(self) -> None:
+        """A request's failure puts the endpoint down; only a failed probe confirms it."""
+        health = probed(board())
+        health.request_failed("tiny", Connect("refused"), 1.0)
+        self.assertFalse(health.confirmed_down("tiny"))
+        health.probe_started("tiny")
+        health.probe_ended("tiny", ProbeOutcome.BUSY, 2.0)
+        self.assertFalse(health.confirmed_down("tiny"))
+        health.probe_started("tiny")
+        health.probe_ended("tiny", ProbeOutcome.FAILED, 3.0)
+        self.assertTrue(health.confirmed_down("tiny"))
+
+    def test_a_probe_that_answers_clears_it(self) -> None:
+        """Once a probe answers the endpoint is probing, and a new fall starts unconfirmed."""
+        health = probed(board())
+        health.probe_started("tiny")
+        health.probe_ended("tiny", ProbeOutcome.FAILED, 1.0)
+        self.assertTrue(health.confirmed_down("tiny"))
+        health.probe_started("tiny")
+        health.probe_ended("tiny", ProbeOutcome.OK, 2.0)
+        self.assertFalse(health.confirmed_down("tiny"))
+        health.request_failed("tiny", Connect("refused"), 3.0)
+        self.assertFalse(health.confirmed_down("tiny"))
+
+    def test_listeners_hear_the_confirming_probe(self) -> None:
+        """The failed probe that confirms a down endpoint is told to the listeners."""
+        health = probed(board())
+        health.request_failed("tiny", Connect("refused"), 1.0)
+        heard: list[bool] = []
+        health.watch(lambda name: heard.append(health.confirmed_down(name)))
+        health.probe_started("tiny")
+        health.probe_ended("tiny", ProbeOutcome.FAILED, 2.0)
+        self.assertEqual(heard, [True])
+
+
 class UnavailableTests(SynchronousTestCase):
     """C{Retry-After} and the 503 body."""
 
@@ -285,6 +323,8 @@ class PropertyTests(SynchronousTestCase):
                 if before is State.DOWN and health.state("tiny") is not State.DOWN:
                     self.assertEqual((what, health.state("tiny")), (ProbeOutcome.OK, State.PROBING))
             after = health.state("tiny")
+            if health.confirmed_down("tiny"):
+                self.assertIs(after, State.DOWN)
             interval = PACE.up if after is State.UP else PACE.down
             self.assertLessEqual(health.due("tiny"), now + interval)
             if after is State.DOWN:

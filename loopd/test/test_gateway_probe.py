@@ -17,9 +17,18 @@ from loopd.gateway.health import ProbeOutcome, State
 from loopd.gateway.probe import outcome_of
 from loopd.llama import Health
 from loopd.settings import HealthProbe, Retry
-from loopd.testing.fake_llama import CHAT, LOADING, Reply, json_reply
+from loopd.testing.fake_llama import (
+    CHAT,
+    LOADING,
+    FakeLlama,
+    RecordedRequest,
+    Reply,
+    ReplySource,
+    json_reply,
+    sse_reply,
+)
 from loopd.testing.gateway import HI, LIMITS, PATH, GatewayHarness, make_config
-from loopd.testing.llama_replies import answer
+from loopd.testing.llama_replies import answer, chunk
 
 OK = json_reply(200, {"status": "ok"})
 HEALTH = ("GET", "/health")
@@ -213,3 +222,128 @@ class RecoveryTests(SynchronousTestCase):
         harness.advance(1)
         self.assertEqual(connection.response().status, 200)
         self.assertEqual(harness.gateway.health.state("tiny"), State.UP)
+
+
+#: The connect retries of the probe's measured case: 2, 8 and 30 s, no jitter.
+SLOW_RETRIES = Retry(attempts=4, backoff_ms=(2000, 8000, 30000), jitter=0.0, total_ms=60_000)
+
+
+def retrying_harness(endpoints: tuple[str, ...] = ("tiny",), up_ms: int = 5000) -> GatewayHarness:
+    """
+    A gateway with L{SLOW_RETRIES}, its probes started (down every 1 s, up every C{up_ms})
+    and every endpoint up after its first probe.
+    """
+    config = make_config(
+        endpoints=endpoints,
+        retry=SLOW_RETRIES,
+        health=HealthProbe(up_interval_ms=up_ms, down_interval_ms=1000),
+    )
+    harness = GatewayHarness(config)
+    for fake in harness.fakes.values():
+        fake.set_default(*HEALTH, OK)
+    harness.gateway.start()
+    harness.advance(0.01)
+    return harness
+
+
+class GiveUpTests(SynchronousTestCase):
+    """
+    A request waiting in a retry's backoff hears its endpoint confirmed down by the probe
+    and ends at once (issue 26, item 9: before, it waited out 2 + 8 + 30 s for its 503).
+    """
+
+    def test_named_request_ends_at_the_failed_probe(self) -> None:
+        """
+        The server dies: a named request's attempt is refused (the endpoint goes down, the
+        retry waits 2 s); the probe 1 s later fails too, and the request is answered 503
+        endpoint_unavailable then, not after the whole schedule; one attempt was made.
+        """
+        harness = retrying_harness()
+        harness.net.stop_listening(PATH)
+        connection = harness.post({**HI, "model": "tiny"})
+        harness.advance(0.5)
+        self.assertEqual(harness.gateway.health.state("tiny"), State.DOWN)
+        self.assertFalse(harness.gateway.health.confirmed_down("tiny"))
+        self.assertEqual(connection.responses(), [])
+        harness.advance(0.6)
+        self.assertTrue(harness.gateway.health.confirmed_down("tiny"))
+        response = connection.response()
+        self.assertEqual(response.status, 503)
+        self.assertEqual(response.json()["error"]["code"], "endpoint_unavailable")
+        self.assertEqual(response.headers["retry-after"], "1")
+
+    def test_a_server_that_answers_the_probe_is_retried(self) -> None:
+        """
+        The attempt failed but the probe finds the server answering: the retry goes on
+        after its backoff, and is answered.
+        """
+        harness = retrying_harness()
+        harness.fake.script("POST", CHAT, Reply(head=b""), answer({"content": "back"}))
+        connection = harness.post({**HI, "model": "tiny"})
+        harness.advance(1.5)
+        self.assertEqual(harness.gateway.health.state("tiny"), State.PROBING)
+        self.assertEqual(connection.responses(), [])
+        harness.advance(1.0)
+        self.assertEqual(connection.response().status, 200)
+        self.assertEqual(len(harness.fake.requests_to("POST", CHAT)), 2)
+
+    def test_a_started_answer_keeps_waiting(self) -> None:
+        """
+        A stream cut after its first piece is resumed, not abandoned: the probe's failure
+        while it waits leaves it waiting, and once the server is back its continuation
+        completes the stream (a restarting server must not cost the answer).
+        """
+        harness = retrying_harness()
+        cut = sse_reply([chunk({"reasoning_content": "Let me "})], end="cut")
+        harness.fake.script("POST", CHAT, cut)
+        connection = harness.post({**HI, "model": "tiny", "stream": True})
+        harness.advance(0.5)
+        harness.net.stop_listening(PATH)
+        # The retry at 2 s is refused (down), the probe a second later fails (confirmed).
+        harness.advance(3.5)
+        self.assertTrue(harness.gateway.health.confirmed_down("tiny"))
+        self.assertFalse(connection.response().complete)
+        harness.net.listen(PATH, harness.fake)
+        harness.fake.script("POST", CHAT, answer({"reasoning_content": "think."}))
+        harness.advance(8.0)
+        response = connection.response()
+        self.assertEqual((response.status, response.complete), (200, True))
+        self.assertEqual(response.data()[-1], "[DONE]")
+
+    def test_auto_fails_over_when_its_choice_is_confirmed_down(self) -> None:
+        """
+        Under C{auto} a stream cut before its first piece (not a sign of a dead server, so
+        it is retried) on an endpoint the probe then finds dead fails over to the other
+        endpoint at the probe, not after the backoff.
+        """
+        harness = retrying_harness(("tiny", "big"), up_ms=1000)
+        cut: list[str] = []
+
+        def first_cut(name: str) -> ReplySource:
+            """The first chat anywhere is cut before its first piece; the others answer."""
+
+            def reply(request: RecordedRequest, fake: FakeLlama) -> Reply:
+                if not cut:
+                    cut.append(name)
+                    return sse_reply([], end="cut")
+                return answer({"content": name})
+
+            return reply
+
+        for name, fake in harness.fakes.items():
+            fake.set_default("POST", CHAT, first_cut(name))
+        connection = harness.post({**HI, "model": "auto"})
+        harness.advance(0.1)
+        (chosen,) = cut
+        (other,) = set(harness.fakes) - {chosen}
+        harness.net.stop_listening(harness.config.endpoint(chosen).socket)
+        self.assertEqual(connection.responses(), [])
+        # The endpoint's next probe (1 s after its first) finds it dead, inside the retry's
+        # 2 s wait: the request goes to the other endpoint then.
+        harness.advance(0.95)
+        self.assertTrue(harness.gateway.health.confirmed_down(chosen))
+        harness.advance(0.5)
+        response = connection.response()
+        self.assertEqual(response.status, 200)
+        self.assertEqual(response.json()["model"], other)
+        self.assertEqual(len(harness.fakes[chosen].requests_to("POST", CHAT)), 1)
