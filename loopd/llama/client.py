@@ -16,8 +16,9 @@ A chat that does not wait for its slot makes one connection: the request itself.
 whose answer has not started after C{poll_ms} shares a C{/slots} poll per C{poll_ms}; a chat
 whose prompt is silent until shortly before C{liveness_ms} shares one then, and one per
 C{liveness_ms} less C{poll_ms} while C{/slots} shows it processing (L{ChatCall}); a chat
-that reaches the thinking cap makes one more for the control. Nothing else is asked per
-request (C{/props} is asked once at start).
+that reaches the thinking cap makes one more for the control, and a resumed answer one
+C{/apply-template} per continuation. Nothing else is asked per request (C{/props} is asked
+once at start).
 """
 
 from __future__ import annotations
