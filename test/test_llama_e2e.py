@@ -7,6 +7,7 @@ inferproxy's Unix socket.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -22,6 +23,7 @@ from loopd.llama import (
     ChatEvent,
     ChatRequest,
     Client,
+    Content,
     FinishReason,
     Progress,
     Reasoning,
@@ -287,6 +289,42 @@ class LlamaEndToEndTests(TestCase):
         yield self.start_proxy()
         completion = yield answer
         self.assert_whole(completion, reference)
+
+    @inlineCallbacks
+    def test_answer_cut_survived(self) -> Any:
+        """
+        Cut mid-answer (the inferproxy restarted after five pieces of content, the thought
+        ended by the server's budget at 20 tokens): the continuation goes on after the
+        delivered content, and the reasoning and the content are those of an uninterrupted
+        answer, each piece once (llama.cpp b11434 sent the prefill back when the request did
+        not name the part continued: "Hello fromHello from the tiny model!").
+        """
+        yield self.start("tiny-think.gguf", **self._retrying_config())
+        fields = {"ignore_eos": True, "reasoning_budget_tokens": 20}
+        whole = ChatRequest(slot=1, messages=(User("Think"),), max_tokens=300, fields=fields)
+        reference = yield self.client.chat_with_retry(whole, lambda e: None)
+        self.assertTrue(reference.reasoning_content and reference.content)
+        midway: Deferred[None] = Deferred()
+
+        def watch(event: ChatEvent) -> None:
+            self.events.append(event)
+            if sum(isinstance(e, Content) for e in self.events) >= 5 and not midway.called:
+                midway.callback(None)
+
+        answer = self.client.chat_with_retry(dataclasses.replace(whole, slot=0), watch)
+        yield midway
+        yield stop_twist(self.proxy)
+        yield self.start_proxy()
+        completion = yield answer
+        self.assertTrue(any(isinstance(e, Retrying) for e in self.events))
+        reasoning = "".join(e.text for e in self.events if isinstance(e, Reasoning))
+        content = "".join(e.text for e in self.events if isinstance(e, Content))
+        self.assertEqual((reasoning, content), (reference.reasoning_content, reference.content))
+        self.assertEqual(
+            (completion.reasoning_content, completion.content),
+            (reference.reasoning_content, reference.content),
+        )
+        self.assertEqual(completion.timings.predicted_n, 300)
 
     # -- prompt processing (decision 44) ---------------------------------------------
 

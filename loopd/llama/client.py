@@ -16,8 +16,9 @@ A chat that does not wait for its slot makes one connection: the request itself.
 whose answer has not started after C{poll_ms} shares a C{/slots} poll per C{poll_ms}; a chat
 whose prompt is silent until shortly before C{liveness_ms} shares one then, and one per
 C{liveness_ms} less C{poll_ms} while C{/slots} shows it processing (L{ChatCall}); a chat
-that reaches the thinking cap makes one more for the control. Nothing else is asked per
-request (C{/props} is asked once at start).
+that reaches the thinking cap makes one more for the control, and a resumed answer one
+C{/apply-template} per continuation. Nothing else is asked per request (C{/props} is asked
+once at start).
 """
 
 from __future__ import annotations
@@ -45,8 +46,15 @@ from loopd.llama.info import (
     parse_slots,
 )
 from loopd.llama.pacing import PacedOpener, Pacer
-from loopd.llama.request import chat_max_tokens
-from loopd.llama.resume import Delivered, continuation, merge, resume_refusal
+from loopd.llama.request import chat_body, chat_max_tokens
+from loopd.llama.resume import (
+    Continued,
+    Delivered,
+    continuation,
+    merge,
+    resume_plan,
+    resume_refusal,
+)
 from loopd.llama.retry import is_retryable, with_retry
 from loopd.llama.slot_files import (
     SlotAction,
@@ -175,6 +183,14 @@ class Client:
         completion is the whole answer, and any other case (an C{openai} endpoint, a tool
         call that had started) fails with the attempt's error instead of retrying.
 
+        Before a continuation the server's template renders it (C{POST /apply-template},
+        one request per resume): a prompt that ends with the delivered text is continued
+        from it; a cut thought it does not leave open is closed and the answer asked for;
+        cut content it does not end with is not resumed, and the answer fails with the
+        error that cut it (L{resume_plan}). What the continuation streams passes
+        L{Continued}: the server's echo of the prefill, and reasoning after a closed
+        thought, reach neither C{on_event} nor the completion.
+
         @param retryable: which failures are worth repeating; L{is_retryable} unless the
             caller narrows it (the mesh does not retry a refused connection: a dead worker
             must fail at once, DESIGN decision 29).
@@ -185,21 +201,48 @@ class Client:
         limit = chat_max_tokens(request, self.config)
         kind = self.endpoint.kind
         attempts = 0
+        guard = Continued(delivered.prefix)
+        failed: list[BaseException] = []
+        refused = False
 
         def sink(event: ChatEvent) -> None:
-            delivered.observe(event)
-            on_event(event)
+            if guard.passes(event):
+                delivered.observe(event)
+                on_event(event)
 
         def attempt() -> Deferred[Completion]:
-            nonlocal attempts
+            nonlocal attempts, guard
             attempts += 1
             if attempts > 1:
                 delivered.next_attempt()
-            asked = continuation(request, delivered.prefix, limit)
-            return self.chat(asked, sink, flow=flow)
+            prefix = delivered.prefix
+            if prefix.empty:
+                guard = Continued(prefix)
+                return self.chat(request, sink, flow=flow)
+            asked = continuation(request, prefix, limit)
+            rendered = self.apply_template(chat_body(asked, self.config, self.endpoint))
+
+            def resume(prompt: str) -> Deferred[Completion]:
+                nonlocal guard, refused
+                plan = resume_plan(prefix, prompt)
+                if plan == "refuse":
+                    refused = True
+                    _log.warn(
+                        "{endpoint}: not resuming a partly delivered answer: the template's"
+                        " prompt does not end with the content delivered",
+                        endpoint=self.endpoint.name,
+                    )
+                    raise failed[-1]
+                closed = plan == "close"
+                guard = Continued(prefix, thought_closed=closed)
+                again = continuation(request, prefix, limit, close_thought=closed)
+                return self.chat(again, sink, flow=flow)
+
+            return rendered.addCallback(resume)
 
         def worth_repeating(error: BaseException) -> bool:
-            if not retryable(error):
+            failed.append(error)
+            if refused or not retryable(error):
                 return False
             refusal = resume_refusal(delivered.partial(), kind, limit)
             if refusal is not None:
@@ -219,7 +262,9 @@ class Client:
             random=self._random,
             retryable=worth_repeating,
         )
-        return running.addCallback(lambda completion: merge(delivered.prefix, completion))
+        return running.addCallback(
+            lambda completion: merge(delivered.prefix, guard.completion(completion))
+        )
 
     def _get(
         self,

@@ -26,7 +26,7 @@ from loopd.testing.gateway import (
     make_config,
     outcome,
 )
-from loopd.testing.llama_replies import TIMINGS, answer, chunk, slots_reply
+from loopd.testing.llama_replies import TIMINGS, answer, chunk, slots_reply, template_reply
 
 STREAM = {**HI, "stream": True}
 #: An upstream reply that never comes, not even its headers: a slot that never frees.
@@ -465,6 +465,7 @@ class InterruptedStreamTests(ChatTestCase):
 
         self.script(cut)
         self.fake.set_default("POST", CHAT, model)
+        self.fake.set_default("POST", "/apply-template", template_reply())
         connection = self.harness.post(STREAM)
         self.harness.advance(1)
         response = connection.response()
@@ -486,6 +487,7 @@ class InterruptedStreamTests(ChatTestCase):
             again.json["messages"][-1],
             {"role": "assistant", "content": "Hel", "reasoning_content": "Hmm"},
         )
+        self.assertEqual(again.json["continue_final_message"], "content")
 
     def test_tool_call_ends_with_error(self) -> None:
         """Cut inside a tool call: the error event ends the stream; nothing is sent again."""

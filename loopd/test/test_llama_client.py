@@ -59,10 +59,12 @@ from loopd.testing.fake_llama import (
     json_reply,
     sse_reply,
 )
-from loopd.testing.llama_replies import props_reply, slots_reply
+from loopd.testing.llama_replies import props_reply, slots_reply, template_reply
 from loopd.testing.memory_net import MemoryNet
 from loopd.testing.reactor import MemoryLoopdReactor
 
+#: The route that renders a chat body with the server's template.
+APPLY_TEMPLATE = "/apply-template"
 #: Where the fake listens; MemoryNet never touches the file system.
 PATH = "/tmp/ld-memory/llama.sock"
 #: A path nobody listens on.
@@ -415,6 +417,11 @@ class ResumeTests(ClientTestCase):
     attempt's error ends the answer.
     """
 
+    def setUp(self) -> None:
+        """The fake renders continuations as the tiny model's template does."""
+        super().setUp()
+        self.fake.set_default("POST", APPLY_TEMPLATE, template_reply())
+
     def pieces(self, call: Call) -> list[tuple[str, str]]:
         """The text pieces the sink received, in order, as (kind, text)."""
         return [
@@ -463,9 +470,16 @@ class ResumeTests(ClientTestCase):
             ],
         )
         self.assertEqual(second.json["max_tokens"], first.json["max_tokens"] - 4)
-        others = {k: v for k, v in second.json.items() if k not in ("messages", "max_tokens")}
+        changed = {"messages", "max_tokens", "continue_final_message", "add_generation_prompt"}
+        others = {k: v for k, v in second.json.items() if k not in changed}
         self.assertEqual(others, {k: v for k, v in first.json.items() if k in others})
-        self.assertEqual(sorted(others), sorted(set(first.json) - {"messages", "max_tokens"}))
+        self.assertEqual(sorted(others), sorted(set(first.json) - changed))
+        self.assertEqual(
+            (second.json["continue_final_message"], second.json["add_generation_prompt"]),
+            ("content", False),
+        )
+        (rendered,) = self.fake.requests_to("POST", APPLY_TEMPLATE)
+        self.assertEqual(rendered.json["messages"], second.json["messages"])
         self.assertEqual(
             self.pieces(call),
             [
@@ -503,6 +517,7 @@ class ResumeTests(ClientTestCase):
             second.json["messages"][-1],
             {"role": "assistant", "content": None, "reasoning_content": "Let me"},
         )
+        self.assertEqual(second.json["continue_final_message"], "reasoning_content")
         self.assertEqual((done.reasoning_content, done.content), ("Let me think", "Hi"))
         self.assertEqual((done.timings.prompt_n, done.timings.predicted_n), (12, 7))
         self.assert_quiet()
@@ -525,6 +540,102 @@ class ResumeTests(ClientTestCase):
         self.assertEqual(done.content, "Hello world")
         self.assertEqual(done.timings.predicted_n, 6)
         self.assertEqual([c for _, c in self.pieces(call)], ["Hel", "lo", " wo", "rld"])
+        self.assert_quiet()
+
+    def test_echoed_thought_not_repeated(self) -> None:
+        """
+        Cut mid-thought, then a continuation whose stream sends the delivered reasoning back
+        first, before any token (llama.cpp b11434 did, on the real server: "... Let meLet me
+        think about this..."): the sink and the completion have each piece once.
+        """
+        cut = cut_after({"reasoning_content": "Let"}, {"reasoning_content": " me"})
+        echo = counted({"reasoning_content": "Let me"}, 0, "chatcmpl-b")
+        rest = [counted({"reasoning_content": " think"}, 1, "chatcmpl-b")]
+        rest.append(counted({"content": "Hi"}, 2, "chatcmpl-b"))
+        last = chunk("chatcmpl-b", {}, "stop")
+        last["timings"] = {"cache_n": 0, "prompt_n": 15, "predicted_n": 2}
+        self.fake.script("POST", CHAT, cut, sse_reply([echo, *rest, last]))
+        call = self.chat_with_retry()
+        self.net.advance(1)
+        done = self.successResultOf(call.deferred)
+        self.assertEqual(
+            self.pieces(call),
+            [
+                ("reasoning", "Let"),
+                ("reasoning", " me"),
+                ("reasoning", " think"),
+                ("content", "Hi"),
+            ],
+        )
+        self.assertEqual((done.reasoning_content, done.content), ("Let me think", "Hi"))
+        self.assertEqual(done.timings.predicted_n, 5)
+        self.assert_quiet()
+
+    def test_echoed_answer_not_repeated(self) -> None:
+        """
+        Cut mid-answer: the reasoning echoed with a newline and no count, the content at
+        count 0 (as b11434 sent them), then the rest; nothing reaches the sink twice.
+        """
+        cut = cut_after({"reasoning_content": "Hmm"}, {"content": "Hel"})
+        echo = [chunk("chatcmpl-b", {"reasoning_content": "Hmm\n"})]
+        echo.append(counted({"content": "Hel"}, 0, "chatcmpl-b"))
+        last = chunk("chatcmpl-b", {}, "stop")
+        last["timings"] = {"cache_n": 0, "prompt_n": 15, "predicted_n": 1}
+        rest = sse_reply([*echo, counted({"content": "lo"}, 1, "chatcmpl-b"), last])
+        self.fake.script("POST", CHAT, cut, rest)
+        call = self.chat_with_retry()
+        self.net.advance(1)
+        done = self.successResultOf(call.deferred)
+        self.assertEqual(
+            self.pieces(call), [("reasoning", "Hmm"), ("content", "Hel"), ("content", "lo")]
+        )
+        self.assertEqual((done.reasoning_content, done.content), ("Hmm", "Hello"))
+        self.assert_quiet()
+
+    def test_thought_closed_when_not_left_open(self) -> None:
+        """
+        A template that does not leave the cut thought open: the continuation closes it and
+        asks for the answer; reasoning it streams anyway (a second thought) is dropped.
+        """
+        self.fake.set_default("POST", APPLY_TEMPLATE, template_reply(open_thought=False))
+        cut = cut_after({"reasoning_content": "Let"}, {"reasoning_content": " me"})
+        rest = finishing(
+            {"reasoning_content": "Let"},
+            {"content": "Hi"},
+            timings={"cache_n": 0, "prompt_n": 15, "predicted_n": 2},
+        )
+        self.fake.script("POST", CHAT, cut, rest)
+        call = self.chat_with_retry()
+        self.net.advance(1)
+        done = self.successResultOf(call.deferred)
+        _, second = self.chats()
+        self.assertEqual(
+            second.json["messages"][-1],
+            {"role": "assistant", "content": "", "reasoning_content": "Let me"},
+        )
+        self.assertEqual(second.json["continue_final_message"], "content")
+        self.assertEqual(
+            self.pieces(call), [("reasoning", "Let"), ("reasoning", " me"), ("content", "Hi")]
+        )
+        self.assertEqual((done.reasoning_content, done.content), ("Let me", "Hi"))
+        self.assert_quiet()
+
+    def test_content_not_rendered_not_resumed(self) -> None:
+        """
+        Cut content the template's prompt does not end with: no continuation, the error that
+        cut the stream ends the answer.
+        """
+        fresh = json_reply(200, {"prompt": "<|im_start|>assistant\n"})
+        self.fake.set_default("POST", APPLY_TEMPLATE, fresh)
+        self.fake.script("POST", CHAT, cut_after({"content": "Hel"}), answer("never"))
+        call = self.chat_with_retry()
+        with capturedLogs() as logged:
+            self.net.advance(1)
+        self.failureResultOf(call.deferred, StreamClosedEarly)
+        self.assertEqual(len(self.chats()), 1)
+        self.assertEqual(len(self.fake.requests_to("POST", APPLY_TEMPLATE)), 1)
+        self.assertEqual(self.pieces(call), [("content", "Hel")])
+        self.assertIn("template", " ".join(formatEvent(e) for e in logged))
         self.assert_quiet()
 
     def test_tool_call_started_not_retried(self) -> None:

@@ -11,7 +11,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.llama.resume import Delivered, Partial, continuation, merge, resume_refusal
+from loopd.llama.resume import (
+    Continued,
+    Delivered,
+    Partial,
+    continuation,
+    merge,
+    prefill_rendered,
+    resume_plan,
+    resume_refusal,
+)
 from loopd.llama.types import (
     Assistant,
     ChatRequest,
@@ -162,6 +171,167 @@ class ContinuationTests(SynchronousTestCase):
         """A partial answer with no content yet is prefilled with its reasoning alone."""
         asked = continuation(REQUEST, Partial(reasoning="Let", generated=2), 100)
         self.assertEqual(asked.messages[-1], Assistant(None, "Let"))
+
+    def test_names_the_part_continued(self) -> None:
+        """
+        The continuation names the part it continues (left implicit, llama.cpp b11434 sent
+        the whole prefill back as the stream's first piece) and turns the generation prompt
+        off, as the server requires; the request's own fields stay.
+        """
+        request = replace(REQUEST, fields={"seed": 7})
+        thinking = continuation(request, Partial(reasoning="Let", generated=2), 100)
+        answering = continuation(request, Partial(reasoning="Let", content="Hi"), 100)
+        self.assertEqual(
+            (dict(thinking.fields), dict(answering.fields)),
+            (
+                {
+                    "seed": 7,
+                    "continue_final_message": "reasoning_content",
+                    "add_generation_prompt": False,
+                },
+                {"seed": 7, "continue_final_message": "content", "add_generation_prompt": False},
+            ),
+        )
+
+    def test_close_thought(self) -> None:
+        """Closing a cut thought: its reasoning as a finished thought, the content empty."""
+        asked = continuation(
+            REQUEST, Partial(reasoning="Let", generated=2), 100, close_thought=True
+        )
+        self.assertEqual(asked.messages[-1], Assistant("", "Let"))
+        self.assertEqual(asked.fields["continue_final_message"], "content")
+        with_content = Partial(reasoning="Let", content="Hi", generated=3)
+        self.assertEqual(
+            continuation(REQUEST, with_content, 100, close_thought=True),
+            continuation(REQUEST, with_content, 100),
+        )
+
+
+#: Prompts llama.cpp b11434 rendered (POST /apply-template) for the tiny thinking model's
+#: continuations, and the plan each gives.
+OPEN = "<|im_start|>user\nThink<|im_end|>\n<|im_start|>assistant\n<think>\nLet me"
+CLOSED = OPEN + "\n</think>\n\n"
+ANSWERING = CLOSED + "Hello from"
+FRESH = "<|im_start|>user\nThink<|im_end|>\n<|im_start|>assistant\n"
+THINKING = Partial(reasoning="Let me", generated=3)
+ANSWERED = Partial(reasoning="Let me", content="Hello from", generated=6)
+
+
+class PlanTests(SynchronousTestCase):
+    """How a partial answer is resumed, from the prompt the template made of it."""
+
+    def test_table(self) -> None:
+        """
+        An open thought is thought on; a thought the prompt closed, or left out, is closed;
+        content is continued only when the prompt ends with it.
+        """
+        table = [
+            (THINKING, OPEN, "continue"),
+            (THINKING, CLOSED, "close"),
+            (THINKING, FRESH, "close"),
+            (Partial(reasoning="\nLet me\n"), OPEN, "continue"),
+            (ANSWERED, ANSWERING, "continue"),
+            (ANSWERED, CLOSED, "refuse"),
+            (ANSWERED, FRESH, "refuse"),
+            (
+                Partial(content="Hello from"),
+                FRESH + "<think>\n\n</think>\n\nHello from",
+                "continue",
+            ),
+        ]
+        for partial, prompt, plan in table:
+            self.assertEqual(resume_plan(partial, prompt), plan, (partial, prompt))
+
+    @given(st.text(min_size=1), st.text(), st.text(min_size=1))
+    def test_open_thought(self, before: str, reasoning: str, after: str) -> None:
+        """
+        A prompt that ends with the delivered reasoning leaves the thought open; one with
+        more after it (an end tag) does not, unless that too ends with the reasoning.
+        """
+        partial = Partial(reasoning=reasoning + "x")
+        self.assertTrue(prefill_rendered(before + reasoning + "x", partial))
+        closed = before + reasoning + "x" + after
+        self.assertEqual(
+            prefill_rendered(closed, partial), closed.endswith((reasoning + "x").strip("\n"))
+        )
+
+
+class ContinuedTests(SynchronousTestCase):
+    """What of a continuation's stream is new."""
+
+    def test_first_attempt(self) -> None:
+        """Nothing delivered: every event passes."""
+        guard = Continued(Partial())
+        for event in (Reasoning("Let", None), Content("Hi", 0), Progress(1, 0, 1)):
+            self.assertTrue(guard.passes(event))
+
+    def test_echo_dropped(self) -> None:
+        """
+        b11434's echo of a prefill: the delivered reasoning (a newline more when the thought
+        was closed) without a count, the content at count 0; then the new pieces.
+        """
+        guard = Continued(ANSWERED)
+        stream = [
+            Reasoning("Let me\n", None),
+            Content("Hello from", 0),
+            Content(" the", 1),
+            Content(" tiny", 2),
+        ]
+        self.assertEqual([guard.passes(e) for e in stream], [False, False, True, True])
+        done = guard.completion(completion("Hello from the tiny", "Let me\n"))
+        self.assertEqual((done.reasoning_content, done.content), (None, " the tiny"))
+
+    def test_thought_echo_dropped(self) -> None:
+        """The echo of a cut thought, then the thought goes on."""
+        guard = Continued(THINKING)
+        stream = [Reasoning("Let me", 0), Reasoning(" think", 1), Reasoning(" about", 2)]
+        self.assertEqual([guard.passes(e) for e in stream], [False, True, True])
+        done = guard.completion(completion(None, "Let me think about"))
+        self.assertEqual(done.reasoning_content, " think about")
+
+    def test_generated_repeat_kept(self) -> None:
+        """
+        The same text generated again (a model that repeats itself, cut at a repeat's end)
+        is new: it comes with a count.
+        """
+        guard = Continued(Partial(reasoning="Let me think about this... "))
+        self.assertTrue(guard.passes(Reasoning("Let me think about this... ", 7)))
+        self.assertTrue(guard.passes(Reasoning("Let me think about this... ", None)))
+        done = guard.completion(completion(None, "Let me think about this... " * 2))
+        self.assertEqual(done.reasoning_content, "Let me think about this... " * 2)
+
+    def test_other_text_kept(self) -> None:
+        """Text before any count that is not the delivered text passes; one echo per channel."""
+        guard = Continued(ANSWERED)
+        self.assertTrue(guard.passes(Content("Hello", None)))
+        guard = Continued(ANSWERED)
+        self.assertEqual(
+            [guard.passes(Content("Hello from", 0)), guard.passes(Content("Hello from", 0))],
+            [False, True],
+        )
+
+    def test_closed_thought(self) -> None:
+        """After a closed thought, reasoning is a second thought: dropped; content passes."""
+        guard = Continued(THINKING, thought_closed=True)
+        stream = [Reasoning("Let", 1), Reasoning(" me", 2), Content("Hi", 3)]
+        self.assertEqual([guard.passes(e) for e in stream], [False, False, True])
+        done = guard.completion(completion("Hi", "Let me"))
+        self.assertEqual((done.reasoning_content, done.content), (None, "Hi"))
+
+    @given(st.lists(st.sampled_from(["Let", " me", " think", "...", " ", "\n"]), max_size=12))
+    def test_never_repeats(self, pieces: list[str]) -> None:
+        """
+        Whatever a server echoes first, the delivered text plus what passes is the delivered
+        text plus the generated pieces, and the completion agrees with the events.
+        """
+        prefix = Partial(reasoning="Let me think")
+        guard = Continued(prefix)
+        echo = Reasoning(prefix.reasoning, 0)
+        stream = [echo, *(Reasoning(p, n) for n, p in enumerate(pieces, start=1))]
+        passed = "".join(e.text for e in stream if guard.passes(e))
+        self.assertEqual(passed, "".join(pieces))
+        done = guard.completion(completion(None, "".join(e.text for e in stream)))
+        self.assertEqual(done.reasoning_content or "", passed)
 
 
 class MergeTests(SynchronousTestCase):

@@ -2,8 +2,9 @@
 """
 What llama-server answers on its routes, as L{Reply} scripts for
 L{loopd.testing.fake_llama.FakeLlama}: a chat stream's chunks (L{chunk}) and a whole streamed
-answer (L{answer}), C{/slots} (L{slots_reply}), C{/props} (L{props_reply}) and the
-reasoning-end control (L{control_reply}), in the shapes of reference/llama-server-api.md.
+answer (L{answer}), C{/slots} (L{slots_reply}), C{/props} (L{props_reply}), the
+reasoning-end control (L{control_reply}) and C{/apply-template} (L{template_reply}), in the
+shapes of reference/llama-server-api.md.
 
 Part of loopd's public test kit (L{loopd.testing})::
 
@@ -13,10 +14,10 @@ Part of loopd's public test kit (L{loopd.testing})::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from loopd.testing.fake_llama import Reply, json_reply, sse_reply
+from loopd.testing.fake_llama import FakeLlama, RecordedRequest, Reply, json_reply, sse_reply
 
 __all__ = [
     "TIMINGS",
@@ -25,6 +26,7 @@ __all__ = [
     "control_reply",
     "props_reply",
     "slots_reply",
+    "template_reply",
 ]
 
 
@@ -135,3 +137,33 @@ def answer(
     """
     events = [chunk(delta) for delta in deltas]
     return sse_reply([*events, chunk({}, finish, timings=timings)], delay_s=delay_s)
+
+
+def template_reply(*, open_thought: bool = True) -> Callable[[RecordedRequest, FakeLlama], Reply]:
+    """
+    A C{POST /apply-template} answer, for L{FakeLlama.set_default}: the request's messages
+    rendered in the Qwen3 format of the tiny model's template (C{<think>} blocks), its
+    final assistant message continued as llama-server continues it when the body names
+    C{continue_final_message}: C{reasoning_content} leaves the thought open (the prompt
+    ends with the reasoning), C{content} closes it and ends with the content.
+
+    @param open_thought: False: a template that never leaves a thought open (it closes
+        the reasoning of a C{reasoning_content} continuation as well).
+    """
+
+    def render(request: RecordedRequest, fake: FakeLlama) -> Reply:
+        body = request.json
+        messages = list(body["messages"])
+        part = body.get("continue_final_message")
+        last = messages.pop() if part and messages[-1]["role"] == "assistant" else None
+        prompt = "".join(
+            f"<|im_start|>{m['role']}\n{m.get('content') or ''}<|im_end|>\n" for m in messages
+        )
+        prompt += "<|im_start|>assistant\n"
+        if last is not None:
+            prompt += "<think>\n" + (last.get("reasoning_content") or "").strip("\n")
+            if part == "content" or not open_thought:
+                prompt += "\n</think>\n\n" + (last.get("content") or "")
+        return json_reply(200, {"prompt": prompt})
+
+    return render
