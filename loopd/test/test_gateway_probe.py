@@ -28,7 +28,7 @@ from loopd.testing.fake_llama import (
     sse_reply,
 )
 from loopd.testing.gateway import HI, LIMITS, PATH, GatewayHarness, make_config
-from loopd.testing.llama_replies import answer, chunk
+from loopd.testing.llama_replies import answer, chunk, template_reply
 
 OK = json_reply(200, {"status": "ok"})
 HEALTH = ("GET", "/health")
@@ -294,6 +294,7 @@ class GiveUpTests(SynchronousTestCase):
         completes the stream (a restarting server must not cost the answer).
         """
         harness = retrying_harness()
+        harness.fake.set_default("POST", "/apply-template", template_reply())
         cut = sse_reply([chunk({"reasoning_content": "Let me "})], end="cut")
         harness.fake.script("POST", CHAT, cut)
         connection = harness.post({**HI, "model": "tiny", "stream": True})

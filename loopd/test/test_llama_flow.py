@@ -38,6 +38,7 @@ from loopd.testing.fake_llama import (
     json_reply,
     sse_reply,
 )
+from loopd.testing.llama_replies import template_reply
 from loopd.testing.memory_net import MemoryNet
 from loopd.testing.reactor import MemoryLoopdReactor
 
@@ -252,6 +253,11 @@ class LivenessTests(ChatFlowTestCase):
 
 class RetryFlowTests(ChatFlowTestCase):
     """Each attempt of chat_with_retry attaches to the flow in the flow's state."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        # A resumed answer's continuation is rendered first (loopd.llama.resume).
+        self.fake.set_default("POST", "/apply-template", template_reply())
 
     def test_retry_starts_paused(self) -> None:
         """
