@@ -494,6 +494,7 @@ class _LeasedCall:
         # Whether a piece of the answer reached on_event: a retry is then its resumption,
         # which a confirmed-down endpoint does not end (the server may be restarting).
         self._delivered = False
+        self._backing_off = False
         self._given_up: EndpointUnavailableError | None = None
 
     def start(self) -> Deferred[Completion]:
@@ -563,10 +564,16 @@ class _LeasedCall:
             self._delivered = True
         if isinstance(event, Retrying):
             if not self._delivered:
-                self._up.backing_off(self._endpoint, self, True)
+                self._waiting_to_retry(True)
         elif not isinstance(event, (Queued, Waiting)):
-            self._up.backing_off(self._endpoint, self, False)
+            self._waiting_to_retry(False)
         self._on_event(event)
+
+    def _waiting_to_retry(self, waiting: bool) -> None:
+        """Tell the upstreams when this call starts or stops waiting to retry."""
+        if waiting != self._backing_off:
+            self._backing_off = waiting
+            self._up.backing_off(self._endpoint, self, waiting)
 
     def give_up(self, error: EndpointUnavailableError) -> None:
         """
@@ -581,7 +588,7 @@ class _LeasedCall:
 
     def _completed(self, completion: Completion) -> None:
         """The client answered: account for the answer, give the lease back, hand it on."""
-        self._up.backing_off(self._endpoint, self, False)
+        self._waiting_to_retry(False)
         self._step = None
         # The slot's file state first, then the accounts: the give-back may hand the slot on,
         # and the grace it starts is priced by this completion.
@@ -594,7 +601,7 @@ class _LeasedCall:
 
     def _failed(self, reason: Failure) -> None:
         """The lease wait or the call failed: give the lease back, hand the failure on."""
-        self._up.backing_off(self._endpoint, self, False)
+        self._waiting_to_retry(False)
         self._step = None
         if self._given_up is not None:
             reason = Failure(self._given_up)
@@ -607,7 +614,7 @@ class _LeasedCall:
 
     def _cancel(self, result: Deferred[Completion]) -> None:
         """Withdraw the lease wait or abort the request; give the lease back."""
-        self._up.backing_off(self._endpoint, self, False)
+        self._waiting_to_retry(False)
         step, self._step = self._step, None
         if step is not None:
             step.cancel()
