@@ -31,6 +31,7 @@ from loopd._validate import (
     Rule,
     RuleError,
     SectionParser,
+    array_of,
     as_table,
     boolean,
     integer,
@@ -239,7 +240,7 @@ _EXPECT_RULES: Final[Mapping[str, Rule]] = {
 _ENDPOINT_RULES: Final[Mapping[str, Rule]] = {
     "name": _endpoint_name,
     "socket": _socket_path,
-    "kind": one_of("llama-server", "openai"),
+    "kind": one_of("llama-server", "llama-server-router", "openai"),
     "model": string(),
     "selftest": boolean,
     "selftest_wait_ms": integer(1, INT32_MAX),
@@ -258,7 +259,11 @@ _ENDPOINT_RULES: Final[Mapping[str, Rule]] = {
     "slot_save": boolean,
     "slot_dir": _file_path,
     "slot_dir_bytes": integer(1, 2**62),
+    "models": array_of(_endpoint_name, "a non-empty array of model ids", non_empty=True),
+    "models_max": integer(1),
 }
+#: The keys only a llama-server-router endpoint takes.
+_ROUTER_ONLY: Final = ("models", "models_max")
 #: The keys only an openai endpoint takes: a llama-server's affinity is loopd's own slot pin.
 _OPENAI_ONLY: Final = ("affinity_header", "affinity_field", "affinity_priority")
 
@@ -380,19 +385,30 @@ def _parse_endpoint(
             key_path(path, "selftest"),
             "must be false for an openai endpoint: the self-test needs /props",
         )
-    values.setdefault("selftest", kind == "llama-server")
+    values.setdefault("selftest", kind != "openai")
     for key in _OPENAI_ONLY:
         if kind != "openai" and values.get(key) not in (None, False):
             problems.add(
                 key_path(path, key),
                 "only for an openai endpoint: loopd pins a llama-server's slot itself",
             )
+    for key in _ROUTER_ONLY:
+        if kind != "llama-server-router" and key in values:
+            problems.add(key_path(path, key), "only for a llama-server-router endpoint")
+    if kind == "llama-server-router" and "model" in values:
+        problems.add(
+            key_path(path, "model"),
+            "not for a llama-server-router endpoint: each of its models is named in "
+            "models (or all it lists are served)",
+        )
+    if "models" in values and len(set(values["models"])) != len(values["models"]):
+        problems.add(key_path(path, "models"), "a model id is listed twice")
     if kind == "openai" and values.get("slot_save") is True:
         problems.add(
             key_path(path, "slot_save"),
             "must be false for an openai endpoint: slot files need llama-server's /slots",
         )
-    if kind == "llama-server" and values.get("slot_save") is True and "slot_dir" not in values:
+    if kind != "openai" and values.get("slot_save") is True and "slot_dir" not in values:
         problems.add(
             key_path(path, "slot_dir"),
             "needed with slot_save = true: the server's --slot-save-path, which loopd checks "

@@ -29,6 +29,8 @@ from loopd.gateway.site import Gateway
 from loopd.gateway.slot_dir import open_slot_directories
 from loopd.gateway.token_guard import TokenGuard
 from loopd.llama import Client
+from loopd.llama.retry import retry_loop
+from loopd.llama.router import ROUTER_KIND, RouterError, RouterModel, expand_routers
 from loopd.queue.eventlog import EventLog
 from loopd.queue.host import QueueHost
 from loopd.queue.protocol import LeaseFactory
@@ -106,6 +108,8 @@ class LoopdService(Service):
         self._reactor = reactor
         self.config = config
         self.clients = {e.name: Client(reactor, config, e) for e in config.endpoints}
+        #: The clients of the C{llama-server-router} endpoints, once their models are known.
+        self.routers: dict[str, Client] = {}
         self.gateway: Gateway | None = None
         self._port: IListeningPort | None = None
         self._tcp_port: IListeningPort | None = None
@@ -162,6 +166,7 @@ class LoopdService(Service):
         """
         tcp, token = self._prepare_tcp()
         open_slot_directories(self.config.endpoints)
+        yield self._expand_routers()
         reports = yield require_selftests(self._reactor, self.config, self.clients)
         for report in reports:
             for line in report.lines():
@@ -188,6 +193,7 @@ class LoopdService(Service):
             slot_counts=slot_counts,
             leases=leases,
             props=props_by_name,
+            routers=self.routers,
         )
         self.gateway.start()
         self._port = yield self._listen(self.gateway)
@@ -208,6 +214,42 @@ class LoopdService(Service):
             endpoints=", ".join(self.clients),
         )
         self._fire_ready(None)
+
+    @inlineCallbacks
+    def _expand_routers(self) -> Any:
+        """
+        Ask each C{llama-server-router} endpoint for its models (C{/v1/models}, waiting up
+        to its C{selftest_wait_ms} for it to answer) and serve each model as an endpoint of
+        its own (L{expand_routers}); their clients share the router's pacing. Fails with
+        L{RouterError} when a router never answers or cannot serve its config's models.
+        """
+        routers = {
+            name: client
+            for name, client in self.clients.items()
+            if client.endpoint.kind == ROUTER_KIND
+        }
+        if not routers:
+            return
+        listed = {}
+        for name, client in routers.items():
+            listed[name] = yield _ask_router(self._reactor, client)
+        self.config = expand_routers(self.config, listed)
+        clients = {}
+        for endpoint in self.config.endpoints:
+            router = routers.get(endpoint.router or "")
+            if router is not None:
+                clients[endpoint.name] = Client(
+                    self._reactor, self.config, endpoint, pacer=router.pacer
+                )
+                _log.info(
+                    "router {router}: serving model {model}",
+                    router=endpoint.router,
+                    model=endpoint.name,
+                )
+            else:
+                clients[endpoint.name] = self.clients[endpoint.name]
+        self.clients = clients
+        self.routers = routers
 
     def _start_queue(self, slot_counts: dict[str, int]) -> GatewayLeases:
         """
@@ -370,3 +412,28 @@ def _stderr() -> Any:
     if isinstance(stderr, LoggingFile) and sys.__stderr__ is not None:
         return sys.__stderr__
     return stderr
+
+
+def _ask_router(reactor: IServiceReactor, client: Client) -> Deferred[tuple[RouterModel, ...]]:
+    """
+    C{client}'s router's models (L{Client.router_models}), asked again every half second
+    while it does not answer, for up to its endpoint's C{selftest_wait_ms}.
+
+    @raise RouterError: (in the Deferred) it never answered, with its last error.
+    """
+    endpoint = client.endpoint
+    limit = endpoint.selftest_wait_ms / 1000.0
+
+    def pause(error: BaseException, tries: int, elapsed: float) -> float | None:
+        if elapsed + _ROUTER_ASK_PAUSE > limit:
+            raise RouterError(
+                f"router {endpoint.name}: /v1/models did not answer within "
+                f"{endpoint.selftest_wait_ms} ms: {error}"
+            )
+        return _ROUTER_ASK_PAUSE
+
+    return retry_loop(client.router_models, clock=reactor, pause=pause)
+
+
+#: Seconds between two asks of a router that does not answer yet.
+_ROUTER_ASK_PAUSE = 0.5

@@ -27,8 +27,9 @@ __all__ = [
     "Thinking",
 ]
 
-EndpointKind = Literal["llama-server", "openai"]
-"""What an endpoint speaks: llama.cpp's server, or any OpenAI-compatible server."""
+EndpointKind = Literal["llama-server", "llama-server-router", "openai"]
+"""What an endpoint speaks: llama.cpp's server, llama.cpp's server in router mode (several
+models, loaded on demand: DESIGN decision 46), or any OpenAI-compatible server."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,6 +188,18 @@ class Endpoint:
     slot_dir_bytes: int = 16 * 1024**3
     """The disk budget of loopd's slot files on this endpoint: when the files it keeps exceed
     it, the least recently saved go first (> 0)."""
+    models: tuple[str, ...] | None = None
+    """A C{llama-server-router} endpoint only: the router's models loopd serves, by id;
+    None: every model the router lists in C{/v1/models} when loopd starts."""
+    models_max: int | None = None
+    """A C{llama-server-router} endpoint only: how many of its models the router keeps
+    loaded at once (its C{--models-max}); None: what its C{/props} says
+    (C{max_instances})."""
+    router: str | None = None
+    """Not a config key: set on the endpoint loopd makes of each model of a
+    C{llama-server-router} endpoint (L{loopd.llama.router}), the router's name. Such an
+    endpoint names its C{model} in every per-model call (C{?model=} on a GET, C{model} in a
+    POST body)."""
     expect: Expect = field(default_factory=Expect)
     """What the self-test checks in /props."""
     group: str | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.defer import Deferred, DeferredList, gatherResults
 from twisted.internet.interfaces import IReactorTime
 from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
@@ -32,6 +32,7 @@ from loopd.gateway.token_count import CountTokens
 from loopd.gateway.upstream import Upstreams
 from loopd.gateway.web import Exchange, JsonRoute, Root
 from loopd.llama import Client, Health
+from loopd.llama.router import RouterModel
 from loopd.moa.roles import VIRTUAL_MODEL_NAME as MESH_MODEL
 from loopd.settings import Config, Endpoint
 
@@ -82,6 +83,7 @@ class Gateway:
         leases: GatewayLeases | None = None,
         props: Mapping[str, object] | None = None,
         rng: RandomSource | None = None,
+        routers: Mapping[str, Client] | None = None,
     ) -> None:
         """
         @param reactor: the clock of every timer (and, for the site, of its timeouts).
@@ -94,10 +96,14 @@ class Gateway:
         @param props: each endpoint's C{/props} body, by name, for the C{auto} router's
             candidates (tool use); an endpoint not named gets the defaults.
         @param rng: the C{auto} router's random source (default C{random.Random()}).
+        @param routers: the client of each C{llama-server-router} endpoint the config's
+            model endpoints came from (L{loopd.llama.router}), by name: C{/v1/models} asks
+            each which of its models are loaded.
         """
         self.reactor = reactor
         self.config = config
         self.clients: Mapping[str, Client] = dict(clients)
+        self.routers: Mapping[str, Client] = dict(routers or {})
         self.metrics = metrics if metrics is not None else GatewayMetrics()
         self.sessions = sessions if sessions is not None else Sessions()
         self.wall_clock = wall_clock
@@ -276,10 +282,43 @@ class Gateway:
         created = int(self.wall_clock())
         return {"id": model_id, "object": "model", "created": created, "owned_by": "loopd"}
 
-    def _models(self) -> tuple[int, object]:
-        """C{GET /v1/models}: the endpoints, the groups, then C{auto} and C{mesh}."""
+    def _models(self) -> tuple[int, object] | Deferred[tuple[int, object]]:
+        """
+        C{GET /v1/models}: the endpoints, the groups, then C{auto} and C{mesh}. A model of
+        a router also says its C{router} and its C{status} there (C{loaded}, C{unloaded},
+        C{loading}, ...; C{unknown} when the router did not answer), asked of each router
+        now.
+        """
         data = [self._model_object(model_id) for model_id in self._model_ids()]
-        return 200, {"object": "list", "data": data}
+        if not self.routers:
+            return 200, {"object": "list", "data": data}
+        names = list(self.routers)
+        asking = [
+            self.routers[name].router_models().addErrback(lambda reason: ()) for name in names
+        ]
+
+        def listed(answers: list[tuple[RouterModel, ...]]) -> tuple[int, object]:
+            status = {
+                (name, model.id): model.status
+                for name, models in zip(names, answers, strict=True)
+                for model in models
+            }
+            for entry in data:
+                endpoint = self._routed(str(entry["id"]))
+                if endpoint is not None and endpoint.router is not None:
+                    entry["router"] = endpoint.router
+                    key = (endpoint.router, endpoint.model or endpoint.name)
+                    entry["status"] = status.get(key, "unknown")
+            return 200, {"object": "list", "data": data}
+
+        return gatherResults(asking).addCallback(listed)
+
+    def _routed(self, model_id: str) -> Endpoint | None:
+        """The endpoint called C{model_id}, if one is."""
+        try:
+            return self.config.endpoint(model_id)
+        except KeyError:
+            return None
 
     def _model(self, model_id: str) -> tuple[int, object]:
         """

@@ -93,6 +93,7 @@ from loopd.llama.assemble import Assembler, parse_chunk
 from loopd.llama.flow import Flow, IFlowReader
 from loopd.llama.info import Counters, get_json, parse_slots, slot_busy, slots_serving
 from loopd.llama.request import affinity_headers, chat_body, encode
+from loopd.llama.router import model_path
 from loopd.llama.types import (
     ChatEvent,
     ChatRequest,
@@ -348,7 +349,10 @@ class ChatCall:
         One C{/slots} request of this call's own, allowed C{poll_ms} in all.
         """
         seconds = self._seconds(self._config.limits.poll_ms)
-        polling = get_json(self._open, "GET", "/slots", caps=self._caps, connect_timeout=seconds)
+        path = "/slots"
+        if self._endpoint.router and self._endpoint.model:
+            path = model_path(path, self._endpoint.model)
+        polling = get_json(self._open, "GET", path, caps=self._caps, connect_timeout=seconds)
         # A /slots that hangs is a server in trouble, as good as a failing one.
         polling.addTimeout(seconds, self._reactor)
         return polling

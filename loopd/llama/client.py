@@ -56,6 +56,7 @@ from loopd.llama.resume import (
     resume_refusal,
 )
 from loopd.llama.retry import is_retryable, with_retry
+from loopd.llama.router import RouterModel, model_path, parse_router_models
 from loopd.llama.slot_files import (
     SlotAction,
     SlotFile,
@@ -93,6 +94,7 @@ class Client:
         endpoint: Endpoint,
         gate: ISlotGate | None = None,
         random: Callable[[], float] = _random.random,
+        pacer: Pacer | None = None,
     ) -> None:
         """
         @param reactor: provides IReactorTime and IReactorUNIX; every wait uses it.
@@ -101,6 +103,8 @@ class Client:
         @param gate: where chats wait for their slot; a L{SlotGate} of
             C{limits.queue_depth} when not given.
         @param random: the jitter source of retries, returning floats in [0, 1).
+        @param pacer: the pacing of the endpoint's inferproxy, shared by the clients of the
+            models of one router (one socket, one inferproxy); a new one when not given.
         """
         self._reactor = reactor
         self.config = config
@@ -108,7 +112,7 @@ class Client:
         self.gate = gate if gate is not None else SlotGate(config.limits.queue_depth)
         self._random = random
         self._caps = http.HttpCaps(config.caps.header_bytes, config.caps.body_bytes)
-        self.pacer = Pacer.for_endpoint(reactor, endpoint)
+        self.pacer = pacer if pacer is not None else Pacer.for_endpoint(reactor, endpoint)
         self._open: http.Opener = PacedOpener(reactor, endpoint, self.pacer)
         self._slots_poll = SharedRequest(self._poll_slots)
         self._health = SharedRequest(self._check_health)
@@ -266,6 +270,26 @@ class Client:
             lambda completion: merge(delivered.prefix, guard.completion(completion))
         )
 
+    def _per_model(self, path: str) -> str:
+        """C{path} naming the model when the endpoint is a router's model (C{?model=})."""
+        model = self.endpoint.model
+        return model_path(path, model) if self.endpoint.router and model else path
+
+    def _model_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        """C{body} naming the model when the endpoint is a router's model (C{model})."""
+        model = self.endpoint.model
+        return {"model": model, **body} if self.endpoint.router and model else body
+
+    def router_models(self) -> Deferred[tuple[RouterModel, ...]]:
+        """
+        The models a router knows and whether each is loaded (its C{GET /v1/models},
+        L{parse_router_models}); fails as L{get_json} does, and with L{Protocol} for an
+        answer of another shape.
+        """
+        answer = self._get("GET", "/v1/models")
+        answer.addCallback(parse_router_models)
+        return answer
+
     def _get(
         self,
         method: str,
@@ -294,7 +318,7 @@ class Client:
         failing as L{get_json} does, or with a timeout after C{limits.poll_ms} (which aborts
         its connection).
         """
-        polling = self._get("GET", "/slots")
+        polling = self._get("GET", self._per_model("/slots"))
         polling.addTimeout(self.config.limits.poll_ms / 1000.0, self._reactor)
         return polling
 
@@ -322,7 +346,7 @@ class Client:
         """
         The server's C{/props}: chat template, per-slot context, number of slots.
         """
-        answer = self._get("GET", "/props")
+        answer = self._get("GET", self._per_model("/props"))
         answer.addCallback(_expect_object, "/props")
         return answer
 
@@ -330,7 +354,7 @@ class Client:
         """
         The server's C{/slots}: which slot is running a task.
         """
-        answer = self._get("GET", "/slots")
+        answer = self._get("GET", self._per_model("/slots"))
         answer.addCallback(parse_slots)
         return answer
 
@@ -338,7 +362,8 @@ class Client:
         """
         The token ids of C{text} (special tokens parsed, none added).
         """
-        answer = self._get("POST", "/tokenize", {"content": text, "add_special": False})
+        body = self._model_body({"content": text, "add_special": False})
+        answer = self._get("POST", "/tokenize", body)
 
         def tokens(value: object) -> list[int]:
             """
@@ -438,7 +463,7 @@ class Client:
     def _slot_file(self, action: SlotAction, slot: int, filename: str) -> Deferred[SlotFile]:
         """L{save_slot} or L{restore_slot}: the gate, then the request, then the release."""
         path = slot_action_path(slot, action)
-        body = {"filename": check_filename(filename)}
+        body = self._model_body({"filename": check_filename(filename)})
         waiting = self.gate.acquire(slot, _no_events)
         limit_ms = self.config.limits.liveness_ms
 

@@ -166,7 +166,8 @@ class FixtureTests(SynchronousTestCase):
             self.assertIn(f"\n{header}\n", text)
         keys = {"max_tokens", "cache_loss_tokens"}
         for cls in [*SECTION_TYPES.values(), Endpoint, Expect]:
-            keys |= {f.name for f in fields(cls)} - {"expect"}
+            # router is set by loopd on a router's model endpoints, not a key of the file.
+            keys |= {f.name for f in fields(cls)} - {"expect", "router"}
         for key in keys:
             self.assertIn(f"\n{key} = ", text, key)
 
@@ -260,6 +261,17 @@ class ValidDocumentTests(SynchronousTestCase):
         self.assertFalse(parse_config(EP + "selftest = false").endpoints[0].selftest)
         self.assertFalse(parse_config(OPENAI).endpoints[0].selftest)
         self.assertFalse(parse_config(OPENAI + "selftest = false").endpoints[0].selftest)
+
+    def test_router(self) -> None:
+        """A llama-server-router endpoint: its models, models_max, a self-test by default."""
+        router = EP + 'kind = "llama-server-router"\nmodels = ["a", "b:7b"]\nmodels_max = 1\n'
+        endpoint = parse_config(router).endpoints[0]
+        self.assertEqual(
+            (endpoint.kind, endpoint.models, endpoint.models_max, endpoint.selftest),
+            ("llama-server-router", ("a", "b:7b"), 1, True),
+        )
+        plain = parse_config(EP + 'kind = "llama-server-router"\n').endpoints[0]
+        self.assertEqual((plain.models, plain.models_max, plain.router), (None, None, None))
 
     def test_slot_save(self) -> None:
         """slot_save is off unless a llama-server endpoint says true; openai may say false."""
@@ -397,7 +409,7 @@ BAD_VALUES = [
         'a name other than "auto" and "mesh", which the gateway routes',
     ),
     ("endpoint.socket", '""', "a non-empty path string"),
-    ("endpoint.kind", '"vllm"', 'one of "llama-server", "openai"'),
+    ("endpoint.kind", '"vllm"', 'one of "llama-server", "llama-server-router", "openai"'),
     ("endpoint.model", '""', "a non-empty string"),
     ("endpoint.selftest", "1", "a boolean (true or false)"),
     ("endpoint.expect", "1", "a table"),
@@ -426,6 +438,8 @@ BAD_VALUES = [
     ("endpoint.affinity_priority", '"yes"', "a boolean (true or false)"),
     ("endpoint.slot_save", '"yes"', "a boolean (true or false)"),
     ("endpoint.slot_dir", '""', "a non-empty path string"),
+    ("endpoint.models", "[]", "a non-empty array of model ids"),
+    ("endpoint.models_max", "0", "a positive integer"),
     ("endpoint.slot_dir_bytes", "0", "an integer from 1 to 4611686018427387904"),
     ("endpoint.expect.n_ctx", '"8192"', "a positive integer"),
     ("endpoint.expect.total_slots", "0", "a positive integer"),
@@ -468,6 +482,17 @@ OTHER_PROBLEMS = [
         EP + 'group = "b"\n' + EP.replace("local", "b"),
         'endpoint[0].group: group "b" is the name of an endpoint (endpoint[1]): '
         "a model name must say which it means",
+    ),
+    (EP + 'models = ["a"]', "endpoint[0].models: only for a llama-server-router endpoint"),
+    (OPENAI + "models_max = 2", "endpoint[0].models_max: only for a llama-server-router endpoint"),
+    (
+        EP + 'kind = "llama-server-router"\nmodel = "a"',
+        "endpoint[0].model: not for a llama-server-router endpoint: each of its models is "
+        "named in models (or all it lists are served)",
+    ),
+    (
+        EP + 'kind = "llama-server-router"\nmodels = ["a", "a"]',
+        "endpoint[0].models: a model id is listed twice",
     ),
     (
         EP + "slot_save = true",
