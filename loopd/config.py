@@ -261,6 +261,7 @@ _ENDPOINT_RULES: Final[Mapping[str, Rule]] = {
     "slot_dir_bytes": integer(1, 2**62),
     "models": array_of(_endpoint_name, "a non-empty array of model ids", non_empty=True),
     "models_max": integer(1),
+    "swap_wait_ms": integer(1, INT32_MAX),
 }
 #: The keys only a llama-server-router endpoint takes.
 _ROUTER_ONLY: Final = ("models", "models_max")

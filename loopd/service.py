@@ -27,6 +27,7 @@ from loopd.access_token import load_or_create_token, token_path
 from loopd.gateway.leases import GatewayLeases
 from loopd.gateway.site import Gateway
 from loopd.gateway.slot_dir import open_slot_directories
+from loopd.gateway.swap_gate import RouterStart, router_starts
 from loopd.gateway.token_guard import TokenGuard
 from loopd.llama import Client
 from loopd.llama.retry import retry_loop
@@ -110,6 +111,8 @@ class LoopdService(Service):
         self.clients = {e.name: Client(reactor, config, e) for e in config.endpoints}
         #: The clients of the C{llama-server-router} endpoints, once their models are known.
         self.routers: dict[str, Client] = {}
+        #: What loopd knew of each router at start (capacity, loaded models, bound).
+        self.router_starts: dict[str, RouterStart] = {}
         self.gateway: Gateway | None = None
         self._port: IListeningPort | None = None
         self._tcp_port: IListeningPort | None = None
@@ -194,6 +197,7 @@ class LoopdService(Service):
             leases=leases,
             props=props_by_name,
             routers=self.routers,
+            router_starts=self.router_starts,
         )
         self.gateway.start()
         self._port = yield self._listen(self.gateway)
@@ -234,6 +238,14 @@ class LoopdService(Service):
         for name, client in routers.items():
             listed[name] = yield _ask_router(self._reactor, client)
         self.config = expand_routers(self.config, listed)
+        capacities = {}
+        for name, client in routers.items():
+            capacity = client.endpoint.models_max
+            if capacity is None:
+                capacity = yield _router_capacity(client)
+            capacities[name] = capacity
+        loaded = {name: [m.id for m in models if m.loaded] for name, models in listed.items()}
+        self.router_starts = router_starts(self.config.endpoints, capacities, loaded)
         clients = {}
         for endpoint in self.config.endpoints:
             router = routers.get(endpoint.router or "")
@@ -433,6 +445,28 @@ def _ask_router(reactor: IServiceReactor, client: Client) -> Deferred[tuple[Rout
         return _ROUTER_ASK_PAUSE
 
     return retry_loop(client.router_models, clock=reactor, pause=pause)
+
+
+@inlineCallbacks
+def _router_capacity(client: Client) -> Any:
+    """
+    How many models C{client}'s router keeps loaded, as its C{/props} says
+    (C{max_instances}; 0 there means no limit, taken as its model count); 1 when it does
+    not say.
+    """
+    try:
+        props = yield client.props()
+    except Exception as e:  # noqa: BLE001 - the capacity is a hint; 1 is the safe guess
+        _log.warn(
+            "router {router}: /props unavailable ({error}); assuming 1 model loaded at once",
+            router=client.endpoint.name,
+            error=e,
+        )
+        return 1
+    value = props.get("max_instances")
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return 1 if value is None else len(client.endpoint.models or ()) or 1
 
 
 #: Seconds between two asks of a router that does not answer yet.

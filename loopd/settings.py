@@ -195,6 +195,10 @@ class Endpoint:
     """A C{llama-server-router} endpoint only: how many of its models the router keeps
     loaded at once (its C{--models-max}); None: what its C{/props} says
     (C{max_instances})."""
+    swap_wait_ms: int = 30_000
+    """For a C{llama-server-router} endpoint (its models inherit it; other endpoints do not
+    use it): the longest a request for a model that is not loaded waits while the loaded
+    ones' sessions are mid-task, before it makes the router swap (> 0)."""
     router: str | None = None
     """Not a config key: set on the endpoint loopd makes of each model of a
     C{llama-server-router} endpoint (L{loopd.llama.router}), the router's name. Such an

@@ -258,6 +258,14 @@ class GatewayLeases:
         """
         return {h.session_key for (q, _), h in self._holds.items() if q == queue_key and h.granted}
 
+    def graced_contexts(self, queue_key: str) -> list[int]:
+        """
+        The context tokens of each session in its grace on C{queue_key} (its last
+        completion's): what those sessions would evaluate again if the endpoint lost its
+        caches now (a router's model swapped out).
+        """
+        return [h.context or 0 for h in self._graced if h.queue_key == queue_key]
+
     def stop(self) -> None:
         """
         Give every lease back and stop every timer (the daemon is stopping).

@@ -28,6 +28,7 @@ from loopd.gateway.probe import HealthProbes
 from loopd.gateway.request import GatewayRequest
 from loopd.gateway.router import AUTO_MODEL, AutoRouter, RandomSource, place
 from loopd.gateway.sessions import Sessions
+from loopd.gateway.swap_gate import RouterStart
 from loopd.gateway.token_count import CountTokens
 from loopd.gateway.upstream import Upstreams
 from loopd.gateway.web import Exchange, JsonRoute, Root
@@ -84,6 +85,7 @@ class Gateway:
         props: Mapping[str, object] | None = None,
         rng: RandomSource | None = None,
         routers: Mapping[str, Client] | None = None,
+        router_starts: Mapping[str, RouterStart] | None = None,
     ) -> None:
         """
         @param reactor: the clock of every timer (and, for the site, of its timeouts).
@@ -99,6 +101,8 @@ class Gateway:
         @param routers: the client of each C{llama-server-router} endpoint the config's
             model endpoints came from (L{loopd.llama.router}), by name: C{/v1/models} asks
             each which of its models are loaded.
+        @param router_starts: what loopd knew of each router at start (its capacity and
+            loaded models): its models' calls pass its swap gate.
         """
         self.reactor = reactor
         self.config = config
@@ -130,6 +134,7 @@ class Gateway:
             leases=leases,
             slot_counts=slot_counts,
             health=self.health,
+            routers=router_starts,
         )
         self.metrics.watch_slot_files(self.upstreams.slot_swap.counts)
         self.late_system = self.upstreams.late_system

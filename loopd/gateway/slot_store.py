@@ -193,6 +193,25 @@ class SlotStore:
         """C{session}'s request ran on C{slot}: the slot holds its conversation, unsaved."""
         self._residents[(endpoint, slot)] = _Resident(session, dirty=True)
 
+    def residents(self, endpoint: str) -> list[tuple[int, str, bool]]:
+        """
+        What each of C{endpoint}'s slots holds, as loopd knows it: C{(slot, session,
+        dirty)}, C{dirty} when it ran since its file was last written.
+        """
+        return [
+            (slot, held.session, held.dirty)
+            for (e, slot), held in self._residents.items()
+            if e == endpoint
+        ]
+
+    def emptied(self, endpoint: str) -> None:
+        """
+        Every slot of C{endpoint} lost what it held (its model was unloaded): sessions with
+        a file are restored when they come back.
+        """
+        for key in [key for key in self._residents if key[0] == endpoint]:
+            del self._residents[key]
+
     def forget(self, session: str) -> list[tuple[str, str]]:
         """
         C{session} is over: its files go, and no slot is saved for it any more.

@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Final
 
-from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, gatherResults, succeed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -137,6 +137,29 @@ class SlotSwap:
                 )
                 self._delete(self.store.restore_failed(endpoint, slot, session), "failed")
         self.store.completed(endpoint, slot, session)
+
+    def save_residents(self, endpoint: str) -> Deferred[None]:
+        """
+        C{endpoint}'s model is about to be unloaded (a router's swap): save the
+        conversation each of its slots holds (those run since their last save, of sessions
+        still kept) to their files, then count its slots empty, so that each session is
+        restored when it comes back. On an endpoint without C{slot_save} only the latter.
+        Fires when every save ended (a failed one is logged and passed over).
+        """
+        if not self.enabled(endpoint):
+            self.store.emptied(endpoint)
+            return succeed(None)
+        client = self._clients[endpoint]
+        saves = [
+            self._save(client, endpoint, slot, SlotPlan(session, filename(endpoint, session)))
+            for slot, session, dirty in self.store.residents(endpoint)
+            if dirty and self._keep(session)
+        ]
+
+        def emptied(ignored: object) -> None:
+            self.store.emptied(endpoint)
+
+        return gatherResults(saves).addCallback(emptied)
 
     def forget(self, session: str) -> None:
         """C{session} is over: its files are deleted on every endpoint (C{ended})."""

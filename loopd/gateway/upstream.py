@@ -47,7 +47,7 @@ Cancelling the Deferred of L{Upstreams.call} withdraws the lease wait or aborts 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, replace
 from typing import Final
 
@@ -71,6 +71,7 @@ from loopd.gateway.sessions import (
     conversation_key,
 )
 from loopd.gateway.slot_swap import SlotSwap
+from loopd.gateway.swap_gate import ModelSwaps, RouterStart
 from loopd.llama import Client, Flow
 from loopd.llama.retry import is_retryable
 from loopd.llama.slot_files import SlotFile
@@ -149,6 +150,7 @@ class Upstreams:
         leases: GatewayLeases | None = None,
         slot_counts: Mapping[str, int] | None = None,
         health: HealthBoard | None = None,
+        routers: Mapping[str, RouterStart] | None = None,
     ) -> None:
         """
         @param reactor: the clock of the lease wait and of the speed samples.
@@ -161,6 +163,8 @@ class Upstreams:
         @param slot_counts: each endpoint's number of slots (from its C{/props}); an
             endpoint not named uses its C{expect.total_slots}, else 1.
         @param health: the endpoints' health, fed by every call's outcome (L{call}).
+        @param routers: the routers whose models the config's endpoints are, each with what
+            loopd knew of it at start: their calls pass the swap gate (L{ModelSwaps}).
         """
         self.reactor = reactor
         self.health = health
@@ -175,6 +179,16 @@ class Upstreams:
         self.slot_swap = SlotSwap(
             self.clients, lambda s: sessions.last_slot(s) is not None, config.cache_loss_tokens
         )
+        #: The swap gates of the routers' models; None without routers.
+        self.swaps: ModelSwaps | None = None
+        if routers:
+            self.swaps = ModelSwaps(
+                reactor,
+                routers,
+                config.queue.grace_ms,
+                self._swap_reprefill,
+                self.slot_swap.save_residents,
+            )
         #: Where each endpoint's template puts system messages after the first (decision 43).
         self.late_system = LateSystem(reactor, self.clients, config.limits.poll_ms)
         # The endpoint of each session's last completion, most recent last, bounded like the
@@ -185,6 +199,17 @@ class Upstreams:
         self._backing_off: dict[str, set[_LeasedCall]] = {}
         if health is not None:
             health.watch(self._health_changed)
+
+    def _swap_reprefill(self, endpoint: str) -> float:
+        """
+        The seconds the sessions in their grace on C{endpoint} would spend evaluating their
+        prompts again if its model were unloaded now; none with slot files (they are
+        restored) or without leases (no session is known to be mid-task).
+        """
+        if self.leases is None or self.slot_swap.enabled(endpoint):
+            return 0.0
+        speed = self.leases.costs.costs(endpoint).prompt_tokens_per_second
+        return sum(self.leases.graced_contexts(endpoint)) / speed
 
     def slot_count(self, endpoint: str) -> int:
         """How many slots endpoint C{endpoint} has."""
@@ -238,7 +263,37 @@ class Upstreams:
         once, while this call may still retry; a caller that can go elsewhere narrows
         C{retryable} not to retry such a failure (DESIGN decision 38). A completion tells the
         board that the endpoint answers.
+
+        A call to a router's model first waits at its router's swap gate
+        (L{loopd.gateway.swap_gate}) until a swap is worth it or its bound is reached.
         """
+        settings = self.config.endpoint(endpoint)
+        if self.swaps is None or settings.router is None:
+            return self._call_now(endpoint, request, keys, on_event, retryable, flow)
+        swaps = self.swaps
+
+        def go(key: Hashable) -> Deferred[Completion]:
+            calling = self._call_now(endpoint, request, keys, on_event, retryable, flow)
+
+            def ended(result: Completion | Failure) -> Completion | Failure:
+                timings = result.timings if isinstance(result, Completion) else None
+                swaps.done(settings, key, timings)
+                return result
+
+            return calling.addBoth(ended)
+
+        return swaps.admit(settings, on_event).addCallback(go)
+
+    def _call_now(
+        self,
+        endpoint: str,
+        request: ChatRequest,
+        keys: CallKeys,
+        on_event: EventSink,
+        retryable: Callable[[BaseException], bool],
+        flow: Flow | None,
+    ) -> Deferred[Completion]:
+        """L{call} once its router (if any) lets it go: the leased call, told to the board."""
         if self.health is None:
             return _LeasedCall(self, endpoint, request, keys, on_event, retryable, flow).start()
         telling = self._telling(endpoint, retryable)

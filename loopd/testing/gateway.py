@@ -35,6 +35,7 @@ from twisted.python.failure import Failure
 from loopd.gateway.leases import GatewayLeases
 from loopd.gateway.router import RandomSource
 from loopd.gateway.site import Gateway
+from loopd.gateway.swap_gate import RouterStart
 from loopd.llama import Client
 from loopd.queue.host import QueueHost
 from loopd.settings import Config, Endpoint, Expect, Limits, Retry, Server
@@ -249,6 +250,7 @@ class GatewayHarness:
         slot_counts: Mapping[str, int] | None = None,
         props: Mapping[str, object] | None = None,
         rng: RandomSource | None = None,
+        router_starts: Mapping[str, RouterStart] | None = None,
     ) -> None:
         """
         A fresh clock, network, fakes and gateway.
@@ -262,6 +264,9 @@ class GatewayHarness:
             endpoint's C{expect.total_slots}, else 1).
         @param props: each endpoint's C{/props} body for the C{auto} router, by name.
         @param rng: the C{auto} router's random source (default: a random one).
+        @param router_starts: the routers whose models the config's endpoints are (their
+            C{router} field), each as loopd found it at start: their calls pass the swap
+            gate. Each model keeps a fake of its own here.
         """
         self.reactor = MemoryLoopdReactor()
         self.net = MemoryNet(self.reactor)
@@ -290,6 +295,7 @@ class GatewayHarness:
             leases=self.leases,
             props=props,
             rng=rng,
+            router_starts=router_starts,
         )
         self.site = self.gateway.site()
 
