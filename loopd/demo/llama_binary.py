@@ -253,14 +253,16 @@ def ensure_llama_server(
     box = Machine() if machine is None else machine
     chosen = env.get(BINARY_ENV)
     if chosen:
-        return _check_chosen(chosen, env, box)
+        found = _check_chosen(chosen, env, box)
+        progress(f"llama-server {VERSION}: {found} (from {BINARY_ENV})")
+        return found
     directory = cache_root(env) / VERSION
     binary = directory / "bin" / "llama-server"
-    if _built(directory):
-        return str(binary)
-    with _locked(directory.with_name(VERSION + ".lock"), progress):
-        if not _built(directory):
-            _build(directory, env, box, progress)
+    if not _built(directory):
+        with _locked(directory.with_name(VERSION + ".lock"), progress):
+            if not _built(directory):
+                _build(directory, env, box, progress)
+    progress(f"llama-server {VERSION}: {binary}")
     return str(binary)
 
 

@@ -256,7 +256,8 @@ class BuildTests(SynchronousTestCase):
             ["build.log", "configure.log", "download.log"],
         )
         self.assertTrue(any("building" in line for line in self.lines), self.lines)
-        self.assertIn("ready", self.lines[-1])
+        self.assertIn("ready", self.lines[-2])
+        self.assertEqual(self.lines[-1], f"llama-server b11434: {found}")
 
     def test_second_call_builds_nothing(self) -> None:
         """Once stamped, the binary is found again without running anything."""
