@@ -186,6 +186,13 @@ def _text(data: bytes | str) -> str:
     return data if isinstance(data, str) else data.decode("utf-8", "replace")
 
 
+def _cpus() -> int:
+    """The CPUs this process may run on (C{nproc}'s count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1  # pragma: no cover - not Linux
+
+
 def _effective_uid() -> int:
     """This process's effective user id."""
     return os.geteuid()
@@ -200,14 +207,14 @@ class Machine:
     @ivar which: the path of a program on C{PATH}, or None (C{shutil.which}).
     @ivar euid: this process's effective user id (root: it may C{apt-get install}).
     @ivar python: the Python whose pip downloads the source.
-    @ivar cpus: how many build jobs to run.
+    @ivar cpus: how many build jobs to run (the CPUs this process may use).
     """
 
     run: Runner = run_step
     which: Callable[[str], str | None] = shutil.which
     euid: Callable[[], int] = _effective_uid
     python: str = sys.executable
-    cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
+    cpus: int = field(default_factory=_cpus)
 
 
 def _silent(line: str) -> None:

@@ -118,7 +118,7 @@ def write_models_dir(directory: str, names: Sequence[str]) -> list[str]:
     paths = []
     for name in names:
         companion = "mmproj" in name or name.startswith(("mtp-", "dspark-", "dflash-"))
-        if companion or not name or "/" in name or name.startswith("."):
+        if companion or not name or "/" in name or name.startswith(".") or ".gguf" in name:
             raise ValueError(f"{name!r} is not a model name a router lists")
         path = os.path.join(directory, f"{name}.gguf")
         write_tiny_model(path, think_forever=name.endswith("-think"))

@@ -123,7 +123,17 @@ class ModelsDirTests(SynchronousTestCase):
 
     def test_companion_names_refused(self) -> None:
         """Names the router takes for a projector or a draft model, or no name, are refused."""
-        for name in ("mmproj-x", "x-mmproj", "mtp-x", "dspark-x", "dflash-x", "", "a/b", ".x"):
+        for name in (
+            "mmproj-x",
+            "x-mmproj",
+            "mtp-x",
+            "dspark-x",
+            "dflash-x",
+            "",
+            "a/b",
+            ".x",
+            "x.gguf",
+        ):
             self.assertRaises(ValueError, write_models_dir, self.directory, [name])
         self.assertEqual(self._files(), [])
 
