@@ -1,6 +1,6 @@
 """
 llama-server's router mode end to end (issue 27): the genuine C{llama-server} b11434, from
-the kit's cache (L{loopd.demo.llama_binary}: built there on first use, 7-9 minutes), serving
+the kit's cache (L{loopd.demo.llama_binary}: built there on first use, 6-9 minutes), serving
 a models dir of two tiny models with at most one loaded, behind a real C{twist inferproxy};
 chats go through the inferproxy's Unix socket, as loopd's would.
 

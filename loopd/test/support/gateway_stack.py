@@ -63,7 +63,7 @@ WEATHER = {
     },
 }
 HI = [{"role": "user", "content": "Hi"}]
-#: Seconds a test that may build llama-server first may take: the build (7-9 minutes on
+#: Seconds a test that may build llama-server first may take: the build (6-9 minutes on
 #: 2 cores, longer on a loaded machine) and the apt-get of its tools, with room.
 BUILD_TEST_TIMEOUT = 2400
 _log = Logger(namespace="loopd.test.gateway_stack")
