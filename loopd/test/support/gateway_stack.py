@@ -1,9 +1,11 @@
 """
 The real gateway stack of the process-level tests (L{test.test_gateway_e2e},
 L{test.test_loopd_queue_e2e}, L{test.test_mesh_e2e}): a real llama.cpp server (xllamacpp)
-with the project's tiny model behind a C{twist inferproxy} (L{serve_behind_proxy}), the
-loopd.toml of a C{twist loopd} in front of it (L{loopd_toml}), a raw HTTP client
-(L{RawStream}), and the HTTP transport module of the C{openai} SDK (L{httpx}).
+with the project's tiny model behind a C{twist inferproxy} (L{serve_behind_proxy}), or the
+genuine llama-server in router mode over several tiny models behind one
+(L{serve_router_behind_proxy}, L{test.test_router_e2e}), the loopd.toml of a C{twist loopd}
+in front of it (L{loopd_toml}), a raw HTTP client (L{RawStream}), and the HTTP transport
+module of the C{openai} SDK (L{httpx}).
 
 Importing it without the test extra raises C{SkipTest}, so a test module that imports it is
 skipped, not broken.
@@ -20,6 +22,8 @@ from typing import Any
 
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.protocol import Protocol
+from twisted.internet.threads import deferToThread
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SkipTest, TestCase
 
@@ -29,7 +33,9 @@ from loopd.test.support.twist import spawn_twist, stop_twist
 try:
     import openai
 
+    from loopd.demo.llama_binary import ensure_llama_server
     from loopd.demo.real_server import RealServer
+    from loopd.demo.router_server import RouterServer, write_models_dir
     from loopd.demo.tiny_model import write_tiny_model
 except ImportError as e:  # pragma: no cover - the test extra is not installed
     raise SkipTest(f"the real gateway stack needs the test extra: {e}") from None
@@ -57,6 +63,10 @@ WEATHER = {
     },
 }
 HI = [{"role": "user", "content": "Hi"}]
+#: Seconds a test that may build llama-server first may take: the build (6-9 minutes on
+#: 2 cores, longer on a loaded machine) and the apt-get of its tools, with room.
+BUILD_TEST_TIMEOUT = 2400
+_log = Logger(namespace="loopd.test.gateway_stack")
 
 
 def loopd_toml(listen: str, socket: str, expect: dict[str, Any] | None, long: bool) -> str:
@@ -107,6 +117,55 @@ def serve_behind_proxy(
     test.addCleanup(stop_twist, proxy)
     yield proxy.ready
     return directory, server, infer
+
+
+def ensure_binary() -> Deferred[str]:
+    """
+    L{ensure_llama_server} in a thread (it blocks, for minutes when it builds), its progress
+    in the test log: fires with the path of llama-server b11434, or fails with
+    L{loopd.demo.llama_binary.LlamaBuildError} and the reason.
+    """
+    reactor = real_reactor()
+
+    def progress(line: str) -> None:
+        reactor.callFromThread(_log.info, "llama-server kit: {line}", line=line)
+
+    return deferToThread(ensure_llama_server, progress)
+
+
+@inlineCallbacks
+def serve_router_behind_proxy(
+    test: TestCase, n_models: int, models_max: int, **options: Any
+) -> Any:
+    """
+    The genuine llama-server b11434 (L{ensure_binary}: from the cache, built there first when
+    missing) in router mode over a models dir of C{n_models} fresh tiny models (C{tiny1},
+    C{tiny2}, ...), at most C{models_max} loaded at once, and a C{twist inferproxy} in front
+    of it, in a short temp dir; all removed after C{test}. Fires with the dir, the
+    L{RouterServer}, the inferproxy's socket and the model names.
+
+    @param options: more of L{RouterServer}'s options (C{n_ctx}, C{parallel},
+        C{cache_ram_mib}, C{slot_save_path}, C{autoload}, ...).
+    """
+    binary = yield ensure_binary()
+    reactor = real_reactor()
+    directory = tempfile.mkdtemp(prefix="lr", dir="/tmp")
+    test.addCleanup(shutil.rmtree, directory, True)
+    infer = os.path.join(directory, "infer.sock")
+    names = [f"tiny{index}" for index in range(1, n_models + 1)]
+    models = os.path.join(directory, "models")
+    write_models_dir(models, names)
+    server = RouterServer(reactor, binary, models, models_max=models_max, **options)
+    test.addCleanup(server.stop)
+    port = yield server.start()
+    proxy = spawn_twist(
+        reactor,
+        b"inferproxy listening on",
+        *("inferproxy", "--listen", infer, "--upstream", f"127.0.0.1:{port}"),
+    )
+    test.addCleanup(stop_twist, proxy)
+    yield proxy.ready
+    return directory, server, infer, names
 
 
 class RawStream(Protocol):
