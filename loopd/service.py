@@ -113,6 +113,9 @@ class LoopdService(Service):
         self.routers: dict[str, Client] = {}
         #: What loopd knew of each router at start (capacity, loaded models, bound).
         self.router_starts: dict[str, RouterStart] = {}
+        self._capacities: dict[str, int] = {}
+        # Each router model's slot count, from the arguments its router starts it with.
+        self._router_slots: dict[str, int] = {}
         self.gateway: Gateway | None = None
         self._port: IListeningPort | None = None
         self._tcp_port: IListeningPort | None = None
@@ -174,10 +177,12 @@ class LoopdService(Service):
         for report in reports:
             for line in report.lines():
                 _log.info("selftest {endpoint}: {line}", endpoint=report.endpoint, line=line)
-        slot_counts = {}
+        slot_counts = dict(self._router_slots)
         props_by_name: dict[str, object] = {}
+        yield self._router_loaded()
         for name, client in self.clients.items():
-            if client.endpoint.kind == "llama-server":
+            # A router's model is not asked: /props would load it (and evict another).
+            if client.endpoint.kind == "llama-server" and client.endpoint.router is None:
                 try:
                     props = yield client.props()
                     slot_counts[name] = int(props.get("total_slots") or 1)
@@ -244,8 +249,10 @@ class LoopdService(Service):
             if capacity is None:
                 capacity = yield _router_capacity(client)
             capacities[name] = capacity
-        loaded = {name: [m.id for m in models if m.loaded] for name, models in listed.items()}
-        self.router_starts = router_starts(self.config.endpoints, capacities, loaded)
+        self._capacities = capacities
+        self._router_slots = {
+            m.id: m.slots for models in listed.values() for m in models if m.slots is not None
+        }
         clients = {}
         for endpoint in self.config.endpoints:
             router = routers.get(endpoint.router or "")
@@ -262,6 +269,22 @@ class LoopdService(Service):
                 clients[endpoint.name] = self.clients[endpoint.name]
         self.clients = clients
         self.routers = routers
+
+    @inlineCallbacks
+    def _router_loaded(self) -> Any:
+        """
+        Which models each router has loaded now (after the self-test, which loads each
+        model it checks): the swap gates start from it (L{router_starts}).
+        """
+        loaded = {}
+        for name, client in self.routers.items():
+            try:
+                models = yield client.router_models()
+            except Exception as e:  # noqa: BLE001 - the gate learns from the requests too
+                _log.warn("router {router}: /v1/models: {error}", router=name, error=e)
+                models = ()
+            loaded[name] = [m.id for m in models if m.loaded]
+        self.router_starts = router_starts(self.config.endpoints, self._capacities, loaded)
 
     def _start_queue(self, slot_counts: dict[str, int]) -> GatewayLeases:
         """

@@ -50,11 +50,14 @@ class RouterModel:
     @ivar status: C{loaded}, C{loading}, C{unloaded}, C{sleeping} (the router's
         C{status.value}), or C{unknown} when it said none.
     @ivar failed: its last load failed.
+    @ivar slots: the slots its server gets (the C{--parallel} or C{-np} of the arguments the
+        router starts it with), when they say.
     """
 
     id: str
     status: str = "unknown"
     failed: bool = False
+    slots: int | None = None
 
     @property
     def loaded(self) -> bool:
@@ -80,8 +83,19 @@ def parse_router_models(value: object) -> tuple[RouterModel, ...]:
         status = entry.get("status")
         named = status.get("value") if isinstance(status, dict) else None
         failed = isinstance(status, dict) and status.get("failed") is True
-        models.append(RouterModel(model_id, named if isinstance(named, str) else "unknown", failed))
+        args = status.get("args") if isinstance(status, dict) else None
+        slots = _parallel(args) if isinstance(args, list) else None
+        named = named if isinstance(named, str) else "unknown"
+        models.append(RouterModel(model_id, named, failed, slots))
     return tuple(models)
+
+
+def _parallel(args: list[object]) -> int | None:
+    """The slot count a model server's arguments give (C{--parallel N} or C{-np N})."""
+    for flag, value in zip(args, args[1:], strict=False):
+        if flag in ("--parallel", "-np") and isinstance(value, str) and value.isdigit():
+            return int(value) or None
+    return None
 
 
 def model_path(path: str, model: str) -> str:

@@ -36,7 +36,11 @@ REQUEST = ChatRequest(slot=0, messages=(User("Hi"),))
 LISTED = {
     "object": "list",
     "data": [
-        {"id": "tiny", "object": "model", "status": {"value": "loaded", "args": []}},
+        {
+            "id": "tiny",
+            "object": "model",
+            "status": {"value": "loaded", "args": ["-m", "x", "--parallel", "2"]},
+        },
         {"id": "tiny-b", "object": "model", "status": {"value": "unloaded", "failed": True}},
         {"id": "odd", "object": "model"},
     ],
@@ -51,7 +55,7 @@ class ListTests(SynchronousTestCase):
         self.assertEqual(
             parse_router_models(LISTED),
             (
-                RouterModel("tiny", "loaded"),
+                RouterModel("tiny", "loaded", slots=2),
                 RouterModel("tiny-b", "unloaded", failed=True),
                 RouterModel("odd", "unknown"),
             ),
