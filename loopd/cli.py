@@ -109,7 +109,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--port", metavar="N", type=int, default=0, help="the llama.cpp server's port (0: any)"
     )
+    demo.add_argument(
+        "--models",
+        metavar="N",
+        type=_demo_models,
+        default=0,
+        help="serve N tiny models (2 to 9) from one llama-server in router mode, one loaded "
+        "at a time; the genuine llama-server is built into a cache the first time (minutes)",
+    )
     return parser
+
+
+def _demo_models(value: str) -> int:
+    """C{--models}: a whole number from 2 to 9."""
+    if not value.isdigit() or not 2 <= int(value) <= 9:
+        raise argparse.ArgumentTypeError(f"expected a number of models from 2 to 9, got {value!r}")
+    return int(value)
 
 
 def main(argv: Sequence[str] | None = None, *, run: Runner | None = None) -> int:
@@ -155,7 +170,11 @@ def main(argv: Sequence[str] | None = None, *, run: Runner | None = None) -> int
     from loopd.demo.run import run_demo
 
     tty = sys.stdout.isatty()
-    return runner(lambda reactor: run_demo(reactor, out, once=args.once, port=args.port, tty=tty))
+    return runner(
+        lambda reactor: run_demo(
+            reactor, out, once=args.once, port=args.port, tty=tty, models=args.models
+        )
+    )
 
 
 def queue_socket(explicit: str | None, agent: str | None) -> str:

@@ -20,6 +20,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SkipTest, TestCase
 
 from loopd.demo.run import DemoStack
+from loopd.test.support.gateway_stack import BUILD_TEST_TIMEOUT, ensure_binary
 from loopd.test.support.peers import real_reactor
 
 _MISSING = [name for name in ("gguf", "xllamacpp") if importlib.util.find_spec(name) is None]
@@ -79,11 +80,11 @@ class Command(ProcessProtocol):
         self.ended.callback(0 if reason.check(ProcessDone) else value.exitCode)
 
 
-def run_loopd(*args: str, pty: bool = False) -> Command:
-    """Start C{loopd ARGS...}, in a pseudo-terminal if C{pty}."""
+def run_loopd(*args: str, pty: bool = False, **environ: str) -> Command:
+    """Start C{loopd ARGS...}, in a pseudo-terminal if C{pty}, C{environ} added."""
     command = Command()
     argv = [*LOOPD, *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **environ)
     real_reactor().spawnProcess(command, argv[0], argv, env=env, usePTY=pty)
     return command
 
@@ -102,9 +103,9 @@ class CommandEndToEndTests(TestCase):
 
     timeout = 180
 
-    def spawn(self, *args: str, pty: bool = False) -> Command:
+    def spawn(self, *args: str, pty: bool = False, **environ: str) -> Command:
         """Start C{loopd ARGS...}, killed at cleanup if still running."""
-        command = run_loopd(*args, pty=pty)
+        command = run_loopd(*args, pty=pty, **environ)
         self.addCleanup(stop, command)
         return command
 
@@ -131,6 +132,27 @@ class CommandEndToEndTests(TestCase):
         directory = re.search(r"building the tiny model in (\S+)", output)
         assert directory is not None
         self.assertFalse(os.path.exists(directory.group(1)))
+
+    @inlineCallbacks
+    def test_demo_router_once(self) -> Any:
+        """
+        C{loopd demo --once --models 2}: the genuine llama-server in router mode (the kit's
+        binary), loopd serving both tiny models, each self-tested, a chat with each (the
+        second one a swap), loopd's /v1/models showing the second loaded; exit 0.
+        """
+        binary = yield ensure_binary()
+        demo = self.spawn("demo", "--once", "--models", "2", LOOPD_LLAMA_SERVER=binary)
+        status = yield demo.ended.addTimeout(120, real_reactor())
+        output = demo.output.decode("utf-8", "replace")
+        self.assertEqual(status, 0, output)
+        self.assertIn("starting llama-server in router mode (--models-max 1)", output)
+        for model in ("tiny1", "tiny2"):
+            self.assertIn(f"{model}: PASS cache", output)
+            self.assertIn(f"(each one a swap): {model}", output)
+        self.assertEqual(output.count(ANSWER.decode()), 2)
+        self.assertIn("loopd's /v1/models: tiny1 unloaded, tiny2 loaded", output)
+
+    test_demo_router_once.timeout = BUILD_TEST_TIMEOUT  # type: ignore[attr-defined]
 
     @inlineCallbacks
     def test_chat_in_a_terminal(self) -> Any:

@@ -34,7 +34,9 @@ from loopd.chatloop import stream_turn
 from loopd.chatui import Conversation, TurnView
 from loopd.config import load_config
 from loopd.demo.children import Child, ChildFailed, spawn_twist, stop_child
+from loopd.demo.llama_binary import ensure_llama_server
 from loopd.demo.real_server import RealServer
+from loopd.demo.router_server import RouterServer, write_models_dir
 from loopd.digest import sha256_hex
 from loopd.reactor import ILoopdReactor
 from loopd.selftest import require_selftests
@@ -42,6 +44,7 @@ from loopd.selftest import require_selftests
 __all__ = [
     "DemoStack",
     "render_config",
+    "render_router_config",
     "run_demo",
     "selftest_lines_from_log",
     "serving_text",
@@ -114,6 +117,46 @@ def render_config(
     return "\n".join(lines) + "\n"
 
 
+def render_router_config(
+    *,
+    endpoint_socket: str,
+    listen_socket: str,
+    slot_dir: str,
+    tcp: str | None = None,
+    token_file: str | None = None,
+) -> str:
+    """
+    The loopd.toml of C{loopd demo --models N}: one C{llama-server-router} endpoint behind
+    C{endpoint_socket} whose models loopd serves under their ids, one loaded at a time, its
+    slots saved to C{slot_dir} across swaps; the gateway as L{render_config}'s.
+    """
+    lines = [
+        "# Written by `loopd demo --models N`: one llama-server in router mode, several tiny",
+        "# models, at most one loaded at a time, behind an inferproxy.",
+        "[server]",
+        f"listen = {json.dumps('unix:' + listen_socket.replace(':', chr(92) + ':'))}",
+    ]
+    if tcp is not None:
+        lines.append(f"tcp = {json.dumps(tcp)}")
+    if token_file is not None:
+        lines.append(f"token_file = {json.dumps(token_file)}")
+    lines += [
+        "",
+        "[[endpoint]]",
+        'name = "router"',
+        'kind = "llama-server-router"',
+        f"socket = {json.dumps(endpoint_socket)}",
+        "models_max = 1",
+        "swap_wait_ms = 5000",
+        "slot_save = true",
+        f"slot_dir = {json.dumps(slot_dir)}",
+        f"proxy_burst = {PROXY_LIMITS['burst']}",
+        f"proxy_refill_per_second = {float(PROXY_LIMITS['refill'])}",
+        f"proxy_max_connections = {PROXY_LIMITS['max_connections']}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def tcp_url_from_log(lines: list[str]) -> str | None:
     """The TCP listener's URL in C{twist loopd}'s log (C{http://127.0.0.1:PORT}), or None."""
     for line in lines:
@@ -161,11 +204,15 @@ class DemoStack:
         port: int = 0,
         start_timeout: float = 60.0,
         stop_grace: float = 10.0,
+        models: int = 0,
     ) -> None:
         """
         @param reactor: provides IReactorProcess, IReactorTime and IReactorUNIX.
         @param write: where the steps are told.
         @param port: the llama.cpp server's port (0: any free one).
+        @param models: 0: one tiny model on the C{xllamacpp} server; N: N tiny models on
+            the genuine C{llama-server} in router mode, one loaded at a time (the binary
+            built into its cache first when missing, L{ensure_llama_server}).
         """
         self._reactor = reactor
         self._write = write
@@ -174,6 +221,11 @@ class DemoStack:
         self._stop_grace = stop_grace
         self.directory = _short_tempdir()
         self.model_path = os.path.join(self.directory, "tiny.gguf")
+        self.models_dir = os.path.join(self.directory, "models")
+        self.slot_dir = os.path.join(self.directory, "slots")
+        #: The models sessions ask for: C{tiny}, or C{tiny1} ... C{tinyN} of the router.
+        self.model_names = [f"tiny{n}" for n in range(1, models + 1)] if models else [MODEL]
+        self._binary: str | None = None
         self.infer_socket = os.path.join(self.directory, "infer.sock")
         self.loopd_socket = os.path.join(self.directory, "loopd.sock")
         self.config_path = os.path.join(self.directory, "loopd.toml")
@@ -182,7 +234,7 @@ class DemoStack:
         self.proxy_log = os.path.join(self.directory, "inferproxy.log")
         self.tcp_url: str | None = None
         self.token: str | None = None
-        self.server: RealServer | None = None
+        self.server: RealServer | RouterServer | None = None
         self.proxy: Child | None = None
         self.loopd: Child | None = None
         self.selftest_lines: list[str] = []
@@ -210,8 +262,15 @@ class DemoStack:
     @inlineCallbacks
     def start(self) -> Generator[Deferred[Any], Any, None]:
         """Steps 1 to 5: everything up to a gateway that passed its self-test."""
-        yield self._step(1, f"building the tiny model in {self.directory}", self._build_model)
-        port = yield self._step(2, "starting a llama.cpp server", self._start_server)
+        if self.routed:
+            what = f"building {len(self.model_names)} tiny models and finding llama-server"
+            yield self._step(1, what, self._build_models)
+            title = "starting llama-server in router mode (--models-max 1)"
+        else:
+            what = f"building the tiny model in {self.directory}"
+            yield self._step(1, what, self._build_model)
+            title = "starting a llama.cpp server"
+        port = yield self._step(2, title, self._start_server)
         self._write(f"      listening on 127.0.0.1:{port}\n")
         yield self._step(3, "starting twist inferproxy", self._start_proxy)
         self._write(f"      {self.infer_socket} -> 127.0.0.1:{port}, log {self.proxy_log}\n")
@@ -237,8 +296,46 @@ class DemoStack:
         write_tiny_model(self.model_path)
         return succeed(None)
 
+    @property
+    def routed(self) -> bool:
+        """Whether the demo runs a router with several models."""
+        return self.model_names != [MODEL]
+
+    def _build_models(self) -> Deferred[None]:
+        """
+        Step 1 of the router demo: the genuine llama-server (from its cache; built there
+        the first time, minutes, its progress told) and a models dir of tiny models.
+
+        @raise RuntimeError: the demo's extra (C{gguf}) is not installed.
+        """
+        try:
+            from loopd.demo.tiny_model import write_tiny_model  # noqa: F401 - gguf present
+        except ImportError as e:
+            raise RuntimeError(f"{e}: pip install 'loopd[demo]'") from None
+        self._write("\n")
+        self._binary = ensure_llama_server(lambda line: self._write(f"      {line}\n"))
+        self._write(f"      {self._binary}\n")
+        write_models_dir(self.models_dir, self.model_names)
+        os.mkdir(self.slot_dir, 0o700)
+        return succeed(None)
+
     def _start_server(self) -> Deferred[int]:
         """Step 2: start the llama.cpp server; fires with its port."""
+        if self.routed:
+            assert self._binary is not None
+            router = RouterServer(
+                self._reactor,
+                self._binary,
+                self.models_dir,
+                models_max=1,
+                port=self._port,
+                n_ctx=CONTEXT,
+                parallel=SLOTS,
+                slot_save_path=self.slot_dir,
+                start_timeout=self._start_timeout,
+            )
+            self.server = router
+            return router.start()
         self.server = RealServer(
             self._reactor,
             self.model_path,
@@ -273,17 +370,26 @@ class DemoStack:
 
         @raise RuntimeError: C{/props} answered another status than 200.
         """
-        response = yield http.request(self._reactor, self.infer_socket, "GET", "/props")
-        raw = yield response.read_body()
-        if response.status != 200:
-            raise RuntimeError(f"/props answered HTTP {response.status}: {raw[:200]!r}")
-        config = render_config(
-            endpoint_socket=self.infer_socket,
-            listen_socket=self.loopd_socket,
-            props=json.loads(raw),
-            tcp="127.0.0.1:0",
-            token_file=self.token_path,
-        )
+        if self.routed:
+            config = render_router_config(
+                endpoint_socket=self.infer_socket,
+                listen_socket=self.loopd_socket,
+                slot_dir=self.slot_dir,
+                tcp="127.0.0.1:0",
+                token_file=self.token_path,
+            )
+        else:
+            response = yield http.request(self._reactor, self.infer_socket, "GET", "/props")
+            raw = yield response.read_body()
+            if response.status != 200:
+                raise RuntimeError(f"/props answered HTTP {response.status}: {raw[:200]!r}")
+            config = render_config(
+                endpoint_socket=self.infer_socket,
+                listen_socket=self.loopd_socket,
+                props=json.loads(raw),
+                tcp="127.0.0.1:0",
+                token_file=self.token_path,
+            )
         with open(self.config_path, "w", encoding="utf-8") as f:
             f.write(config)
         args = ["loopd", "--config", self.config_path]
@@ -327,11 +433,38 @@ class DemoStack:
             log_path=log_path,
         )
 
-    def chat(self, question: str, *, tty: bool = False) -> Deferred[TurnView]:
-        """Step 6: ask C{question} through loopd.sock, the answer streamed as it comes."""
-        self._write(f"6/{STEPS} one streamed chat through loopd.sock\n")
+    @inlineCallbacks
+    def chat(self, question: str, *, tty: bool = False) -> Generator[Deferred[Any], Any, TurnView]:
+        """
+        Step 6: ask C{question} through loopd.sock, the answer streamed as it comes; with
+        a router, of each model in turn (each one a swap), then show which model the
+        router has loaded as loopd lists them.
+        """
+        if not self.routed:
+            only: TurnView = yield self._chat(
+                MODEL, question, tty, "one streamed chat through loopd.sock"
+            )
+            return only
+        title = "one streamed chat per model through loopd.sock (each one a swap)"
+        view: TurnView | None = None
+        for model in self.model_names:
+            view = yield self._chat(model, question, tty, f"{title}: {model}")
+            assert view is not None
+            if not view.succeeded:
+                return view
+        response = yield http.request(self._reactor, self.loopd_socket, "GET", "/v1/models")
+        listed = json.loads((yield response.read_body()))
+        status = {m["id"]: m.get("status") for m in listed["data"] if m.get("router")}
+        shown = ", ".join(f"{model} {state}" for model, state in status.items())
+        self._write(f"      loopd's /v1/models: {shown}\n")
+        assert view is not None
+        return view
+
+    def _chat(self, model: str, question: str, tty: bool, title: str) -> Deferred[TurnView]:
+        """One streamed chat of C{question} with C{model}, told as step 6."""
+        self._write(f"6/{STEPS} {title}\n")
         self._write(f"you> {question}\n")
-        body = Conversation(model=MODEL).ask(question)
+        body = Conversation(model=model).ask(question)
         started = self._reactor.seconds()
         turn = stream_turn(
             self._reactor,
@@ -412,16 +545,23 @@ def _reason(failure: Failure) -> str:
 
 @inlineCallbacks
 def run_demo(
-    reactor: ILoopdReactor, write: Write, *, once: bool = False, port: int = 0, tty: bool = False
+    reactor: ILoopdReactor,
+    write: Write,
+    *,
+    once: bool = False,
+    port: int = 0,
+    tty: bool = False,
+    models: int = 0,
 ) -> Generator[Deferred[Any], Any, int]:
     """
     Run the demo: start the stack, one streamed chat, then serve until Ctrl-C (or stop at
-    once with C{once}). Everything is stopped and removed whatever happens.
+    once with C{once}). Everything is stopped and removed whatever happens. With
+    C{models}, a router serves that many tiny models (L{DemoStack}).
 
     @return: fires with 0 on success (Ctrl-C included once serving), 1 when a step failed,
         130 when Ctrl-C came before the stack was up.
     """
-    stack = DemoStack(reactor, write, port=port)
+    stack = DemoStack(reactor, write, port=port, models=models)
     serving: Deferred[int] = Deferred()
     interrupted = []
 
@@ -475,15 +615,16 @@ def serving_text(stack: DemoStack) -> str:
     them with, and where the logs are.
     """
     socket, url, token = stack.loopd_socket, stack.tcp_url, stack.token
+    names = ", ".join(repr(name) for name in stack.model_names)
     lines = [
-        f"loopd is serving model {MODEL!r}",
+        f"loopd is serving {'models' if stack.routed else 'model'} {names}",
         f"  on the Unix socket {socket} (no token)",
         f"  on {url} (every request needs the token {token})",
         "From another terminal, try:",
         f"  loopd chat --socket {socket}",
         f"  curl --unix-socket {socket} http://loopd/v1/models",
         f'  curl -H "Authorization: Bearer {token}" {url}/v1/models',
-        "An SDK or agent over TCP (model tiny):",
+        f"An SDK or agent over TCP (model {stack.model_names[0]}):",
         f"  export OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY={token}",
         f"  export ANTHROPIC_BASE_URL={url} ANTHROPIC_API_KEY={token}",
         f"Logs: loopd {stack.loopd_log}, inferproxy {stack.proxy_log} (removed on stop).",

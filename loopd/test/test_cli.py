@@ -147,12 +147,15 @@ class ParserTests(SynchronousTestCase):
         """demo takes --once and an integer --port (default 0)."""
         self.assertEqual(cli.build_parser().parse_args(["demo"]).port, 0)
         args = cli.build_parser().parse_args(["demo", "--once", "--port", "8081"])
-        self.assertEqual((args.once, args.port), (True, 8081))
+        self.assertEqual((args.once, args.port, args.models), (True, 8081, 0))
+        args = cli.build_parser().parse_args(["demo", "--models", "3"])
+        self.assertEqual(args.models, 3)
 
     def test_usage_errors(self) -> None:
         """No command, an unknown one or a bad port is a usage error (status 2)."""
         self.patch(sys, "stderr", io.StringIO())
-        for argv in ([], ["nope"], ["demo", "--port", "x"]):
+        bad_models = [["demo", "--models", n] for n in ("1", "10", "x", "-2")]
+        for argv in ([], ["nope"], ["demo", "--port", "x"], *bad_models):
             with self.assertRaises(SystemExit) as caught:
                 cli.build_parser().parse_args(argv)
             self.assertEqual(caught.exception.code, 2, argv)
