@@ -187,7 +187,7 @@ class Upstreams:
                 routers,
                 config.queue.grace_ms,
                 self._swap_reprefill,
-                self.slot_swap.save_residents,
+                self._before_evict,
             )
         #: Where each endpoint's template puts system messages after the first (decision 43).
         self.late_system = LateSystem(reactor, self.clients, config.limits.poll_ms)
@@ -199,6 +199,27 @@ class Upstreams:
         self._backing_off: dict[str, set[_LeasedCall]] = {}
         if health is not None:
             health.watch(self._health_changed)
+
+    def _before_evict(self, endpoint: str) -> Deferred[None]:
+        """
+        C{endpoint}'s model is to be swapped out: save its slots (L{SlotSwap.save_residents}),
+        then ask its router to unload it, so that the load that follows evicts this model
+        and no other (the router's own choice is its least recently used). A failed unload
+        is logged; the router then evicts as it would.
+        """
+        client = self.clients[endpoint]
+
+        def unload(ignored: object) -> Deferred[None]:
+            return client.unload_model().addErrback(failed)
+
+        def failed(reason: Failure) -> None:
+            _log.warn(
+                "router model {endpoint}: unload failed: {why}",
+                endpoint=endpoint,
+                why=reason.getErrorMessage(),
+            )
+
+        return self.slot_swap.save_residents(endpoint).addCallback(unload)
 
     def _swap_reprefill(self, endpoint: str) -> float:
         """

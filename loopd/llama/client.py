@@ -280,6 +280,19 @@ class Client:
         model = self.endpoint.model
         return {"model": model, **body} if self.endpoint.router and model else body
 
+    def unload_model(self) -> Deferred[None]:
+        """
+        Ask this endpoint's router to unload its model (C{POST /models/unload}), so that a
+        load loopd lets happen evicts the model loopd chose; fails as L{get_json} does (an
+        L{Http} 400 when it is not loaded).
+
+        @raise ValueError: at once, for an endpoint that is no router's model.
+        """
+        if not (self.endpoint.router and self.endpoint.model):
+            raise ValueError(f"{self.endpoint.name} is no router's model")
+        answer = self._get("POST", "/models/unload", {"model": self.endpoint.model})
+        return answer.addCallback(lambda value: None)
+
     def router_models(self) -> Deferred[tuple[RouterModel, ...]]:
         """
         The models a router knows and whether each is loaded (its C{GET /v1/models},

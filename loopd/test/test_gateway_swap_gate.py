@@ -214,6 +214,9 @@ class GatewayTests(SynchronousTestCase):
         harness.advance(3.0)
         self.assertEqual(second.response().status, 200)
         self.assertEqual(files["a"].actions, [("save", 0, files["a"].actions[0][2])])
+        # Then a was unloaded by name, so that b's load evicts a and nothing else.
+        (unload,) = harness.fakes["a"].requests_to("POST", "/models/unload")
+        self.assertEqual(unload.json, {"model": "a"})
         board = harness.gateway.upstreams.swaps.board("gpu")  # type: ignore[union-attr]
         self.assertEqual((board.loaded, board.swaps), (("b",), 1))
         back = self.turn(harness, "a", "s1")
