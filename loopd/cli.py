@@ -27,6 +27,8 @@ from loopd.access_token import TokenError, load_or_create_token, token_path
 from loopd.chatloop import restore_blocking, terminal_chat
 from loopd.chatui import Conversation
 from loopd.config import ConfigError, load_config
+from loopd.llama import Client
+from loopd.llama.discovery import Discovered, discover_routers
 from loopd.reactor import ILoopdReactor, IUnixReactor, global_reactor
 from loopd.selftest import SelftestFailed, SelftestReport, require_selftests
 from loopd.service import default_socket_path, listen_path, queue_socket_path
@@ -317,7 +319,7 @@ def selftest_command(
 
     @return: fires with 0 when every check passed, 1 otherwise.
     """
-    if not any(e.selftest and e.kind == "llama-server" for e in config.endpoints):
+    if not any(e.selftest and e.kind != "openai" for e in config.endpoints):
         write("no endpoint has selftest = true: nothing to check\n")
         return succeed(0)
 
@@ -340,7 +342,15 @@ def selftest_command(
         return 1
 
     show_progress = progress if progress is not None else write
-    running = require_selftests(reactor, config, {}, lambda line: show_progress(f"{line}\n"))
+
+    def check(found: Discovered) -> Deferred[Any]:
+        """The self-test of every endpoint, each router's models among them."""
+        return require_selftests(
+            reactor, found.config, found.clients, lambda line: show_progress(f"{line}\n")
+        )
+
+    clients = {e.name: Client(reactor, config, e) for e in config.endpoints}
+    running = discover_routers(reactor, config, clients).addCallback(check)
     return running.addCallbacks(lambda reports: show(reports, 0), failed)
 
 

@@ -30,8 +30,7 @@ from loopd.gateway.slot_dir import open_slot_directories
 from loopd.gateway.swap_gate import RouterStart, router_starts
 from loopd.gateway.token_guard import TokenGuard
 from loopd.llama import Client
-from loopd.llama.retry import retry_loop
-from loopd.llama.router import ROUTER_KIND, RouterError, RouterModel, expand_routers
+from loopd.llama.discovery import discover_routers, router_capacity
 from loopd.queue.eventlog import EventLog
 from loopd.queue.host import QueueHost
 from loopd.queue.protocol import LeaseFactory
@@ -227,48 +226,32 @@ class LoopdService(Service):
     @inlineCallbacks
     def _expand_routers(self) -> Any:
         """
-        Ask each C{llama-server-router} endpoint for its models (C{/v1/models}, waiting up
-        to its C{selftest_wait_ms} for it to answer) and serve each model as an endpoint of
-        its own (L{expand_routers}); their clients share the router's pacing. Fails with
-        L{RouterError} when a router never answers or cannot serve its config's models.
+        Serve each C{llama-server-router} endpoint's models as endpoints of their own
+        (L{discover_routers}), and learn each router's capacity (its C{models_max}, else
+        its C{/props}) and each model's slot count. Fails with L{RouterError} when a router
+        never answers or cannot serve its config's models.
         """
-        routers = {
-            name: client
-            for name, client in self.clients.items()
-            if client.endpoint.kind == ROUTER_KIND
-        }
-        if not routers:
+        found = yield discover_routers(self._reactor, self.config, self.clients)
+        if not found.routers:
             return
-        listed = {}
-        for name, client in routers.items():
-            listed[name] = yield _ask_router(self._reactor, client)
-        self.config = expand_routers(self.config, listed)
+        self.config, self.clients, self.routers = found.config, found.clients, found.routers
         capacities = {}
-        for name, client in routers.items():
+        for name, client in found.routers.items():
             capacity = client.endpoint.models_max
             if capacity is None:
-                capacity = yield _router_capacity(client)
+                capacity = yield router_capacity(client, len(found.listed[name]))
             capacities[name] = capacity
         self._capacities = capacities
         self._router_slots = {
-            m.id: m.slots for models in listed.values() for m in models if m.slots is not None
+            m.id: m.slots for models in found.listed.values() for m in models if m.slots is not None
         }
-        clients = {}
         for endpoint in self.config.endpoints:
-            router = routers.get(endpoint.router or "")
-            if router is not None:
-                clients[endpoint.name] = Client(
-                    self._reactor, self.config, endpoint, pacer=router.pacer
-                )
+            if endpoint.router is not None:
                 _log.info(
                     "router {router}: serving model {model}",
                     router=endpoint.router,
                     model=endpoint.name,
                 )
-            else:
-                clients[endpoint.name] = self.clients[endpoint.name]
-        self.clients = clients
-        self.routers = routers
 
     @inlineCallbacks
     def _router_loaded(self) -> Any:
@@ -447,50 +430,3 @@ def _stderr() -> Any:
     if isinstance(stderr, LoggingFile) and sys.__stderr__ is not None:
         return sys.__stderr__
     return stderr
-
-
-def _ask_router(reactor: IServiceReactor, client: Client) -> Deferred[tuple[RouterModel, ...]]:
-    """
-    C{client}'s router's models (L{Client.router_models}), asked again every half second
-    while it does not answer, for up to its endpoint's C{selftest_wait_ms}.
-
-    @raise RouterError: (in the Deferred) it never answered, with its last error.
-    """
-    endpoint = client.endpoint
-    limit = endpoint.selftest_wait_ms / 1000.0
-
-    def pause(error: BaseException, tries: int, elapsed: float) -> float | None:
-        if elapsed + _ROUTER_ASK_PAUSE > limit:
-            raise RouterError(
-                f"router {endpoint.name}: /v1/models did not answer within "
-                f"{endpoint.selftest_wait_ms} ms: {error}"
-            )
-        return _ROUTER_ASK_PAUSE
-
-    return retry_loop(client.router_models, clock=reactor, pause=pause)
-
-
-@inlineCallbacks
-def _router_capacity(client: Client) -> Any:
-    """
-    How many models C{client}'s router keeps loaded, as its C{/props} says
-    (C{max_instances}; 0 there means no limit, taken as its model count); 1 when it does
-    not say.
-    """
-    try:
-        props = yield client.props()
-    except Exception as e:  # noqa: BLE001 - the capacity is a hint; 1 is the safe guess
-        _log.warn(
-            "router {router}: /props unavailable ({error}); assuming 1 model loaded at once",
-            router=client.endpoint.name,
-            error=e,
-        )
-        return 1
-    value = props.get("max_instances")
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    return 1 if value is None else len(client.endpoint.models or ()) or 1
-
-
-#: Seconds between two asks of a router that does not answer yet.
-_ROUTER_ASK_PAUSE = 0.5
