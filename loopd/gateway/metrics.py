@@ -40,6 +40,7 @@ from loopd.gateway.errors import GatewayError
 from loopd.gateway.grace import SwitchCosts
 from loopd.gateway.health import HealthBoard, State
 from loopd.gateway.router import AutoRouter, SpeedStats
+from loopd.gateway.swap_gate import ModelSwaps
 from loopd.llama.pacing import Pacer
 from loopd.llama.types import Timings
 from loopd.queue.scheduler import Scheduler
@@ -244,6 +245,14 @@ class GatewayMetrics:
         @param counts: by C{(endpoint, action, outcome)} (L{loopd.gateway.slot_swap}).
         """
         self.registry.register(SlotFileCollector(counts))
+
+    def watch_swaps(self, swaps: ModelSwaps) -> None:
+        """
+        Add each router's model swaps (C{loopd_router_swaps_total}), the requests waiting
+        for one (C{loopd_router_swap_waiting}) and its learned load time
+        (C{loopd_router_load_seconds}), read at every scrape (decision 46).
+        """
+        self.registry.register(SwapCollector(swaps))
 
     def watch_health(self, board: HealthBoard) -> None:
         """Add each endpoint's health (C{loopd_endpoint_up}, C{loopd_endpoint_state})."""
@@ -585,6 +594,40 @@ class SlotFileCollector(Collector):
         for (endpoint, action, outcome), count in sorted(self._counts.items()):
             files.add_metric([endpoint, action, outcome], count)
         yield files
+
+
+class SwapCollector(Collector):
+    """A collector over the swap gates of L{loopd.gateway.swap_gate.ModelSwaps}."""
+
+    def __init__(self, swaps: ModelSwaps) -> None:
+        """@param swaps: the gateway's swap gates, read at each scrape."""
+        self._swaps = swaps
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield the swaps, the waiting requests and the load time of each router."""
+        swaps = CounterMetricFamily(
+            "loopd_router_swaps",
+            "Model swaps loopd let a router make (a load that evicted a model).",
+            labels=["router"],
+        )
+        waiting = GaugeMetricFamily(
+            "loopd_router_swap_waiting",
+            "Requests waiting at a router's swap gate for their model to be loaded.",
+            labels=["router"],
+        )
+        load = GaugeMetricFamily(
+            "loopd_router_load_seconds",
+            "A router's model load time as learned from the requests that loaded a model.",
+            labels=["router"],
+        )
+        for router in self._swaps.routers():
+            board = self._swaps.board(router)
+            swaps.add_metric([router], board.swaps)
+            waiting.add_metric([router], len(board.waiting()))
+            load.add_metric([router], self._swaps.load_seconds[router])
+        yield swaps
+        yield waiting
+        yield load
 
 
 class HealthCollector(Collector):

@@ -137,6 +137,8 @@ class Gateway:
             routers=router_starts,
         )
         self.metrics.watch_slot_files(self.upstreams.slot_swap.counts)
+        if self.upstreams.swaps is not None:
+            self.metrics.watch_swaps(self.upstreams.swaps)
         self.late_system = self.upstreams.late_system
         #: The front doors by path: the site's routes and every error shape come from here.
         self.doors = front_doors(config.doors.hosted_tools, reactor.seconds)

@@ -90,6 +90,10 @@ class ModelSwaps:
         self.load_seconds: dict[str, float] = dict.fromkeys(routers, PRIOR_LOAD_SECONDS)
         self._load_samples: dict[str, int] = dict.fromkeys(routers, 0)
 
+    def routers(self) -> list[str]:
+        """The routers' names."""
+        return sorted(self._boards)
+
     def board(self, router: str) -> SwapBoard:
         """Router C{router}'s board."""
         return self._boards[router]

@@ -219,6 +219,11 @@ class GatewayTests(SynchronousTestCase):
         self.assertEqual(unload.json, {"model": "a"})
         board = harness.gateway.upstreams.swaps.board("gpu")  # type: ignore[union-attr]
         self.assertEqual((board.loaded, board.swaps), (("b",), 1))
+        scraped = harness.scrape()
+        self.assertEqual(scraped[("loopd_router_swaps_total", frozenset({("router", "gpu")}))], 1.0)
+        self.assertEqual(
+            scraped[("loopd_router_swap_waiting", frozenset({("router", "gpu")}))], 0.0
+        )
         back = self.turn(harness, "a", "s1")
         harness.advance(3.0)
         self.assertEqual(back.response().status, 200)
