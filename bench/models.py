@@ -47,7 +47,7 @@ router's own log that say it spawns a model's server (``spawning server instance
 name=``), one per load. For loopd it also counts its swap decisions (its log's "router
 gpu: X evicts Y" lines). It prints loopd's ratios to direct with the goals (issue 27):
 loopd's wall time at most 0.5x direct's and its prompt tokens at most 0.3x; the loads are
-reported. ``--rounds`` (2) repeats both paths, the order alternating (direct first in odd
+reported. ``--rounds`` (3) repeats both paths, the order alternating (direct first in odd
 rounds), each round with conversations and routers of its own, and prints the medians (a
 ratio: the median of each round's), with the load average after each path. ``--quick`` runs
 a small version (2 agents x 3 turns, 1,200-token prompts, one round) to see that it works.
@@ -449,7 +449,7 @@ def _seconds(text: str) -> float:
     return value
 
 
-FULL = {"agents": 4, "turns": 4, "prompt_tokens": 2500, "growth": 250, "rounds": 2}
+FULL = {"agents": 4, "turns": 4, "prompt_tokens": 2500, "growth": 250, "rounds": 3}
 """The sizes of a full run (unless given explicitly)."""
 QUICK = {"agents": 2, "turns": 3, "prompt_tokens": 1200, "growth": 100, "rounds": 1}
 """What --quick sets (unless given explicitly)."""
@@ -471,7 +471,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--grace-ms", type=non_negative, default=3000, help="loopd's [queue] grace_ms (3000)")
     add("--swap-wait-ms", type=positive, default=10000, help="loopd's swap_wait_ms (10000)")
     add("--threads", type=positive, default=2, help="each model server's threads (2)")
-    add("--rounds", type=positive, help="rounds of both paths, medians (2; --quick 1)")
+    add("--rounds", type=positive, help="rounds of both paths, medians (3; --quick 1)")
     add("--quick", action="store_true", help="a small run, to see that it works")
     add("--io-timeout", type=float, default=600.0, help="longest wait for an answer, s (600)")
     add("--keep-logs", metavar="DIR", help="copy each path's logs and config into DIR")
