@@ -83,6 +83,11 @@ class ModelSwaps:
             for name, start in routers.items()
         }
         self._waiters: dict[Hashable, Deferred[Hashable]] = {}
+        # Per router, the evicted models' saves still running, and the requests the board
+        # let go meanwhile (key, model), held until they end: the router would swap for
+        # any of them before a save reached it.
+        self._saving: dict[str, int] = {}
+        self._held: dict[str, list[tuple[Hashable, str]]] = {}
         self._timers: dict[str, IDelayedCall] = {}
         self._keys = count()
         # A request that loaded its model: when it went, for the load time it shows.
@@ -144,9 +149,18 @@ class ModelSwaps:
         return priced
 
     def _withdraw(self, router: str, key: Hashable) -> None:
-        """A waiting request was cancelled: it waits no more."""
+        """
+        A waiting request was cancelled: it waits no more; one the board had let go (held
+        while saves ran) ends.
+        """
         self._waiters.pop(key, None)
-        self._boards[router].withdraw(key)
+        board = self._boards[router]
+        let_go = [model for held, model in self._held.get(router, []) if held == key]
+        if let_go:
+            self._held[router] = [h for h in self._held[router] if h[0] != key]
+            self._loading.pop(key, None)
+            board.ended(let_go[0], self._reactor.seconds())
+        board.withdraw(key)
         self._decide(router)
 
     def _decide(self, router: str) -> None:
@@ -167,11 +181,16 @@ class ModelSwaps:
             self._timers[router] = self._reactor.callLater(at - now, self._decide, router)
 
     def _release(self, router: str, go: Go) -> None:
-        """Fire C{go}'s waiter, after the evicted model's sessions are saved."""
-        waiter = self._waiters.pop(go.key, None)
+        """
+        Fire C{go}'s waiter, after the evicted model's sessions are saved; while any save on
+        its router runs, every request let go waits for the saves to end (one sent sooner
+        could make the router swap before a save reached it).
+        """
+        if go.key in self._waiters:
+            self._held.setdefault(router, []).append((go.key, go.model))
         if go.evict is None:
-            if waiter is not None:
-                waiter.callback(go.key)
+            if not self._saving.get(router):
+                self._let_go(router)
             return
         _log.info(
             "router {router}: {model} evicts {evict}",
@@ -179,6 +198,7 @@ class ModelSwaps:
             model=go.model,
             evict=go.evict,
         )
+        self._saving[router] = self._saving.get(router, 0) + 1
         saving = self._before_evict(go.evict)
 
         def failed(reason: object) -> None:
@@ -189,11 +209,20 @@ class ModelSwaps:
                 why=reason,
             )
 
-        def release(ignored: object) -> None:
-            if waiter is not None and not waiter.called:
-                waiter.callback(go.key)
+        def saved(ignored: object) -> None:
+            self._saving[router] -= 1
+            if not self._saving[router]:
+                del self._saving[router]
+                self._let_go(router)
 
-        saving.addErrback(failed).addCallback(release)
+        saving.addErrback(failed).addCallback(saved)
+
+    def _let_go(self, router: str) -> None:
+        """Fire the waiters of the requests held on C{router}."""
+        for key, _model in self._held.pop(router, []):
+            waiter = self._waiters.pop(key, None)
+            if waiter is not None and not waiter.called:
+                waiter.callback(key)
 
     def _learn_load(self, router: str, seconds: float) -> None:
         """A load took C{seconds} on C{router}: fold it into the router's average."""

@@ -91,6 +91,37 @@ class GateTests(GateCase):
         self.saving.callback(None)
         self.successResultOf(waiting)
 
+    def test_held_while_saving(self) -> None:
+        """
+        A request for the model being loaded, let go while the evicted model's saves run,
+        waits for them too: sent sooner, it would make the router swap before the saves
+        reached it (and the saves would load the evicted model again).
+        """
+        self.saving = Deferred()
+        evicting = self.admit(B)
+        following = self.admit(B)
+        self.assertEqual(self.swaps.board("gpu").in_flight("b"), 2)
+        self.assertNoResult(evicting)
+        self.assertNoResult(following)
+        self.saving.callback(None)
+        self.successResultOf(evicting)
+        self.successResultOf(following)
+        self.assertEqual(self.evicted, ["a"])
+
+    def test_cancel_while_held(self) -> None:
+        """A request cancelled while held for the saves ends: it is no longer in flight."""
+        self.saving = Deferred()
+        evicting = self.admit(B)
+        following = self.admit(B)
+        following.cancel()
+        self.failureResultOf(following, CancelledError)
+        self.assertEqual(self.swaps.board("gpu").in_flight("b"), 1)
+        evicting.cancel()
+        self.failureResultOf(evicting, CancelledError)
+        self.assertEqual(self.swaps.board("gpu").in_flight("b"), 0)
+        self.saving.callback(None)
+        self.successResultOf(self.admit(B))
+
     def test_cancel_withdraws(self) -> None:
         """A cancelled wait leaves the board; the next request is not behind it."""
         key = self.successResultOf(self.admit(A))
