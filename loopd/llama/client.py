@@ -336,11 +336,46 @@ class Client:
         return polling
 
     def _check_health(self) -> Deferred[Health]:
-        """One C{/health} check (L{check_health}), shared by concurrent callers."""
+        """
+        One C{/health} check (L{check_health}), shared by concurrent callers. For a router's
+        model the router answering is not enough: its C{/v1/models} must still list the
+        model (L{_model_health}).
+        """
         seconds = self.config.limits.poll_ms / 1000.0
-        return check_health(
+        checking = check_health(
             self._reactor, self.endpoint, caps=self._caps, timeout=seconds, open_http=self._open
         )
+        if not self.endpoint.router:
+            return checking
+
+        def listed(health: Health) -> Health | Deferred[Health]:
+            return self._model_health(seconds) if health.ok else health
+
+        return checking.addCallback(listed)
+
+    def _model_health(self, seconds: float) -> Deferred[Health]:
+        """
+        A router's model's health: up while the router lists it (a model whose last load
+        failed stays up, saying so: the next request loads it again), down once it does not,
+        unreachable when the list does not come within C{seconds}.
+        """
+        asking = self.router_models()
+        asking.addTimeout(seconds, self._reactor)
+
+        def judged(models: tuple[RouterModel, ...]) -> Health:
+            found = [m for m in models if m.id == self.endpoint.model]
+            if not found:
+                return Health(False, "the router no longer lists the model")
+            if found[0].failed:
+                return Health(True, f"ok ({found[0].status}; its last load failed)")
+            return Health(True, f"ok ({found[0].status})")
+
+        def failed(reason: Failure) -> Health | Failure:
+            if reason.check(CancelledError):
+                return reason
+            return Health(False, f"unreachable: /v1/models: {reason.getErrorMessage()}")
+
+        return asking.addCallbacks(judged, failed)
 
     def health(self) -> Deferred[Health]:
         """

@@ -199,6 +199,34 @@ class ModelClientTests(SynchronousTestCase):
         self.net.pump()
         self.assertEqual([m.id for m in self.successResultOf(asking)], ["tiny", "tiny-b", "odd"])
 
+    def health(self, listed: object) -> tuple[bool, str]:
+        """The model's health when the router answers /health 200 and /v1/models C{listed}."""
+        self.fake.script("GET", "/health", json_reply(200, {"status": "ok"}))
+        self.fake.script("GET", "/v1/models", json_reply(200, listed))
+        checking = self.client.health()
+        self.net.pump()
+        health = self.successResultOf(checking)
+        return health.ok, health.detail
+
+    def test_health_per_model(self) -> None:
+        """
+        Up while the router lists the model (saying its status, and a failed last load);
+        down once it does not.
+        """
+        self.assertEqual(self.health(LISTED), (True, "ok (loaded)"))
+        failed = {"data": [{"id": "tiny", "status": {"value": "unloaded", "failed": True}}]}
+        self.assertEqual(self.health(failed), (True, "ok (unloaded; its last load failed)"))
+        gone = {"data": [{"id": "other"}]}
+        self.assertEqual(self.health(gone), (False, "the router no longer lists the model"))
+
+    def test_health_router_down(self) -> None:
+        """The router not answering /health: the model is unreachable, /v1/models unasked."""
+        self.net.stop_listening(PATH)
+        checking = self.client.health()
+        self.net.advance(1)
+        self.assertFalse(self.successResultOf(checking).ok)
+        self.assertEqual(self.fake.requests, [])
+
     def test_a_plain_endpoint_names_nothing(self) -> None:
         """A single-model server's client adds no ?model= to its GETs."""
         plain = Endpoint(name="tiny", socket=PATH, model="tiny")
