@@ -164,8 +164,10 @@ class LoopdService(Service):
     @inlineCallbacks
     def _start(self) -> Any:
         """
-        The start, after the self-tests pass: log their lines, ask each llama-server endpoint's
-        C{/props} for its slot count (one slot, with a warning, when it does not answer), start
+        The start: serve each router's models as endpoints (L{_expand_routers}); after the
+        self-tests pass, log their lines, ask each llama-server endpoint's C{/props} for its
+        slot count (one slot, with a warning, when it does not answer; a router's model has
+        its count from the router's list), note which router models are loaded, start
         the lease queue, build the gateway and listen. Fails with L{SelftestFailed} or whatever
         stopped the start; L{_start_failed} handles both.
         """
