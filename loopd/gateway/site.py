@@ -242,13 +242,16 @@ class Gateway:
 
     def stop(self) -> None:
         """
-        Stop the health probes; end every exchange under way with an error event (or status).
+        Stop the health probes; end every exchange under way with an error event (or status);
+        stop the leases' and the swap gates' timers.
         """
         self.probes.stop()
         for exchange in list(self.in_flight):
             exchange.shutdown()
         if self.leases is not None:
             self.leases.stop()
+        if self.upstreams.swaps is not None:
+            self.upstreams.swaps.stop()
 
     def error_shapes(self) -> list[tuple[bytes, ErrorShape]]:
         """

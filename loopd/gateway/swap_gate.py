@@ -89,11 +89,26 @@ class ModelSwaps:
         self._saving: dict[str, int] = {}
         self._held: dict[str, list[tuple[Hashable, str]]] = {}
         self._timers: dict[str, IDelayedCall] = {}
+        self._stopped = False
         self._keys = count()
         # A request that loaded its model: when it went, for the load time it shows.
         self._loading: dict[Hashable, float] = {}
         self.load_seconds: dict[str, float] = dict.fromkeys(routers, PRIOR_LOAD_SECONDS)
         self._load_samples: dict[str, int] = dict.fromkeys(routers, 0)
+
+    def stop(self) -> None:
+        """
+        The gateway stops: cancel every decision timer and every wait (its request ends
+        with C{CancelledError}); nothing is scheduled after this.
+        """
+        self._stopped = True
+        for timer in self._timers.values():
+            if timer.active():
+                timer.cancel()
+        self._timers.clear()
+        for waiter in list(self._waiters.values()):
+            if not waiter.called:
+                waiter.cancel()
 
     def routers(self) -> list[str]:
         """The routers' names."""
@@ -177,7 +192,7 @@ class ModelSwaps:
         if timer is not None and timer.active():
             timer.cancel()
         at = board.next_decision(now, price)
-        if at is not None:
+        if at is not None and not self._stopped:
             self._timers[router] = self._reactor.callLater(at - now, self._decide, router)
 
     def _release(self, router: str, go: Go) -> None:

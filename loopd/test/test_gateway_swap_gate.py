@@ -156,6 +156,16 @@ class GateTests(GateCase):
         assert held is not None
         self.assertNoResult(held)
 
+    def test_stop(self) -> None:
+        """Stopping cancels the waits and leaves no timer behind."""
+        key = self.successResultOf(self.admit(A))
+        self.swaps.done(A, key, None)
+        waiting = self.admit(B)
+        self.assertTrue(self.reactor.getDelayedCalls())
+        self.swaps.stop()
+        self.failureResultOf(waiting, CancelledError)
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+
     def test_load_time_learned(self) -> None:
         """A request that loaded its model: its time less the server's is the load time."""
         self.assertEqual(self.swaps.load_seconds["gpu"], PRIOR_LOAD_SECONDS)
