@@ -86,21 +86,12 @@ def render_config(
     """
     lines = [
         "# Written by `loopd demo`: one tiny llama.cpp server behind an inferproxy.",
-        "[server]",
-        f"listen = {json.dumps('unix:' + listen_socket.replace(':', chr(92) + ':'))}",
-    ]
-    if tcp is not None:
-        lines.append(f"tcp = {json.dumps(tcp)}")
-    if token_file is not None:
-        lines.append(f"token_file = {json.dumps(token_file)}")
-    lines += [
+        *_gateway_lines(listen_socket, tcp, token_file),
         "",
         "[[endpoint]]",
         f"name = {json.dumps(name)}",
         f"socket = {json.dumps(endpoint_socket)}",
-        f"proxy_burst = {PROXY_LIMITS['burst']}",
-        f"proxy_refill_per_second = {float(PROXY_LIMITS['refill'])}",
-        f"proxy_max_connections = {PROXY_LIMITS['max_connections']}",
+        *_proxy_lines(),
         "",
         "[endpoint.expect]",
     ]
@@ -133,14 +124,7 @@ def render_router_config(
     lines = [
         "# Written by `loopd demo --models N`: one llama-server in router mode, several tiny",
         "# models, at most one loaded at a time, behind an inferproxy.",
-        "[server]",
-        f"listen = {json.dumps('unix:' + listen_socket.replace(':', chr(92) + ':'))}",
-    ]
-    if tcp is not None:
-        lines.append(f"tcp = {json.dumps(tcp)}")
-    if token_file is not None:
-        lines.append(f"token_file = {json.dumps(token_file)}")
-    lines += [
+        *_gateway_lines(listen_socket, tcp, token_file),
         "",
         "[[endpoint]]",
         'name = "router"',
@@ -150,11 +134,31 @@ def render_router_config(
         "swap_wait_ms = 5000",
         "slot_save = true",
         f"slot_dir = {json.dumps(slot_dir)}",
+        *_proxy_lines(),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _gateway_lines(listen_socket: str, tcp: str | None, token_file: str | None) -> list[str]:
+    """The demo config's C{[server]} table: loopd.sock, and the TCP listener when given."""
+    lines = [
+        "[server]",
+        f"listen = {json.dumps('unix:' + listen_socket.replace(':', chr(92) + ':'))}",
+    ]
+    if tcp is not None:
+        lines.append(f"tcp = {json.dumps(tcp)}")
+    if token_file is not None:
+        lines.append(f"token_file = {json.dumps(token_file)}")
+    return lines
+
+
+def _proxy_lines() -> list[str]:
+    """The endpoint's pacing under the demo inferproxy's limits (L{PROXY_LIMITS})."""
+    return [
         f"proxy_burst = {PROXY_LIMITS['burst']}",
         f"proxy_refill_per_second = {float(PROXY_LIMITS['refill'])}",
         f"proxy_max_connections = {PROXY_LIMITS['max_connections']}",
     ]
-    return "\n".join(lines) + "\n"
 
 
 def tcp_url_from_log(lines: list[str]) -> str | None:

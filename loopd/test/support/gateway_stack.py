@@ -109,14 +109,20 @@ def serve_behind_proxy(
     server = RealServer(reactor, model_path, n_ctx=n_ctx, parallel=slots, **options)
     test.addCleanup(server.stop)
     port = yield server.start()
+    yield _proxy_in_front(test, infer, port)
+    return directory, server, infer
+
+
+@inlineCallbacks
+def _proxy_in_front(test: TestCase, infer: str, port: int) -> Any:
+    """A C{twist inferproxy} from C{infer} to the server on C{port}, stopped after C{test}."""
     proxy = spawn_twist(
-        reactor,
+        real_reactor(),
         b"inferproxy listening on",
         *("inferproxy", "--listen", infer, "--upstream", f"127.0.0.1:{port}"),
     )
     test.addCleanup(stop_twist, proxy)
     yield proxy.ready
-    return directory, server, infer
 
 
 def ensure_binary() -> Deferred[str]:
@@ -158,13 +164,7 @@ def serve_router_behind_proxy(
     server = RouterServer(reactor, binary, models, models_max=models_max, **options)
     test.addCleanup(server.stop)
     port = yield server.start()
-    proxy = spawn_twist(
-        reactor,
-        b"inferproxy listening on",
-        *("inferproxy", "--listen", infer, "--upstream", f"127.0.0.1:{port}"),
-    )
-    test.addCleanup(stop_twist, proxy)
-    yield proxy.ready
+    yield _proxy_in_front(test, infer, port)
     return directory, server, infer, names
 
 
