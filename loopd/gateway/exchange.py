@@ -59,8 +59,10 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from loopd.errors import ProxyRefused
+from loopd.gateway.activity import RequestRecord, agent_name
+from loopd.gateway.cache_report import cache_header, cache_report
 from loopd.gateway.channel import GatewayChannel
-from loopd.gateway.doors.door import Door
+from loopd.gateway.doors.door import EVENT_STREAM, Door, comment_line
 from loopd.gateway.doors.hosted_tools import DROPPED_HEADER
 from loopd.gateway.doors.params import refusal, refused_fields
 from loopd.gateway.errors import GatewayError, error_for
@@ -131,8 +133,12 @@ class DoorRoute(Resource):
         host = self._host
         content = request.content
         body = content.read() if content is not None else b""
+        activity = host.activity
+        record = activity.begin(self._door.name, body)
+        record.agent = agent_name(request.getHeader)
         try:
             parsed = self._door.read(body, request.getHeader, lambda: _anonymous(host, request))
+            _describe(record, parsed)
             if parsed.dropped:
                 self._tell_dropped(request, parsed)
             pool = mesh_pool(host, parsed) if parsed.model == MESH_MODEL else None
@@ -140,7 +146,9 @@ class DoorRoute(Resource):
                 refused = refused_fields(parsed.fields, "mesh")
                 if refused:
                     raise refusal(refused, "on model mesh")
-                MeshExchange(host, self._door, request, parsed, pool).start()
+                record.mesh = True
+                activity.started(record)
+                MeshExchange(host, self._door, request, parsed, pool, record).start()
                 return NOT_DONE_YET
             parsed = _placed(host, parsed)
             if pool is None:
@@ -159,8 +167,12 @@ class DoorRoute(Resource):
                 raise host.health.unavailable([first.name], host.reactor.seconds())
         except GatewayError as e:
             host.metrics.observe_request("-", e.code)
-            return write_error(request, e, self._door)
-        _Exchange(host, self._door, request, parsed, first, rest).start()
+            activity.started(record)
+            answer = write_error(request, e, self._door)
+            activity.end(record, request.code, e.code, e.message)
+            return answer
+        activity.started(record)
+        _Exchange(host, self._door, request, parsed, first, rest, record).start()
         return NOT_DONE_YET
 
     def _tell_dropped(self, request: Request, parsed: GatewayRequest) -> None:
@@ -179,6 +191,14 @@ class DoorRoute(Resource):
             session=parsed.session.id,
             tools=names,
         )
+
+
+def _describe(record: RequestRecord, parsed: GatewayRequest) -> None:
+    """What the door read, on the request's record."""
+    record.session = parsed.session.id
+    record.anonymous = parsed.session.anonymous
+    record.model = parsed.model
+    record.stream = parsed.stream
 
 
 def _placed(host: ExchangeHost, parsed: GatewayRequest) -> GatewayRequest:
@@ -272,6 +292,7 @@ class _Exchange:
         parsed: GatewayRequest,
         endpoint: Endpoint,
         alternatives: list[Endpoint],
+        record: RequestRecord,
     ) -> None:
         """
         @param host: the gateway.
@@ -280,8 +301,11 @@ class _Exchange:
         @param parsed: what it asks, read once by the front door.
         @param endpoint: the endpoint to try first.
         @param alternatives: the router's next candidates, for a fail-over (C{auto} only).
+        @param record: the request's record (L{loopd.gateway.activity}), ended here.
         """
         self._host = host
+        self._record = record
+        self._request = request
         self._door = door
         self._parsed = parsed
         self._alternatives = alternatives
@@ -325,6 +349,7 @@ class _Exchange:
             on_event=self._event,
             retryable=self._retryable,
             flow=self._flow,
+            record=self._record,
         )
         self._call = call
         call.addCallbacks(self._completed, self._failed)
@@ -386,6 +411,7 @@ class _Exchange:
             return
         if isinstance(event, _FIRST_TOKEN) and not self._first_token_seen:
             self._first_token_seen = True
+            self._host.activity.first_token(self._record)
             self._stop_keepalive()
             self._host.metrics.observe_first_token(
                 self._endpoint.name, self._host.reactor.seconds() - self._started_at
@@ -413,11 +439,15 @@ class _Exchange:
         self._stop_keepalive()
         name = self._endpoint.name
         self._host.metrics.observe_request(name, "ok")
+        report = cache_report(self._record, self._host.board.prompt_speed)
         if self._parsed.stream:
             self._start_stream()
+            if self._door.stream_type == EVENT_STREAM:
+                self._reply.write(comment_line({"event": "cache", **report}))
             self._reply.finish(self._answer.closing(completion))
         else:
-            self._reply.respond(200, self._answer.body(completion))
+            self._reply.respond(200, self._answer.body(completion), [cache_header(report)])
+        self._host.activity.end(self._record, 200, "ok", completion=completion)
 
     def _failed(self, reason: Failure) -> None:
         """
@@ -473,6 +503,7 @@ class _Exchange:
             lambda: self._answer.stream_error(error),
             lambda: self._reply.respond(*self._answer.error(error), retry_after(error)),
         )
+        self._host.activity.end(self._record, self._request.code, error.code, error.message)
         if call is not None:
             call.cancel()
 
@@ -483,3 +514,4 @@ class _Exchange:
         call, self._call = self._call, None
         if call is not None:
             call.cancel()
+        self._host.activity.end(self._record, self._request.code, "client_gone")

@@ -52,14 +52,17 @@ from twisted.python.failure import Failure
 from twisted.web.server import Request
 
 from loopd.errors import Http
+from loopd.gateway.activity import Activity, RequestRecord
+from loopd.gateway.cache_report import cache_header, cache_report
 from loopd.gateway.doors.chat_mesh import arguments_wire_string
-from loopd.gateway.doors.door import Door, comment_line, replay
+from loopd.gateway.doors.door import EVENT_STREAM, Door, comment_line, replay
 from loopd.gateway.errors import GatewayError, MeshTurnError
 from loopd.gateway.health import HealthBoard, means_down
 from loopd.gateway.metrics import GatewayMetrics
 from loopd.gateway.reply import Phase, Reply
 from loopd.gateway.request import GatewayRequest, SessionRef
 from loopd.gateway.router import AutoRouter, group_member
+from loopd.gateway.status_board import StatusBoard
 from loopd.gateway.upstream import CallKeys, Upstreams
 from loopd.gateway.web import Exchange
 from loopd.llama.retry import is_retryable
@@ -93,6 +96,14 @@ class MeshHost(Protocol):
     @property
     def wall_clock(self) -> Callable[[], float]:
         """The time stamp of answers (C{created}, the ids)."""
+
+    @property
+    def activity(self) -> Activity:
+        """Every request's record and who watches them (L{loopd.gateway.activity})."""
+
+    @property
+    def board(self) -> StatusBoard:
+        """What the gateway kept of its past: the endpoints' measured speeds too."""
 
     @property
     def metrics(self) -> GatewayMetrics:
@@ -148,13 +159,17 @@ def one_per_group(pool: tuple[Worker, ...], config: Config, session: str) -> tup
 class _MeshCalls:
     """The upstream calls of one mesh turn, for one session (L{UpstreamCall} of the engine)."""
 
-    def __init__(self, host: MeshHost, session: SessionRef) -> None:
+    def __init__(self, host: MeshHost, session: SessionRef, record: RequestRecord) -> None:
         """
         @param host: the gateway.
         @param session: the session the turn's leases and slots are kept for.
+        @param record: the turn's request record, which each call adds its own to.
         """
         self._host = host
         self._session = session
+        self._record = record
+        #: What the next calls are: C{worker}s until the turn starts its reducer.
+        self.role = "worker"
 
     def call(self, name: str, request: ChatRequest) -> Deferred[Completion]:
         """Send C{request} to endpoint C{name}; see the module docstring."""
@@ -166,7 +181,14 @@ class _MeshCalls:
             slot_key=f"{self._session.id} mesh:{name}",
             anonymous=self._session.anonymous,
         )
-        calling = self._host.upstreams.call(name, request, keys, retryable=_retry_unless_down)
+        calling = self._host.upstreams.call(
+            name,
+            request,
+            keys,
+            retryable=_retry_unless_down,
+            record=self._record,
+            role=self.role,
+        )
         return calling.addErrback(_rate_limited)
 
 
@@ -198,6 +220,7 @@ class MeshExchange:
         request: Request,
         parsed: GatewayRequest,
         pool: tuple[Worker, ...],
+        record: RequestRecord,
     ) -> None:
         """
         @param host: the gateway.
@@ -206,16 +229,20 @@ class MeshExchange:
         @param request: the client's request.
         @param parsed: what it asks, read once by the front door.
         @param pool: the workers (at least 2).
+        @param record: the request's record (L{loopd.gateway.activity}), ended here.
         """
         self._host = host
+        self._record = record
+        self._request = request
         self._stream = parsed.stream
+        self._stream_type = door.stream_type
         self._reply = Reply(request, self, host.in_flight, stream_type=door.stream_type)
         self._pending: list[bytes] = []
         now_ns = int(host.wall_clock() * 1e9)
         self._id = moa_id(now_ns)
         self._call_id = call_id(now_ns)
         self._answer = door.mesh_answer(parsed, self._id, int(host.wall_clock()))
-        calls = _MeshCalls(host, parsed.session)
+        calls = self._calls = _MeshCalls(host, parsed.session, record)
         patience = host.config.mesh.strong_patience_ms / 1000.0
         self._turn = MeshTurn(
             host.reactor,
@@ -243,6 +270,7 @@ class MeshExchange:
         error = GatewayError(503, "loopd is shutting down", "server_error", "shutting_down")
         self._fail(error, [])
         self._host.metrics.observe_request(MODEL, error.code)
+        self._host.activity.end(self._record, self._request.code, error.code, error.message)
 
     def _fail(self, error: GatewayError, headers: list[tuple[bytes, bytes]]) -> None:
         """
@@ -293,21 +321,29 @@ class MeshExchange:
         if self._reply.done:
             return
         headers = moa_headers(result.report)
+        activity = self._host.activity
         if result.error_code is not None:
             self._host.metrics.observe_request(MODEL, result.error_code)
-            self._fail(MeshTurnError(result.error_message, result.error_code), headers)
+            error = MeshTurnError(result.error_message, result.error_code)
+            self._fail(error, headers)
+            activity.end(self._record, self._request.code, error.code, error.message)
             return
         self._host.metrics.observe_request(MODEL, "ok")
         completion = self._completion(result)
         answer = self._answer
+        report = cache_report(self._record, self._host.board.prompt_speed)
         if not self._stream:
+            headers.append(cache_header(report))
             self._reply.respond(200, answer.body(completion), headers, with_length=True)
-            return
-        self._reply.open_stream(answer.opening(), headers)
-        self._flush()
-        for event in replay(completion):
-            self._reply.write(answer.during(event))
-        self._reply.finish(answer.closing(completion))
+        else:
+            self._reply.open_stream(answer.opening(), headers)
+            self._flush()
+            for event in replay(completion):
+                self._reply.write(answer.during(event))
+            if self._stream_type == EVENT_STREAM:
+                self._reply.write(comment_line({"event": "cache", **report}))
+            self._reply.finish(answer.closing(completion))
+        activity.end(self._record, 200, "ok", completion=completion)
 
     def _completion(self, result: TurnResult) -> Completion:
         """The turn's answer as a completion: its tool call, else its text."""
@@ -323,6 +359,7 @@ class MeshExchange:
         """The client left: count it and cancel the turn."""
         self._host.metrics.observe_request(MODEL, "client_gone")
         self._cancel_turn()
+        self._host.activity.end(self._record, self._request.code, "client_gone")
 
     def _cancel_turn(self) -> None:
         """Cancel the running turn, which cancels every call and timer of it."""

@@ -17,6 +17,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
+from loopd.gateway.activity import Activity
 from loopd.gateway.channel import ErrorShape, GatewaySite
 from loopd.gateway.doors.table import front_doors
 from loopd.gateway.errors import GatewayError
@@ -28,6 +29,8 @@ from loopd.gateway.probe import HealthProbes
 from loopd.gateway.request import GatewayRequest
 from loopd.gateway.router import AUTO_MODEL, AutoRouter, RandomSource, place
 from loopd.gateway.sessions import Sessions
+from loopd.gateway.status import status_document
+from loopd.gateway.status_board import StatusBoard
 from loopd.gateway.swap_gate import RouterStart
 from loopd.gateway.token_count import CountTokens
 from loopd.gateway.upstream import Upstreams
@@ -111,7 +114,13 @@ class Gateway:
         self.metrics = metrics if metrics is not None else GatewayMetrics()
         self.sessions = sessions if sessions is not None else Sessions()
         self.wall_clock = wall_clock
+        self.started = wall_clock()
         self.in_flight: set[Exchange] = set()
+        #: What the gateway kept of its past, for C{/v1/status} (decision 48).
+        self.board = StatusBoard()
+        #: Every request's record and its watchers: the board, and telemetry and the
+        #: capture when configured.
+        self.activity = Activity(reactor.seconds, wall_clock, [self.board])
         self._sites: list[GatewaySite] = []
         self.leases = leases
         if leases is not None and leases.scheduler is not None:
@@ -135,6 +144,7 @@ class Gateway:
             slot_counts=slot_counts,
             health=self.health,
             routers=router_starts,
+            activity=self.activity,
         )
         self.metrics.watch_slot_files(self.upstreams.slot_swap.counts)
         if self.upstreams.swaps is not None:
@@ -213,6 +223,7 @@ class Gateway:
                 b"/v1/models": JsonRoute(self._models),
                 b"/health": JsonRoute(self._health),
                 b"/metrics": _Metrics(self.metrics),
+                b"/v1/status": JsonRoute(self._status),
                 b"/": JsonRoute(self._index),
             }
         )
@@ -277,7 +288,16 @@ class Gateway:
             "models": "/v1/models",
             "health": "/health",
             "metrics": "/metrics",
+            "status": "/v1/status",
         }
+
+    def slot_count(self, endpoint: str) -> int:
+        """How many slots C{endpoint} has."""
+        return self.upstreams.slot_count(endpoint)
+
+    def _status(self) -> tuple[int, object]:
+        """C{GET /v1/status}: the live state (L{loopd.gateway.status})."""
+        return 200, status_document(self, self.reactor.seconds(), self.wall_clock(), self.started)
 
     def _model_ids(self) -> list[str]:
         """

@@ -46,6 +46,7 @@ Cancelling the Deferred of L{Upstreams.call} withdraws the lease wait or aborts 
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, replace
@@ -57,6 +58,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from loopd.errors import Connect, ProxyRefused, WaitTimeout
+from loopd.gateway.activity import Activity, CallRecord, RequestRecord
 from loopd.gateway.health import EndpointUnavailableError, HealthBoard
 from loopd.gateway.late_system import LateSystem
 from loopd.gateway.leases import GatewayLeases, LeaseHold
@@ -151,6 +153,7 @@ class Upstreams:
         slot_counts: Mapping[str, int] | None = None,
         health: HealthBoard | None = None,
         routers: Mapping[str, RouterStart] | None = None,
+        activity: Activity | None = None,
     ) -> None:
         """
         @param reactor: the clock of the lease wait and of the speed samples.
@@ -165,8 +168,11 @@ class Upstreams:
         @param health: the endpoints' health, fed by every call's outcome (L{call}).
         @param routers: the routers whose models the config's endpoints are, each with what
             loopd knew of it at start: their calls pass the swap gate (L{ModelSwaps}).
+        @param activity: where a call made for a request's record tells its steps
+            (L{loopd.gateway.activity}); one with no watchers when not given.
         """
         self.reactor = reactor
+        self.activity = activity if activity is not None else Activity(reactor.seconds, time.time)
         self.health = health
         self.config = config
         self.clients: Mapping[str, Client] = dict(clients)
@@ -265,6 +271,8 @@ class Upstreams:
         on_event: EventSink = _ignore,
         retryable: Callable[[BaseException], bool] = is_retryable,
         flow: Flow | None = None,
+        record: RequestRecord | None = None,
+        role: str = "answer",
     ) -> Deferred[Completion]:
         """
         One leased call of C{request} (its C{slot} is chosen here) to C{endpoint}; see the
@@ -276,6 +284,8 @@ class Upstreams:
             narrowed: a mesh call does not retry a refused connection, decision 29).
         @param flow: the backpressure of the consumer of the events (a streaming client):
             while it is paused the upstream answer is not read (L{Flow}).
+        @param record: the record of the request the call is made for: the call adds its
+            own (L{CallRecord}, as C{role}) and tells its steps to the gateway's activity.
         @return: fires with the completion; fails with the client's L{loopd.errors} kinds or
             L{WaitTimeout} for a lease wait that ran out; cancel it to abandon the call.
 
@@ -289,12 +299,15 @@ class Upstreams:
         (L{loopd.gateway.swap_gate}) until a swap is worth it or its bound is reached.
         """
         settings = self.config.endpoint(endpoint)
+        tracked = None
+        if record is not None:
+            tracked = (record, self.activity.call(record, endpoint, role, keys.session))
         if self.swaps is None or settings.router is None:
-            return self._call_now(endpoint, request, keys, on_event, retryable, flow)
+            return self._call_now(endpoint, request, keys, on_event, retryable, flow, tracked)
         swaps = self.swaps
 
         def go(key: Hashable) -> Deferred[Completion]:
-            calling = self._call_now(endpoint, request, keys, on_event, retryable, flow)
+            calling = self._call_now(endpoint, request, keys, on_event, retryable, flow, tracked)
 
             def ended(result: Completion | Failure) -> Completion | Failure:
                 timings = result.timings if isinstance(result, Completion) else None
@@ -303,7 +316,17 @@ class Upstreams:
 
             return calling.addBoth(ended)
 
-        return swaps.admit(settings, on_event).addCallback(go)
+        admitted = swaps.admit(settings, on_event).addCallback(go)
+        if tracked is not None:
+            admitted.addErrback(self._untracked, tracked)
+        return admitted
+
+    def _untracked(self, reason: Failure, tracked: tuple[RequestRecord, CallRecord]) -> Failure:
+        """A call that failed before it began (at the swap gate) ends its record too."""
+        record, call = tracked
+        if call.ended is None:
+            self.activity.call_failed(record, call, _why(reason))
+        return reason
 
     def _call_now(
         self,
@@ -313,12 +336,17 @@ class Upstreams:
         on_event: EventSink,
         retryable: Callable[[BaseException], bool],
         flow: Flow | None,
+        tracked: tuple[RequestRecord, CallRecord] | None = None,
     ) -> Deferred[Completion]:
         """L{call} once its router (if any) lets it go: the leased call, told to the board."""
         if self.health is None:
-            return _LeasedCall(self, endpoint, request, keys, on_event, retryable, flow).start()
+            return _LeasedCall(
+                self, endpoint, request, keys, on_event, retryable, flow, tracked
+            ).start()
         telling = self._telling(endpoint, retryable)
-        calling = _LeasedCall(self, endpoint, request, keys, on_event, telling, flow).start()
+        calling = _LeasedCall(
+            self, endpoint, request, keys, on_event, telling, flow, tracked
+        ).start()
         return calling.addCallbacks(
             self._answered, self._failed, callbackArgs=(endpoint,), errbackArgs=(endpoint,)
         )
@@ -545,9 +573,14 @@ class _LeasedCall:
         on_event: EventSink,
         retryable: Callable[[BaseException], bool],
         flow: Flow | None,
+        tracked: tuple[RequestRecord, CallRecord] | None = None,
     ) -> None:
-        """See L{Upstreams.call} for the arguments."""
+        """
+        See L{Upstreams.call} for the arguments; C{tracked} is the request's record and
+        this call's, when the call is told to the activity.
+        """
         self._up = upstreams
+        self._tracked = tracked
         self._flow = flow
         self._endpoint = endpoint
         self._request = request
@@ -599,6 +632,8 @@ class _LeasedCall:
         """The lease is granted: go upstream."""
         self._step = None
         self._hold = hold
+        if self._tracked is not None:
+            self._up.activity.leased(self._tracked[1])
         self._go()
 
     def _go(self) -> None:
@@ -626,6 +661,8 @@ class _LeasedCall:
         request = replace(
             self._request, messages=messages, slot=self._slot, session=session, tier=keys.tier
         )
+        if self._tracked is not None:
+            self._up.activity.sent(*self._tracked, self._slot)
         calling = client.chat_with_retry(request, self._event, self._retryable, flow=self._flow)
         self._step = calling
         calling.addCallbacks(self._completed, self._failed)
@@ -639,6 +676,8 @@ class _LeasedCall:
         if isinstance(event, (Reasoning, Content, ToolCallDelta)):
             self._delivered = True
         if isinstance(event, Retrying):
+            if self._tracked is not None:
+                self._tracked[1].retries += 1
             if not self._delivered:
                 self._waiting_to_retry(True)
         elif not isinstance(event, (Queued, Waiting)):
@@ -673,6 +712,8 @@ class _LeasedCall:
         )
         self._up.account(self._endpoint, self._keys, self._slot, completion, self._conversation)
         self._give_back(self._keys.ends)
+        if self._tracked is not None:
+            self._up.activity.call_completed(*self._tracked, completion)
         self._result.callback(completion)
 
     def _failed(self, reason: Failure) -> None:
@@ -685,6 +726,7 @@ class _LeasedCall:
         # inferproxy refused it before the server saw it, or the server is gone): no grace.
         unanswered = reason.check(Connect, ProxyRefused, EndpointUnavailableError) is not None
         self._give_back(self._keys.ends or unanswered)
+        self._tell_ended(_why(reason))
         if not self._result.called:
             self._result.errback(reason)
 
@@ -695,6 +737,12 @@ class _LeasedCall:
         if step is not None:
             step.cancel()
         self._give_back(self._keys.ends)
+        self._tell_ended("cancelled")
+
+    def _tell_ended(self, why: str) -> None:
+        """Tell the activity the call ended without a completion (once)."""
+        if self._tracked is not None and self._tracked[1].ended is None:
+            self._up.activity.call_failed(*self._tracked, why)
 
     def _give_back(self, at_once: bool) -> None:
         """
@@ -709,6 +757,13 @@ class _LeasedCall:
         if self._keys.ends:
             for key in self._up.sessions.siblings(self._keys.session):
                 leases.end(key)
+
+
+def _why(reason: Failure) -> str:
+    """A failure's kind and message, for a call's record."""
+    if reason.check(CancelledError):
+        return "cancelled"
+    return f"{type(reason.value).__name__}: {reason.getErrorMessage()}"
 
 
 def _lease_timeout(wait_ms: int) -> Callable[[object, float], object]:

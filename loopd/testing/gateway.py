@@ -122,9 +122,24 @@ class Response:
         return [p if p == "[DONE]" else json.loads(p) for p in payloads]
 
     def comments(self) -> list[dict[str, Any]]:
-        """The JSON of each C{: loopd {...}} comment line (loopd's own progress events)."""
+        """
+        The JSON of each C{: loopd {...}} comment line (loopd's own progress events), but
+        the answer's cache report (L{cache_report}).
+        """
+        return [c for c in self.all_comments() if c.get("event") != "cache"]
+
+    def all_comments(self) -> list[dict[str, Any]]:
+        """The JSON of every C{: loopd {...}} comment line, the cache report's too."""
         prefix = ": loopd "
         return [json.loads(e[len(prefix) :]) for e in self.events() if e.startswith(prefix)]
+
+    def cache_report(self) -> dict[str, Any] | None:
+        """
+        The stream's cache report (C{reused}, C{evaluated}, C{saved_ms}), or C{None} when it
+        has none (L{loopd.gateway.cache_report}).
+        """
+        reports = [c for c in self.all_comments() if c.get("event") == "cache"]
+        return reports[-1] if reports else None
 
 
 def read_responses(raw: bytes) -> list[Response]:

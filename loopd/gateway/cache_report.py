@@ -1,0 +1,52 @@
+# -*- test-case-name: loopd.test.test_gateway_cache_report -*-
+"""
+What loopd tells an agent its cache did for one answer (DESIGN decision 48): the prompt
+tokens the server reused from its cache, the ones it evaluated, and the prefill time the
+reuse saved (L{loopd.gateway.status_board.saved_seconds}, at the endpoint's measured prompt
+speed).
+
+Every door's usage fields already carry the counts in its API's own names (chat's
+C{prompt_tokens_details.cached_tokens}, Messages' C{cache_read_input_tokens}, Responses'
+C{input_tokens_details.cached_tokens}). Besides them, a whole answer carries the header
+C{X-Loopd-Cache: reused=N; evaluated=M; saved_ms=S}, and a streamed one, whose headers left
+before the answer existed, ends with the comment line
+C{: loopd {"event":"cache","reused":N,"evaluated":M,"saved_ms":S}} just before its last
+event. A mesh turn counts every worker's and the reducer's calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from loopd.gateway.activity import RequestRecord
+from loopd.gateway.status_board import saved_seconds
+
+__all__ = ["CACHE_HEADER", "cache_header", "cache_report"]
+
+#: The header of a whole answer's cache report.
+CACHE_HEADER = b"x-loopd-cache"
+
+
+def cache_report(
+    record: RequestRecord, prompt_speed: Callable[[str], float | None]
+) -> dict[str, int]:
+    """
+    C{record}'s completed calls' reused and evaluated prompt tokens and the milliseconds the
+    reuse saved, each call at its own prompt speed or its endpoint's (C{prompt_speed}).
+    """
+    reused = evaluated = 0
+    saved = 0.0
+    for call in record.calls:
+        timings = call.timings
+        if timings is None:
+            continue
+        reused += timings.cache_n
+        evaluated += timings.prompt_n
+        saved += saved_seconds(timings, prompt_speed(call.endpoint))
+    return {"reused": reused, "evaluated": evaluated, "saved_ms": round(saved * 1000)}
+
+
+def cache_header(report: dict[str, int]) -> tuple[bytes, bytes]:
+    """The C{X-Loopd-Cache} header of C{report}."""
+    value = "; ".join(f"{name}={report[name]}" for name in ("reused", "evaluated", "saved_ms"))
+    return CACHE_HEADER, value.encode("ascii")
