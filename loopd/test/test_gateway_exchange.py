@@ -164,6 +164,18 @@ class ResponsesThroughTheGatewayTests(DoorTestCase):
         (message,) = [item for item in body["output"] if item["type"] == "message"]
         self.assertEqual(message["content"][0]["text"], "Hello")
 
+    def test_stream_sequence_numbers(self) -> None:
+        """
+        A stream's sequence numbers count from 0 in the order the events go out, though the
+        stream opens only at the first piece, made before the opening (they went 3, 4, 0,
+        1, 2, 5 ... before).
+        """
+        self.script(answer({"content": "Hel"}, {"content": "lo"}))
+        response = ask(self.harness, RESPONSES, {**RESPONSES_HI, "stream": True})
+        numbers = [data["sequence_number"] for name, data in events(response)]
+        self.assertEqual(numbers, list(range(len(numbers))))
+        self.assertEqual(events(response)[0][0], "response.created")
+
     def test_follow_up_by_previous_response_id(self) -> None:
         """A follow-up naming a stored response sends the whole conversation upstream."""
         self.script(answer({"content": "Hello"}), answer({"content": "Fine"}))

@@ -244,7 +244,8 @@ class ResponsesAnswer:
         self._request = request
         self._model = model
         self._created = created
-        self._sequence = 0
+        # 0 and 1 are the opening's (L{opening}).
+        self._sequence = 2
         self._items: list[_Item] = []
         self._open: _Item | None = None
 
@@ -353,17 +354,23 @@ class ResponsesAnswer:
 
     # -- the stream
 
-    def _event(self, kind: str, **fields: Any) -> bytes:
-        """One event of the stream, with the next sequence number."""
-        payload = {"type": kind, "sequence_number": self._sequence, **fields}
-        self._sequence += 1
+    def _event(self, kind: str, sequence: int | None = None, **fields: Any) -> bytes:
+        """One event of the stream, with the next sequence number (or C{sequence})."""
+        if sequence is None:
+            sequence = self._sequence
+            self._sequence += 1
+        payload = {"type": kind, "sequence_number": sequence, **fields}
         return encode_event(kind, compact_json(payload))
 
     def opening(self) -> bytes:
-        """C{response.created} and C{response.in_progress}, with no output yet."""
+        """
+        C{response.created} and C{response.in_progress}, with no output yet: sequence
+        numbers 0 and 1, which the events are counted after even when the first of them
+        was made before the stream opened (the gateway opens a stream at its first piece).
+        """
         snapshot = self._response("in_progress", [])
-        return self._event("response.created", response=snapshot) + self._event(
-            "response.in_progress", response=snapshot
+        return self._event("response.created", 0, response=snapshot) + self._event(
+            "response.in_progress", 1, response=snapshot
         )
 
     def keepalive(self) -> bytes:
