@@ -10,8 +10,11 @@ C{prompt_tokens_details.cached_tokens}, Messages' C{cache_read_input_tokens}, Re
 C{input_tokens_details.cached_tokens}). Besides them, a whole answer carries the header
 C{X-Loopd-Cache: reused=N; evaluated=M; saved_ms=S}, and a streamed one, whose headers left
 before the answer existed, ends with the comment line
-C{: loopd {"event":"cache","reused":N,"evaluated":M,"saved_ms":S}} just before its last
-event. A mesh turn counts every worker's and the reducer's calls.
+C{: loopd {"event":"cache","reused":N,"evaluated":M,"saved_ms":S}} after its text, just
+before the door's closing events (the finish and usage chunks and C{[DONE]},
+C{message_delta} and C{message_stop}, C{response.completed}); SSE clients skip comments. A
+door whose stream is not SSE (L{loopd.gateway.doors.door.Door.stream_type}) carries no
+comment. A mesh turn counts every worker's and the reducer's calls.
 """
 
 from __future__ import annotations

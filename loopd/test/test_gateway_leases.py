@@ -943,7 +943,7 @@ class WaitTests(LeaseTestCase):
         response = waiting.response()
         self.assertEqual((response.complete, content(response)), (True, "second"))
         events = response.events()
-        queued = [i for i, e in enumerate(events) if e.startswith(": loopd ")]
+        queued = [i for i, e in enumerate(events) if e.startswith(': loopd {"event":"queued"')]
         answered = [i for i, e in enumerate(events) if '"content":"second"' in e]
         self.assertLess(queued[-1], answered[0])
         self.assertEqual(self.chats_sent(), 2)

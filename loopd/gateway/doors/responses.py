@@ -354,13 +354,10 @@ class ResponsesAnswer:
 
     # -- the stream
 
-    def _event(self, kind: str, sequence: int | None = None, **fields: Any) -> bytes:
-        """One event of the stream, with the next sequence number (or C{sequence})."""
-        if sequence is None:
-            sequence = self._sequence
-            self._sequence += 1
-        payload = {"type": kind, "sequence_number": sequence, **fields}
-        return encode_event(kind, compact_json(payload))
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        """One event of the stream, with the next sequence number."""
+        self._sequence += 1
+        return _numbered(kind, self._sequence - 1, fields)
 
     def opening(self) -> bytes:
         """
@@ -369,8 +366,8 @@ class ResponsesAnswer:
         was made before the stream opened (the gateway opens a stream at its first piece).
         """
         snapshot = self._response("in_progress", [])
-        return self._event("response.created", 0, response=snapshot) + self._event(
-            "response.in_progress", 1, response=snapshot
+        return _numbered("response.created", 0, {"response": snapshot}) + _numbered(
+            "response.in_progress", 1, {"response": snapshot}
         )
 
     def keepalive(self) -> bytes:
@@ -544,3 +541,9 @@ class ResponsesAnswer:
         return sent + self._event(
             "response.failed", response=self._response("failed", output, error=failure)
         )
+
+
+def _numbered(kind: str, sequence: int, fields: Mapping[str, Any]) -> bytes:
+    """One event of a stream: C{kind} with C{sequence} and C{fields}."""
+    payload = {"type": kind, "sequence_number": sequence, **fields}
+    return encode_event(kind, compact_json(payload))
