@@ -85,15 +85,21 @@ def loopd_config(listen: str, endpoint_socket: str, grace_ms: int | None = None)
     )
 
 
-def start(children: Children, threads: int, grace_ms: int | None = None) -> Stack:
-    """Start the server (2 slots), inferproxy and loopd (with grace_ms when given); return
-    where they listen."""
+def start_backend(children: Children, threads: int) -> tuple[int, str]:
+    """Start the server (2 slots) and the inferproxy in front of it; return the server's
+    port and the inferproxy's socket."""
     from loopd.demo.tiny_model import write_tiny_model
 
     model = os.path.join(children.dir, "tiny-think.gguf")
     write_tiny_model(model, think_forever=True)
     port = start_server(children, model, threads)
-    infer = start_forwarder(children, "inferproxy", PROXY_CMD, port)
+    return port, start_forwarder(children, "inferproxy", PROXY_CMD, port)
+
+
+def start(children: Children, threads: int, grace_ms: int | None = None) -> Stack:
+    """Start the server (2 slots), inferproxy and loopd (with grace_ms when given); return
+    where they listen."""
+    port, infer = start_backend(children, threads)
     listen = os.path.join(children.dir, "loopd.sock")
     config = os.path.join(children.dir, "loopd.toml")
     with open(config, "w", encoding="utf-8") as f:

@@ -200,13 +200,22 @@ class Children:
         self.dir = tempfile.mkdtemp(prefix="lb", dir="/tmp")
         self.procs: list[tuple[str, subprocess.Popen[bytes], str | None]] = []
 
-    def spawn(self, name: str, argv: list[str], log: bool) -> subprocess.Popen[bytes]:
-        """Start argv in its own process group; log: output to a file, else a pipe."""
+    def spawn(
+        self,
+        name: str,
+        argv: list[str],
+        log: bool,
+        cwd: str = ROOT,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """Start argv in its own process group, in cwd (the checkout root) with env (this
+        process's); log: output to a file, else a pipe."""
         logpath = os.path.join(self.dir, f"{name}.log") if log else None
         with open(logpath or os.devnull, "wb") as logfile:
             proc = subprocess.Popen(
                 argv,
-                cwd=ROOT,
+                cwd=cwd,
+                env=env,
                 stdin=subprocess.PIPE,
                 stdout=logfile if log else subprocess.PIPE,
                 stderr=subprocess.STDOUT if log else None,

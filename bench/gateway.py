@@ -34,6 +34,12 @@ seconds (user and system, from /proc, so Linux only) the server, inferproxy and 
 each spent on them, per 1,000 streamed tokens, with the server's own as the anchor and
 each process's ratio to it.
 
+Part 4, observability (issue 28; run alone, ``--part observe``, not part of ``all``): the
+CPU loopd spends per 1,000 streamed tokens with the status page open (``GET /v1/status``
+every 2 s) and OpenTelemetry on, against loopd as it was before issue 28 (``--before``, a
+git revision) in the same run: ``--rounds`` rounds of ``--requests`` streams alternating
+between the two processes (bench/_observe_runs.py). Goal: at most 2 % more.
+
 ``--part`` runs only one part. The exit status is 0 when every measurement ran (goals
 met or not), else 1.
 """
@@ -57,7 +63,8 @@ from _gateway_runs import (
     measure_long,
     measure_sessions,
 )
-from _gateway_stack import QUEUE_DEPTH, Stack, start
+from _gateway_stack import QUEUE_DEPTH, Stack, start, start_backend
+from _observe_runs import ObserveUse, extract, measure_observe, start_pair
 from _report import W, non_negative, percentile, positive, verdict
 from _servers import BenchError, Children, ignore_exit_signals, run_guarded
 
@@ -69,6 +76,14 @@ TURNS_GOAL = 0.9
 """Part 2: loopd's turns/s at least this share of direct's."""
 FIRST_TOKEN_P95_GOAL = 2.0
 """Part 2: loopd's p95 first token at most this multiple of direct's."""
+OBSERVE_GOAL = 1.02
+"""Part 4: loopd's CPU per 1,000 tokens with the page and telemetry on, at most this
+multiple of loopd's before issue 28."""
+BEFORE = "4309a90"
+"""Part 4's anchor: the last commit before issue 28 (observability)."""
+TELEMETRY = '[telemetry]\nenabled = true\nsocket = "{socket}"\n'
+"""Part 4: the lines that turn OpenTelemetry on in the "after" loopd ({socket}: the
+receiver's)."""
 
 
 LONG_ROWS: tuple[tuple[str, Callable[[Samples], float]], ...] = (
@@ -175,8 +190,58 @@ def print_cpu(use: CpuUse, args: argparse.Namespace) -> None:
         print(f"{name + ', CPU s per 1,000 tokens':<{W}}{per_1k:>10.4f}{ratio:>10.2f}")
 
 
+def print_observe(use: ObserveUse, args: argparse.Namespace) -> None:
+    """Print part 4: each loopd's CPU per 1,000 tokens, the ratio and the goal."""
+    header = (
+        f"Part 4, observability: {args.rounds} rounds of {args.requests} streams of"
+        f" {args.tokens} tokens, alternating between loopd at {args.before} (before issue"
+        " 28, the anchor) and this checkout's loopd with OpenTelemetry exporting to a local"
+        " receiver and the status page's poll of /v1/status every 2 s; each process's CPU"
+        f" (user + system, /proc) over its own rounds. The page polled {use.polls} times;"
+        f" the receiver took {use.exports} exports ({use.export_bytes:,} bytes)."
+    )
+    print("\n" + textwrap.fill(header, 88))
+    print("\n" + " " * W + f"{'s/1k tok':>10}{'/before':>10}")
+    anchor = use.seconds["before"] / use.tokens["before"]
+    for name in ("before", "after"):
+        per_token = use.seconds[name] / use.tokens[name]
+        label = f"loopd {name}, CPU s per 1,000 tokens"
+        print(f"{label:<{W}}{1000 * per_token:>10.4f}{per_token / anchor:>10.3f}")
+    ratio = (use.seconds["after"] / use.tokens["after"]) / anchor
+    print(f"\n{'after/before':<{W}}{ratio:>10.3f}   {verdict(ratio, '<=', OBSERVE_GOAL)}")
+
+
+def run_observe(args: argparse.Namespace) -> None:
+    """Part 4: start the server, the inferproxy and both loopds; measure; print."""
+    children = Children()
+    try:
+        print("  part 4: starting the llama server, inferproxy and two loopds ...", file=sys.stderr)
+        _port, infer = start_backend(children, args.threads)
+        before = extract(args.before, children.dir)
+        sockets, receiver = start_pair(children, infer, before, TELEMETRY)
+        pids = {name: child.pid for name, child, _log in children.procs}
+        pids = {"before": pids["loopd-before"], "after": pids["loopd-after"]}
+        use = measure_observe(
+            children,
+            sockets,
+            pids,
+            receiver,
+            args.rounds,
+            args.requests,
+            args.tokens,
+            args.io_timeout,
+        )
+    finally:
+        ignore_exit_signals()
+        children.stop_all()
+    print_observe(use, args)
+
+
 def run(args: argparse.Namespace) -> None:
     """Start the stack, run the parts asked for, print their reports."""
+    if args.part == "observe":
+        run_observe(args)
+        return
     children = Children()
     try:
         print("  starting the llama server, inferproxy and loopd ...", file=sys.stderr)
@@ -220,7 +285,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
-    add("--part", choices=("all", "latency", "sessions", "cpu"), default="all", help="what to run")
+    add(
+        "--part",
+        choices=("all", "latency", "sessions", "cpu", "observe"),
+        default="all",
+        help="what to run (observe: part 4, only when asked)",
+    )
     add("--requests", type=positive, default=200, help="part 1: timed requests per path")
     add("--warmup", type=non_negative, default=10, help="part 1: untimed requests first")
     add("--tokens", type=positive, default=200, help="part 1: tokens per answer")
@@ -232,6 +302,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add("--grace-ms", type=non_negative, help="loopd's [queue] grace_ms (default: loopd's)")
     add("--io-timeout", type=float, default=120.0, help="longest wait on a socket, s")
+    add("--rounds", type=positive, default=10, help="part 4: rounds per loopd")
+    add("--before", default=BEFORE, help="part 4: the git revision of loopd before issue 28")
     return parser.parse_args(argv)
 
 
