@@ -304,16 +304,13 @@
       ctx.textAlign = "left";
       ctx.fillText(Math.round(100 * (1 - g / 4)) + "%", left + plotWidth + 6, y + 4);
     }
-    // The time axis: each quarter of the hour at its minute's clock time.
+    // The time axis: the clock time of every fifteenth minute back from the last one.
     ctx.textAlign = "center";
     const starts = series.minute_starts;
-    for (let q = 0; q <= 4; q++) {
-      const i = Math.round((q / 4) * (n - 1));
-      if (i >= 0 && i < n) {
-        const label = new Date(starts[i] * 1000).toLocaleTimeString("en-GB",
-          { hour: "2-digit", minute: "2-digit" });
-        ctx.fillText(label, Math.min(Math.max(x(i), left + 16), left + plotWidth - 16), height - 8);
-      }
+    for (let i = n - 1; i >= 0; i -= 15) {
+      const label = new Date(starts[i] * 1000).toLocaleTimeString("en-GB",
+        { hour: "2-digit", minute: "2-digit" });
+      ctx.fillText(label, Math.min(Math.max(x(i), left + 16), left + plotWidth - 16), height - 8);
     }
 
     // Tokens per second: a filled line.
