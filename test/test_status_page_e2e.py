@@ -156,7 +156,8 @@ class StatusPageBrowserTests(TestCase):
 
         driver.get(link)
         WebDriverWait(driver, WAIT, poll_frequency=0.1).until(
-            lambda d: d.execute_script("return document.body.dataset.state") == "live"
+            lambda d: d.execute_script("return document.body.dataset.state") == "live",
+            f"the login link did not open a live page within {WAIT:g} s",
         )
         self.assertEqual(driver.current_url, f"{url}/")
         (cookie,) = driver.get_cookies()
@@ -177,7 +178,9 @@ class StatusPageBrowserTests(TestCase):
             reused = d.execute_script(_SESSION_FIELD, SESSION, "reused_tokens")
             return reused if turns == 2 and reused else False
 
-        reused: int = WebDriverWait(driver, WAIT, poll_frequency=0.2).until(shown)
+        reused: int = WebDriverWait(driver, WAIT, poll_frequency=0.2).until(
+            shown, f"the page did not show {SESSION} with two turns and reused tokens in {WAIT:g} s"
+        )
         return reused
 
     def screenshot(self, driver: Any, artifacts: str) -> None:
@@ -202,7 +205,8 @@ class StatusPageBrowserTests(TestCase):
             lambda d: d.execute_script(
                 "const m = document.querySelector('#message.problem');"
                 "return m ? m.textContent : null;"
-            )
+            ),
+            f"the login page did not refuse the used link within {WAIT:g} s",
         )
         self.assertIn("has been used or has expired", message)
         self.assertIn("loopd ui", message)
