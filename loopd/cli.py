@@ -1,7 +1,7 @@
 # -*- test-case-name: loopd.test.test_cli -*-
 """
 The C{loopd} command: C{loopd selftest}, C{loopd chat}, C{loopd queue status},
-C{loopd token} and C{loopd demo}.
+C{loopd token}, C{loopd ui} and C{loopd demo}.
 
 C{main} parses the arguments and runs one command on the global reactor, which this module
 (and C{twisted/plugins}) alone imports, inside L{run_on_reactor}. Each command is a function
@@ -34,6 +34,7 @@ from loopd.selftest import SelftestFailed, SelftestReport, require_selftests
 from loopd.service import default_socket_path, listen_path, queue_socket_path
 from loopd.settings import Config, Server
 from loopd.tap.loopd import default_config_path
+from loopd.ui_command import open_in_browser, ui_command
 from loopd.unixsocket import UnixSocketError, check_peer_socket
 
 __all__ = [
@@ -104,6 +105,24 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument(
         "--config", metavar="F", help=f"the loopd.toml (default: {default_config_path()})"
     )
+    ui = commands.add_parser(
+        "ui",
+        help="print a one-time login link to the status page on loopd's TCP listener",
+    )
+    ui_where = ui.add_mutually_exclusive_group()
+    ui_where.add_argument(
+        "--config",
+        metavar="F",
+        help="the loopd.toml whose [server] listen socket to ask "
+        f"(default: {default_config_path()})",
+    )
+    ui_where.add_argument(
+        "--socket",
+        metavar="PATH",
+        help="loopd's Unix socket (default: the config's [server] listen, "
+        f"else {default_socket_path()})",
+    )
+    ui.add_argument("--open", action="store_true", help="open the link in a browser too")
     demo = commands.add_parser(
         "demo", help="run a real llama.cpp server with a tiny model, an inferproxy and loopd"
     )
@@ -161,6 +180,19 @@ def main(argv: Sequence[str] | None = None, *, run: Runner | None = None) -> int
         return runner(lambda reactor: terminal_chat(reactor, socket_path, conversation))
     if args.command == "token":
         return token_command(args.config, out, err)
+    if args.command == "ui":
+        try:
+            if args.config:
+                ui_socket = listen_path(load_config(args.config))
+            else:
+                ui_socket = chat_socket_path(args.socket)
+        except (ConfigError, ValueError) as e:
+            err(f"loopd ui: {e}\n")
+            return USAGE_ERROR
+        browser = open_in_browser if args.open else None
+        return runner(
+            lambda reactor: ui_command(reactor, ui_socket, out, err, open_browser=browser)
+        )
     if args.command == "queue":
         from loopd.queue.show import queue_status_command
 

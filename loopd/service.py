@@ -212,6 +212,7 @@ class LoopdService(Service):
             self._tcp_port = yield self._listen_tcp(self.gateway, tcp, token)
             bound: Any = self._tcp_port.getHost()
             self.tcp_url = tcp.url(bound.port)
+            self.gateway.page_url = tcp.browser_url(bound.port)
             _log.info(
                 "TCP listener on {url}: every request needs the token in {token_file}",
                 url=self.tcp_url,
@@ -362,7 +363,11 @@ class LoopdService(Service):
         """
         guarded = gateway.site(
             guard=lambda root: TokenGuard(
-                root, token, gateway.error_shapes(), on_refusal=gateway.metrics.observe_refusal
+                root,
+                token,
+                gateway.error_shapes(),
+                on_refusal=gateway.metrics.observe_refusal,
+                logins=gateway.logins,
             )
         )
         backlog = self.config.server.backlog

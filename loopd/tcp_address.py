@@ -45,6 +45,19 @@ class TcpAddress:
         host = f"[{self.host}]" if self.ipv6 else self.host
         return f"http://{host}:{self.port if port is None else port}"
 
+    def browser_url(self, port: int | None = None) -> str:
+        """
+        The HTTP root a browser on this machine opens (the status page's links): L{url},
+        but a listener on every address (C{0.0.0.0}, C{::}, with C{allow_remote}) is
+        reached on the loopback one (C{127.0.0.1}, C{[::1]}).
+
+        @param port: the port actually bound, when C{port} is 0; default C{port}.
+        """
+        if ipaddress.ip_address(self.host).is_unspecified:
+            loopback = "::1" if self.ipv6 else "127.0.0.1"
+            return TcpAddress(loopback, self.port, self.ipv6, True).url(port)
+        return self.url(port)
+
 
 def parse_tcp_address(text: str) -> TcpAddress:
     """

@@ -9,7 +9,6 @@ child running.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -26,15 +25,18 @@ from twisted.internet.utils import getProcessOutputAndValue
 from twisted.trial.unittest import SkipTest, TestCase
 
 from loopd.test.support.peers import real_reactor
-from loopd.test.support.twist import spawn_twist, stop_twist
 
 try:
-    from loopd.test.support.gateway_stack import SLOTS, httpx, loopd_toml, serve_behind_proxy
+    from loopd.test.support.gateway_stack import (
+        SLOTS,
+        httpx,
+        serve_behind_proxy,
+        start_loopd_tcp,
+    )
 except ImportError as e:  # pragma: no cover - the test extra is not installed
     raise SkipTest(f"the TCP listener's end-to-end tests need the test extra: {e}") from None
 
 HI = [{"role": "user", "content": "Hi"}]
-_URL = re.compile(rb"TCP listener on (http://127\.0\.0\.1:\d+):")
 _BIN = os.path.join(os.path.dirname(sys.executable), "loopd")
 LOOPD = [_BIN] if os.path.exists(_BIN) else [sys.executable, "-m", "loopd.cli"]
 #: Seconds a poll may take.
@@ -52,19 +54,9 @@ class TcpListenerEndToEndTests(TestCase):
     def start(self) -> Any:
         """The stack, loopd on its socket and on a free loopback port; fires with the URL."""
         self.directory, _, infer = yield serve_behind_proxy(self, "tiny.gguf", SLOTS)
-        self.socket = os.path.join(self.directory, "loopd.sock")
-        self.token_file = os.path.join(self.directory, "state", "token")
-        self.config = os.path.join(self.directory, "loopd.toml")
-        text = loopd_toml(self.socket, infer, None, long=False)
-        extra = f'tcp = "127.0.0.1:0"\ntoken_file = {json.dumps(self.token_file)}\n'
-        with open(self.config, "w") as f:
-            f.write(text.replace("[[endpoint]]", extra + "[[endpoint]]", 1))
-        loopd = spawn_twist(real_reactor(), b"loopd serving", "loopd", "--config", self.config)
-        self.addCleanup(stop_twist, loopd)
-        yield loopd.ready
-        found = _URL.search(loopd.output)
-        assert found is not None, loopd.output
-        return found.group(1).decode()
+        loopd = yield start_loopd_tcp(self, self.directory, infer)
+        self.socket, self.token_file, self.config = loopd.socket, loopd.token_file, loopd.config
+        return loopd.url
 
     def post(self, url: str, headers: dict[str, str], **transport: Any) -> Any:
         """POST one chat to C{url} with C{headers} (in a thread); the response."""

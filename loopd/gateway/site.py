@@ -4,7 +4,10 @@ The gateway's wiring and its small routes: L{Gateway} holds what one gateway ser
 llama client per endpoint behind the leased upstream calls, the sessions, the router, the
 endpoints' health and its probes, the metrics) and builds its twisted.web site: the front
 doors C{/v1/chat/completions}, C{/v1/messages} (and its C{count_tokens}) and
-C{/v1/responses}, then C{/v1/models}, C{/health}, C{/metrics} and, with leases, C{/v1/queue}.
+C{/v1/responses}, then C{/v1/models}, C{/health}, C{/metrics}, C{/v1/status}, with leases
+C{/v1/queue}, and the status page: C{/} (the page for a browser, the JSON index for everyone
+else), its files under C{/ui/} and its login (L{loopd.gateway.page},
+L{loopd.gateway.page_login}).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from loopd.gateway.exchange import DoorRoute
 from loopd.gateway.health import HealthBoard, ProbePace
 from loopd.gateway.leases import GatewayLeases, queue_status
 from loopd.gateway.metrics import GatewayMetrics
+from loopd.gateway.page import IndexRoute, page_routes
+from loopd.gateway.page_login import LoginCodeRoute, LoginRoute, PageLogins
 from loopd.gateway.probe import HealthProbes
 from loopd.gateway.request import GatewayRequest
 from loopd.gateway.router import AUTO_MODEL, AutoRouter, RandomSource, place
@@ -121,6 +126,11 @@ class Gateway:
         #: Every request's record and its watchers: the board, and telemetry and the
         #: capture when configured.
         self.activity = Activity(reactor.seconds, wall_clock, [self.board])
+        #: The status page's login codes and session cookies (L{loopd.gateway.page_login}).
+        self.logins = PageLogins(reactor)
+        #: The TCP listener's URL as a browser reaches it (C{http://127.0.0.1:8421}), once
+        #: it listens; C{None} without one. The login links C{loopd ui} prints start with it.
+        self.page_url: str | None = None
         self._sites: list[GatewaySite] = []
         self.leases = leases
         if leases is not None and leases.scheduler is not None:
@@ -212,7 +222,9 @@ class Gateway:
         connection cap), and C{loopd_http_connections_open} counts them all.
 
         @param guard: wraps the root resource, such as the TCP listener's token check
-            (L{loopd.gateway.token_guard.TokenGuard}); None: the routes as they are.
+            (L{loopd.gateway.token_guard.TokenGuard}); None: the routes as they are, and
+            the site is the Unix socket's, the only one that gives login codes
+            (C{POST /v1/ui/login}, refused 403 elsewhere).
         """
         routes: dict[bytes, Resource] = {
             path: DoorRoute(self, door) for path, door in self.doors.by_path
@@ -224,7 +236,12 @@ class Gateway:
                 b"/health": JsonRoute(self._health),
                 b"/metrics": _Metrics(self.metrics),
                 b"/v1/status": JsonRoute(self._status),
-                b"/": JsonRoute(self._index),
+                b"/": IndexRoute(self._index),
+                b"/ui/login": LoginRoute(self.logins),
+                b"/v1/ui/login": LoginCodeRoute(
+                    self.logins, lambda: self.page_url, local=guard is None
+                ),
+                **page_routes(),
             }
         )
         if self.leases is not None and self.leases.scheduler is not None:

@@ -153,6 +153,173 @@ class GuardedGatewayTests(SynchronousTestCase):
         del open_connection
 
 
+#: What Chromium sends when it opens a page.
+BROWSER = "text/html,application/xhtml+xml,application/xml;q=0.9,image/avif,*/*;q=0.8"
+
+
+class PageCookieTests(SynchronousTestCase):
+    """
+    On the guarded site, the status page's session cookie (bought with a login code from
+    the Unix socket's site) opens the page's read-only routes and nothing else; the login
+    needs nothing; a browser without a sign-in is told to run C{loopd ui}.
+    """
+
+    def setUp(self) -> None:
+        self.harness = GatewayHarness(leases=True)
+        gateway = self.harness.gateway
+        gateway.page_url = "http://127.0.0.1:8421"
+        self.unix_site = self.harness.site
+        self.harness.site = gateway.site(
+            guard=lambda root: TokenGuard(
+                root,
+                TOKEN,
+                gateway.error_shapes(),
+                on_refusal=gateway.metrics.observe_refusal,
+                logins=gateway.logins,
+            )
+        )
+
+    def ask(self, method: str, target: str, *headers: str, body: Any = None) -> Response:
+        """One request on the guarded site; its response."""
+        connection = self.harness.connect()
+        raw = None if body is None else json.dumps(body).encode()
+        connection.request(method, target, raw, list(headers))
+        return connection.response()
+
+    def sign_in(self) -> str:
+        """A code from the Unix socket's site, traded on the guarded one; the Cookie header."""
+        guarded, self.harness.site = self.harness.site, self.unix_site
+        code = self.ask("POST", "/v1/ui/login", body={}).json()["code"]
+        self.harness.site = guarded
+        response = self.ask(
+            "POST", "/ui/login", "Content-Type: application/json", body={"code": code}
+        )
+        self.assertEqual(response.status, 200)
+        return "Cookie: " + response.headers["set-cookie"].split(";", 1)[0]
+
+    def test_login_without_token(self) -> None:
+        """
+        The login page, its script, the style sheet and the icon need no token; the page,
+        its script and the status document do.
+        """
+        for target in ("/ui/login", "/ui/login.js", "/ui/page.css", "/ui/icon.svg"):
+            self.assertEqual(self.ask("GET", target).status, 200, target)
+        for target in ("/", "/ui/page.js", "/v1/status"):
+            self.assertEqual(self.ask("GET", target).status, 401, target)
+
+    def test_cookie_opens_the_page(self) -> None:
+        """
+        With the cookie: the page, its script, the status document, C{HEAD /}, and the
+        JSON index for a client that does not ask for HTML.
+        """
+        cookie = self.sign_in()
+        page = self.ask("GET", "/", cookie, f"Accept: {BROWSER}")
+        self.assertEqual(page.status, 200)
+        self.assertEqual(page.headers["content-type"], "text/html; charset=utf-8")
+        self.assertEqual(self.ask("GET", "/ui/page.js", cookie).status, 200)
+        status = self.ask("GET", "/v1/status", cookie, "Accept: application/json")
+        self.assertEqual(status.status, 200)
+        self.assertEqual(status.json()["endpoints"][0]["name"], "tiny")
+        self.assertEqual(self.ask("HEAD", "/", cookie).status, 200)
+        self.assertEqual(self.ask("GET", "/", cookie).json()["service"], "loopd")
+
+    def test_cookie_opens_nothing_else(self) -> None:
+        """
+        The cookie is refused on the front doors, /metrics, /health, /v1/models, /v1/queue,
+        the code route, and on any POST (of a read-only route too): the door's JSON 401, and
+        nothing goes upstream.
+        """
+        cookie = self.sign_in()
+        for method, target in (
+            ("POST", CHAT),
+            ("POST", "/v1/responses"),
+            ("POST", "/v1/messages/count_tokens"),
+            ("GET", "/metrics"),
+            ("GET", "/health"),
+            ("GET", "/v1/models"),
+            ("GET", "/v1/queue"),
+            ("POST", "/v1/ui/login"),
+            ("POST", "/"),
+            ("POST", "/v1/status"),
+            ("DELETE", "/v1/status"),
+        ):
+            body = HI if method == "POST" else None
+            response = self.ask(method, target, cookie, f"Accept: {BROWSER}", body=body)
+            self.assertEqual(response.status, 401, (method, target))
+            self.assertEqual(response.headers["content-type"], "application/json")
+        response = self.ask("POST", "/v1/messages", cookie, body={"max_tokens": 1})
+        self.assertEqual((response.status, response.json()["type"]), (401, "error"))
+        self.assertEqual(self.harness.fake.requests, [])
+
+    def test_forged_or_expired_cookie(self) -> None:
+        """
+        A cookie loopd never gave, one of another name, and one unused for twelve hours are
+        refused.
+        """
+        cookie = self.sign_in()
+        value = cookie.split("=", 1)[1]
+        for forged in (
+            "Cookie: loopd_ui=" + "A" * 43,
+            f"Cookie: other={value}",
+            "Cookie: loopd_ui=",
+        ):
+            self.assertEqual(self.ask("GET", "/v1/status", forged).status, 401, forged)
+        self.assertEqual(self.ask("GET", "/v1/status", cookie).status, 200)
+        self.harness.advance(12 * 3600)
+        self.assertEqual(self.ask("GET", "/v1/status", cookie).status, 401)
+
+    def test_sign_in_page(self) -> None:
+        """
+        A browser's GET of the page (or of the status document) without the token or a
+        cookie is a 401 HTML page saying to run loopd ui, with the page's headers; a
+        client that does not ask for HTML keeps the JSON 401, and HEAD has no body.
+        """
+        for target in ("/", "/v1/status"):
+            response = self.ask("GET", target, f"Accept: {BROWSER}")
+            self.assertEqual(response.status, 401)
+            self.assertEqual(response.headers["content-type"], "text/html; charset=utf-8")
+            self.assertEqual(response.headers["www-authenticate"], 'Bearer realm="loopd"')
+            self.assertEqual(response.headers["cache-control"], "no-store")
+            self.assertIn("default-src 'self'", response.headers["content-security-policy"])
+            self.assertIn(b"loopd ui", response.body)
+        response = self.ask("GET", "/", "Accept: */*")
+        self.assertEqual(
+            (response.status, response.json()["error"]["code"]), (401, "invalid_api_key")
+        )
+        head = self.ask("HEAD", "/")
+        self.assertEqual((head.status, head.body), (401, b""))
+        self.assertEqual(head.headers["content-type"], "application/json")
+
+    def test_code_route_refused(self) -> None:
+        """
+        On the guarded site, the code route is 401 without the token and 403 with it:
+        codes come from the Unix socket only.
+        """
+        self.assertEqual(self.ask("POST", "/v1/ui/login", body={}).status, 401)
+        response = self.ask("POST", "/v1/ui/login", f"x-api-key: {TOKEN}", body={})
+        self.assertEqual(response.status, 403)
+        self.assertEqual(response.json()["error"]["code"], "forbidden")
+        self.assertIn("loopd ui", response.json()["error"]["message"])
+
+    def test_token_still_opens_everything(self) -> None:
+        """The token opens the page and the status document too, as every route."""
+        page = self.ask("GET", "/", f"Authorization: Bearer {TOKEN}", f"Accept: {BROWSER}")
+        self.assertEqual(page.headers["content-type"], "text/html; charset=utf-8")
+        self.assertEqual(self.ask("GET", "/v1/status", f"x-api-key: {TOKEN}").status, 200)
+
+    def test_cookie_counts_as_shown(self) -> None:
+        """
+        A connection that showed a good cookie is, like one that showed the token, never
+        closed to make room at the cap; a public route's is not proof.
+        """
+        cookie = self.sign_in()
+        connection = self.harness.connect()
+        connection.request("GET", "/ui/login")
+        self.assertFalse(connection.channel.shown_token)
+        connection.request("GET", "/v1/status", None, [cookie])
+        self.assertTrue(connection.channel.shown_token)
+
+
 class ShapeTests(SynchronousTestCase):
     """
     The guard picks the error shape by path prefix.

@@ -61,7 +61,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "the daemon and the terminal chat",
         ("loopd.service", "loopd.tap.*", "loopd.chatui", "loopd.chatloop"),
     ),
-    ("the commands", ("loopd.cli", "loopd.demo.*")),
+    ("the commands", ("loopd.cli", "loopd.ui_command", "loopd.demo.*")),
     ("the public test kit", ("loopd.testing.*",)),
     ("loopd's own tests", ("loopd.test.*",)),
 )

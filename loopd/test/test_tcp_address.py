@@ -52,3 +52,14 @@ class ParseTests(SynchronousTestCase):
         """The HTTP root, IPv6 in brackets, with the port bound when asked for port 0."""
         self.assertEqual(parse_tcp_address("127.0.0.1:80").url(), "http://127.0.0.1:80")
         self.assertEqual(parse_tcp_address("[::1]:0").url(4321), "http://[::1]:4321")
+
+    def test_browser_url(self) -> None:
+        """
+        A browser opens the listener's own root, or the loopback one for a listener on
+        every address.
+        """
+        self.assertEqual(parse_tcp_address("127.0.0.1:0").browser_url(80), "http://127.0.0.1:80")
+        self.assertEqual(parse_tcp_address("[::1]:8080").browser_url(), "http://[::1]:8080")
+        self.assertEqual(parse_tcp_address("0.0.0.0:9").browser_url(), "http://127.0.0.1:9")
+        self.assertEqual(parse_tcp_address("[::]:0").browser_url(7), "http://[::1]:7")
+        self.assertEqual(parse_tcp_address("10.1.2.3:9").browser_url(), "http://10.1.2.3:9")

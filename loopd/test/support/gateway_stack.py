@@ -5,7 +5,8 @@ with the project's tiny model behind a C{twist inferproxy} (L{serve_behind_proxy
 genuine llama-server in router mode over several tiny models behind one
 (L{serve_router_behind_proxy}, L{test.test_router_e2e}), the loopd.toml of a C{twist loopd}
 in front of it (L{loopd_toml}), a raw HTTP client (L{RawStream}), and the HTTP transport
-module of the C{openai} SDK (L{httpx}).
+module of the C{openai} SDK (L{httpx}), and C{twist loopd} on its socket and a TCP listener
+(L{start_loopd_tcp}).
 
 Importing it without the test extra raises C{SkipTest}, so a test module that imports it is
 skipped, not broken.
@@ -16,8 +17,10 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from typing import Any
 
 from twisted.internet.defer import Deferred, inlineCallbacks
@@ -166,6 +169,57 @@ def serve_router_behind_proxy(
     port = yield server.start()
     yield _proxy_in_front(test, infer, port)
     return directory, server, infer, names
+
+
+#: The log line that names the TCP listener's URL.
+_TCP_URL = re.compile(rb"TCP listener on (http://127\.0\.0\.1:\d+):")
+
+
+@dataclass(frozen=True)
+class TcpLoopd:
+    """
+    A C{twist loopd} listening on its Unix socket and on a TCP port (L{start_loopd_tcp}).
+
+    @ivar url: the TCP listener's root, C{http://127.0.0.1:PORT}.
+    @ivar socket: the Unix socket's path.
+    @ivar config: its loopd.toml.
+    @ivar token_file: the file of the TCP listener's token.
+    @ivar process: the C{twist loopd} child.
+    """
+
+    url: str
+    socket: str
+    config: str
+    token_file: str
+    process: Any
+
+    def token(self) -> str:
+        """The token loopd made (or read) at its start."""
+        with open(self.token_file) as f:
+            return f.read().strip()
+
+
+@inlineCallbacks
+def start_loopd_tcp(test: TestCase, directory: str, infer: str) -> Any:
+    """
+    C{twist loopd} in front of the inferproxy at C{infer} (one endpoint C{tiny}, no
+    self-test), on C{loopd.sock} in C{directory} and on a free loopback port
+    (C{[server] tcp = "127.0.0.1:0"}), its token in C{directory/state/token}; stopped after
+    C{test}. Fires with a L{TcpLoopd} once it serves.
+    """
+    socket = os.path.join(directory, "loopd.sock")
+    token_file = os.path.join(directory, "state", "token")
+    config = os.path.join(directory, "loopd.toml")
+    text = loopd_toml(socket, infer, None, long=False)
+    extra = f'tcp = "127.0.0.1:0"\ntoken_file = {json.dumps(token_file)}\n'
+    with open(config, "w") as f:
+        f.write(text.replace("[[endpoint]]", extra + "[[endpoint]]", 1))
+    loopd = spawn_twist(real_reactor(), b"loopd serving", "loopd", "--config", config)
+    test.addCleanup(stop_twist, loopd)
+    yield loopd.ready
+    found = _TCP_URL.search(loopd.output)
+    assert found is not None, loopd.output
+    return TcpLoopd(found.group(1).decode(), socket, config, token_file, loopd)
 
 
 class RawStream(Protocol):
