@@ -15,12 +15,14 @@ import ast
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from twisted.internet.defer import inlineCallbacks
+from twisted.internet.utils import getProcessOutputAndValue
 from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
 from twisted.web.server import Site
 
@@ -29,6 +31,7 @@ from loopd.gateway.activity import ActivityWatcher, CallRecord, RequestRecord
 from loopd.llama.types import Timings
 from loopd.settings import Config, Retry, Telemetry
 from loopd.test.support.peers import real_reactor
+from loopd.test.support.twist import ROOT
 from loopd.testing.fake_llama import CHAT, error_reply, sse_reply
 from loopd.testing.gateway import HI, NOW, GatewayHarness, make_config
 from loopd.testing.llama_replies import answer
@@ -574,6 +577,62 @@ class OptionalTests(SynchronousTestCase):
                 if name in OPTIONAL_MODULES or name.removesuffix(".telemetry") == "loopd.gateway":
                     offenders.append(f"{relative}: {name}")
         self.assertEqual(offenders, [])
+
+
+#: Run without OpenTelemetry: the gateway answers a chat, and the telemetry cannot load.
+WITHOUT = """
+import sys
+import loopd.cli, loopd.service, loopd.tap.loopd
+from loopd.service import TelemetryUnavailableError, load_telemetry
+from loopd.testing.fake_llama import CHAT
+from loopd.testing.gateway import HI, GatewayHarness
+from loopd.testing.llama_replies import answer
+
+harness = GatewayHarness()
+harness.fake.script("POST", CHAT, answer({"content": "Hello"}))
+connection = harness.post(HI)
+harness.advance(1)
+print("status", connection.response().status)
+print("imported", sorted(n for n in sys.modules if n.startswith("opentelemetry")))
+try:
+    load_telemetry()
+except TelemetryUnavailableError as e:
+    print("telemetry:", e)
+"""
+
+
+class WithoutOpenTelemetryTests(TestCase):
+    """In a process where OpenTelemetry is missing, loopd imports and runs."""
+
+    timeout = 60
+
+    def test_runs_without(self) -> Any:
+        """
+        The gateway answers a chat without importing OpenTelemetry; asking for the telemetry
+        says, in one line, how to install it.
+        """
+        running = getProcessOutputAndValue(
+            sys.executable,
+            ["-m", "loopd.test.support.without_opentelemetry", "-c", WITHOUT],
+            env=dict(os.environ),
+            path=str(ROOT),
+            reactor=real_reactor(),
+        )
+
+        def ended(result: tuple[bytes, bytes, int]) -> None:
+            out, err, status = result
+            self.assertEqual(status, 0, (out, err))
+            self.assertEqual(
+                out.decode().splitlines(),
+                [
+                    "status 200",
+                    "imported []",
+                    "telemetry: [telemetry] enabled = true, but OpenTelemetry is not installed "
+                    "(no module named 'opentelemetry'): pip install 'loopd[telemetry]'",
+                ],
+            )
+
+        return running.addCallback(ended)
 
 
 def hand_made_record() -> RequestRecord:
