@@ -9,8 +9,9 @@ turns each request's record into spans when the request ends (so the request pat
 one record, and the spans cost nothing while it runs), each with the record's own times (the
 reactor's clock, placed on the wall clock by the request's arrival):
 
- - the request: C{chat {model}} (the model it asked for; C{chat} when it named none), kind
-   SERVER, from its arrival to the end of its answer, with an event C{first_token};
+ - the request: C{chat {model}} (the model it asked for, its first L{MODEL_NAME_MAX}
+   characters; C{chat} when it named none), kind SERVER, from its arrival to the end of its
+   answer, with an event C{first_token};
  - under it, each upstream call made for it (the answer's, a fail-over's, each mesh
    worker's and the reducer's): C{chat {model}}, kind CLIENT, from its start (its lease wait
    included) to its end, with an event C{sent} when the request went to the server;
@@ -55,7 +56,7 @@ __all__ = [
 ]
 
 #: The GenAI semantic conventions' attributes the spans carry (their names as of
-#: opentelemetry-semantic-conventions 0.66b0, checked by the tests against that package).
+#: opentelemetry-semantic-conventions 0.66b2, checked by the tests against that package).
 GEN_AI_ATTRIBUTES: Final = {
     "GEN_AI_OPERATION_NAME": "gen_ai.operation.name",
     "GEN_AI_PROVIDER_NAME": "gen_ai.provider.name",
@@ -89,6 +90,8 @@ CHAT: Final = "chat"
 LLAMA_CPP: Final = "llama.cpp"
 #: How many hex digits of the SHA-256 of a session id name the session in a span.
 SESSION_HASH_DIGITS: Final = 16
+#: The longest model name a span carries, in characters (a request may name any model).
+MODEL_NAME_MAX: Final = 256
 
 _Attributes = dict[str, AttributeValue]
 
@@ -128,8 +131,9 @@ class TelemetryWatcher(ActivityWatcher):
         """C{record}'s request ended: make its span, its calls' and their lease waits'."""
         ns = _wall_ns(record)
         ended = record.ended if record.ended is not None else record.started
+        model = record.model[:MODEL_NAME_MAX] if record.model else None
         span = self._tracer.start_span(
-            f"{CHAT} {record.model}" if record.model else CHAT,
+            f"{CHAT} {model}" if model else CHAT,
             context=Context(),
             kind=SpanKind.SERVER,
             attributes=self._request_attributes(record),
@@ -158,7 +162,7 @@ class TelemetryWatcher(ActivityWatcher):
             "loopd.thinking_capped": any(c.thinking_capped for c in record.calls),
         }
         if record.model:
-            attributes[_REQUEST_MODEL] = record.model
+            attributes[_REQUEST_MODEL] = record.model[:MODEL_NAME_MAX]
         if record.session:
             attributes["loopd.session"] = session_label(record.session, self._session_ids)
             attributes["loopd.session.anonymous"] = record.anonymous

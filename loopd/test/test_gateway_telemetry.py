@@ -370,6 +370,15 @@ class FailureTests(SpanCase):
             (attributes["loopd.calls"], request.status.status_code), (0, StatusCode.ERROR)
         )
 
+    def test_long_model_name(self) -> None:
+        """A model name is cut to its first 256 characters in the span's name and attribute."""
+        self.watch(GatewayHarness())
+        self.harness.post({**HI, "model": "m" * 1000}, session="s1")
+        self.harness.advance(0)
+        (request,) = self.spans()
+        self.assertEqual(request.name, "chat " + "m" * 256)
+        self.assertEqual((request.attributes or {})["gen_ai.request.model"], "m" * 256)
+
 
 class LeaseTests(SpanCase):
     """Under leases, each call's wait for its lease is a span of its own under the call."""
