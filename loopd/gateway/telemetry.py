@@ -144,7 +144,7 @@ class TelemetryWatcher(ActivityWatcher):
             self._call_span(record, call, parent, ns, ended)
         if record.first_token is not None:
             span.add_event("first_token", timestamp=ns(record.first_token))
-        if record.outcome not in ("ok", "client_gone", None):
+        if _failed(record):
             span.set_status(Status(StatusCode.ERROR))
         span.end(end_time=ns(ended))
 
@@ -172,7 +172,7 @@ class TelemetryWatcher(ActivityWatcher):
             attributes["loopd.outcome"] = record.outcome
         if record.status is not None:
             attributes[_HTTP_STATUS] = record.status
-        if record.outcome not in ("ok", "client_gone", None):
+        if _failed(record) and record.outcome is not None:
             attributes[_ERROR_TYPE] = record.outcome
         answered = [c for c in record.calls if c.timings is not None]
         if answered and not record.mesh:
@@ -201,7 +201,7 @@ class TelemetryWatcher(ActivityWatcher):
             f"{CHAT} {model}",
             context=parent,
             kind=SpanKind.CLIENT,
-            attributes=self._call_attributes(record, call, model),
+            attributes=self._call_attributes(call, model),
             start_time=ns(call.started),
         )
         if call.leased is not None:
@@ -219,7 +219,7 @@ class TelemetryWatcher(ActivityWatcher):
             span.set_status(Status(StatusCode.ERROR))
         span.end(end_time=ns(ended))
 
-    def _call_attributes(self, record: RequestRecord, call: CallRecord, model: str) -> _Attributes:
+    def _call_attributes(self, call: CallRecord, model: str) -> _Attributes:
         """A call span's attributes."""
         attributes: _Attributes = {
             _OPERATION: CHAT,
@@ -262,6 +262,14 @@ class TelemetryWatcher(ActivityWatcher):
         """The model a call to C{endpoint} asks for: its configured model id, else its name."""
         settings = self._endpoints.get(endpoint)
         return settings.model if settings is not None and settings.model else endpoint
+
+
+def _failed(record: RequestRecord) -> bool:
+    """
+    Whether C{record}'s request failed: it ended with an error's code (a client that left
+    is not loopd's failure).
+    """
+    return record.outcome not in ("ok", "client_gone", None)
 
 
 def _outcome(call: CallRecord) -> str:
