@@ -57,6 +57,7 @@ from loopd.settings import (
     Retry,
     Sampling,
     Server,
+    Telemetry,
     Thinking,
 )
 from loopd.tcp_address import parse_tcp_address
@@ -473,6 +474,58 @@ def _parse_server(value: object, path: str, problems: Problems) -> Any:
     return Server(**values)
 
 
+_REQUEST_TARGET = re.compile(r"/[!-~]*")
+
+
+def _request_target(value: object) -> str:
+    """An HTTP request target: C{/} then printable ASCII without spaces."""
+    if not isinstance(value, str) or not _REQUEST_TARGET.fullmatch(value):
+        raise RuleError('a request target: "/" then printable ASCII without spaces')
+    return value
+
+
+_TELEMETRY_RULES: Final[Mapping[str, Rule]] = {
+    "enabled": boolean,
+    "service_name": string(),
+    "socket": _socket_path,
+    "path": _request_target,
+    "export_interval_ms": integer(1, INT32_MAX),
+    "max_batch": integer(1, INT32_MAX),
+    "max_queue": integer(1, INT32_MAX),
+    "export_timeout_ms": integer(1, INT32_MAX),
+    "stop_wait_ms": integer(0, INT32_MAX),
+    "session_ids": one_of("hash", "plain"),
+}
+
+
+def _parse_telemetry(value: object, path: str, problems: Problems) -> Any:
+    """
+    [telemetry]: its keys by their rules; C{enabled = true} needs the collector's
+    C{socket}, and a batch is no larger than the queue.
+    """
+    if value is ABSENT:
+        return ABSENT
+    values = read_fields(as_table(value, path, problems), path, _TELEMETRY_RULES, problems)
+    if values.get("enabled") and "socket" not in values:
+        problems.add(
+            key_path(path, "socket"),
+            "needed with enabled = true: the Unix socket of the OTLP/HTTP collector, or of a "
+            "`twist inferproxy` in front of one that listens on TCP",
+        )
+    batch = values.get("max_batch", Telemetry.max_batch)
+    queue = values.get("max_queue", Telemetry.max_queue)
+    if batch > queue:
+        if "max_batch" in values:
+            where, rule = "max_batch", f"at most max_queue ({queue})"
+        else:
+            where, rule = "max_queue", f"at least max_batch ({batch})"
+        problems.add(
+            key_path(path, where),
+            f"{rule}: a batch is taken from the queue (got {values[where]})",
+        )
+    return Telemetry(**values)
+
+
 @dataclass(frozen=True)
 class _Section:
     """A known top-level key: the L{Config} field it fills and its parser."""
@@ -495,6 +548,7 @@ _SECTIONS: Final[Mapping[str, _Section]] = {
     "mesh": _Section("mesh", table_parser(Mesh, {"strong_patience_ms": integer(0, INT32_MAX)})),
     "health": _Section("health", table_parser(HealthProbe, _HEALTH_RULES)),
     "doors": _Section("doors", table_parser(Doors, {"hosted_tools": one_of("drop", "refuse")})),
+    "telemetry": _Section("telemetry", _parse_telemetry),
 }
 
 

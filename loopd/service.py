@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, gatherResults, inlineCallbacks, succeed
@@ -41,10 +41,15 @@ from loopd.settings import Config
 from loopd.tcp_address import TcpAddress, parse_tcp_address
 from loopd.unixsocket import listen_unix
 
+if TYPE_CHECKING:
+    from loopd.gateway.telemetry import GatewayTelemetry
+
 __all__ = [
     "LoopdService",
+    "TelemetryUnavailableError",
     "default_socket_path",
     "listen_path",
+    "load_telemetry",
     "queue_socket_path",
 ]
 
@@ -88,6 +93,33 @@ def queue_socket_path(config: Config | None) -> str:
     return os.path.join(os.path.dirname(beside), "llm-queue.sock")
 
 
+class TelemetryUnavailableError(Exception):
+    """
+    C{[telemetry] enabled = true}, but OpenTelemetry (the C{telemetry} extra) is not
+    installed; the message says how to install it, in one line.
+    """
+
+
+def load_telemetry() -> type[GatewayTelemetry]:
+    """
+    The gateway's telemetry (L{loopd.gateway.telemetry}), imported now: OpenTelemetry is an
+    extra, imported only when C{[telemetry]} is on.
+
+    @raise TelemetryUnavailableError: OpenTelemetry's SDK or its OTLP encoder is missing.
+    """
+    try:
+        from loopd.gateway.telemetry import GatewayTelemetry
+    except ImportError as e:
+        missing = e.name or ""
+        if not missing.startswith(("opentelemetry", "google")):
+            raise
+        raise TelemetryUnavailableError(
+            f"[telemetry] enabled = true, but OpenTelemetry is not installed (no module "
+            f"named {missing!r}): pip install 'loopd[telemetry]'"
+        ) from None
+    return GatewayTelemetry
+
+
 class LoopdService(Service):
     """
     Runs the self-tests, then serves the gateway; stopping ends the streams under way with
@@ -116,6 +148,8 @@ class LoopdService(Service):
         # Each router model's slot count, from the arguments its router starts it with.
         self._router_slots: dict[str, int] = {}
         self.gateway: Gateway | None = None
+        #: The gateway's OpenTelemetry export, when C{[telemetry]} is on and loopd serves.
+        self.telemetry: GatewayTelemetry | None = None
         self._port: IListeningPort | None = None
         self._tcp_port: IListeningPort | None = None
         self.tcp_url: str | None = None
@@ -172,6 +206,7 @@ class LoopdService(Service):
         stopped the start; L{_start_failed} handles both.
         """
         tcp, token = self._prepare_tcp()
+        telemetry = load_telemetry() if self.config.telemetry.enabled else None
         open_slot_directories(self.config.endpoints)
         yield self._expand_routers()
         reports = yield require_selftests(self._reactor, self.config, self.clients)
@@ -206,6 +241,8 @@ class LoopdService(Service):
             router_starts=self.router_starts,
         )
         self.gateway.start()
+        if telemetry is not None:
+            self._start_telemetry(telemetry, self.gateway)
         self._port = yield self._listen(self.gateway)
         listeners = [listen_path(self.config)]
         if tcp is not None and token is not None:
@@ -225,6 +262,20 @@ class LoopdService(Service):
             endpoints=", ".join(self.clients),
         )
         self._fire_ready(None)
+
+    def _start_telemetry(self, telemetry: type[GatewayTelemetry], gateway: Gateway) -> None:
+        """
+        Make a trace of every request of C{gateway} from now on, exported to the collector
+        C{[telemetry]} names (L{loopd.gateway.telemetry}).
+        """
+        settings = self.config.telemetry
+        self.telemetry = telemetry(self._reactor, settings, self.config.endpoints)
+        gateway.activity.watch(self.telemetry.watcher)
+        self.telemetry.start()
+        _log.info(
+            "telemetry: a trace of every request goes to the OTLP collector at {socket}",
+            socket=settings.socket,
+        )
 
     @inlineCallbacks
     def _expand_routers(self) -> Any:
@@ -399,7 +450,8 @@ class LoopdService(Service):
     def stopService(self) -> Deferred[None] | None:
         """
         End the exchanges under way with an error, stop the lease queue and the config
-        watcher, and stop listening (removing the sockets).
+        watcher, and stop listening (removing the sockets); the telemetry sends its last
+        spans (those of the exchanges just ended too), waiting at most C{stop_wait_ms}.
         """
         super().stopService()
         if self.gateway is not None:
@@ -408,7 +460,10 @@ class LoopdService(Service):
             self.queue.stop()
         if self._watcher is not None:
             self._watcher.stop()
-        stopping = []
+        stopping: list[Deferred[Any]] = []
+        if self.telemetry is not None:
+            stopping.append(self.telemetry.stop())
+            self.telemetry = None
         for port in (self._port, self._tcp_port, self._queue_port):
             if port is not None:
                 stopped: Any = port.stopListening()

@@ -24,6 +24,7 @@ __all__ = [
     "Retry",
     "Sampling",
     "Server",
+    "Telemetry",
     "Thinking",
 ]
 
@@ -317,6 +318,42 @@ class Doors:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Telemetry:
+    """
+    OpenTelemetry traces of the gateway's requests ([telemetry], DESIGN decision 48): off
+    by default; on, they go as OTLP/HTTP (protobuf) to a collector on a Unix socket, since
+    loopd opens no TCP connection (a collector on TCP gets a C{twist inferproxy} in front).
+    Needs the C{telemetry} extra (C{pip install 'loopd[telemetry]'}).
+    """
+
+    enabled: bool = False
+    """Make a trace of every request and export it (needs C{socket})."""
+    service_name: str = "loopd"
+    """The traces' C{service.name}."""
+    socket: str | None = None
+    """The Unix socket of the OTLP/HTTP collector (or of the inferproxy in front of it),
+    C{~} expanded; needed when C{enabled}."""
+    path: str = "/v1/traces"
+    """The request target the spans are POSTed to (OTLP/HTTP's own by default)."""
+    export_interval_ms: int = 5000
+    """How often the spans gathered are sent, at most C{max_batch} per request (> 0)."""
+    max_batch: int = 512
+    """The most spans one request carries; more wait for the next (1 to C{max_queue})."""
+    max_queue: int = 2048
+    """The most spans kept while the collector is slow or away; beyond, the oldest are
+    dropped and counted (> 0)."""
+    export_timeout_ms: int = 10_000
+    """How long one export may take, connecting included, before it is abandoned and its
+    spans dropped (> 0)."""
+    stop_wait_ms: int = 2000
+    """When loopd stops, how long it waits for the spans left to be sent (>= 0)."""
+    session_ids: Literal["hash", "plain"] = "hash"
+    """How a span names its session: C{hash}, the first 16 hex digits of the id's SHA-256
+    (a pseudonym: the same session keeps it, the id is not in the trace); C{plain}, the id
+    as the agent sent it (as the log and C{/v1/status} show it)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """The whole of loopd.toml."""
 
@@ -346,6 +383,8 @@ class Config:
     """The endpoints' health probe."""
     doors: Doors = field(default_factory=Doors)
     """The front doors."""
+    telemetry: Telemetry = field(default_factory=Telemetry)
+    """OpenTelemetry traces, off by default."""
 
     def endpoint(self, name: str) -> Endpoint:
         """Return the endpoint called C{name}; raise KeyError if there is none."""

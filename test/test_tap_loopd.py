@@ -142,6 +142,54 @@ class TwistBadConfigTests(TestCase):
         return running.addCallback(ended)
 
 
+class TwistTelemetryMissingTests(TestCase):
+    """
+    C{twist loopd} as a process, with C{[telemetry] enabled = true} where OpenTelemetry is
+    not installed: it refuses to start, saying in one line how to install it.
+    """
+
+    def test_refuses_to_start(self) -> None:
+        """It exits 1 before the self-test, with the one line on stderr."""
+        directory = tempfile.mkdtemp(prefix="ld", dir="/tmp")
+        self.addCleanup(shutil.rmtree, directory, True)
+        path = os.path.join(directory, "loopd.toml")
+        with open(path, "w") as f:
+            f.write(
+                TOML.replace("/tmp/ld/", directory + "/")
+                + "selftest = true\n"
+                + f'[server]\nlisten = "unix:{directory}/loopd.sock"\n'
+                + f'[telemetry]\nenabled = true\nsocket = "{directory}/otlp.sock"\n'
+            )
+        from twisted.internet import reactor
+
+        running = getProcessOutputAndValue(
+            sys.executable,
+            [
+                *("-m", "loopd.test.support.without_opentelemetry"),
+                *("-m", "twisted", "--log-format=text", "loopd", "--config", path),
+            ],
+            env=dict(os.environ),
+            path=str(ROOT),
+            reactor=reactor,
+        )
+
+        def ended(result: tuple[bytes, bytes, int]) -> None:
+            out, err, status = result
+            self.assertEqual(status, 1, (out, err))
+            self.assertEqual(
+                err.decode().splitlines(),
+                [
+                    "loopd: cannot start: [telemetry] enabled = true, but OpenTelemetry is not "
+                    "installed (no module named 'opentelemetry'): pip install "
+                    "'loopd[telemetry]'"
+                ],
+            )
+            self.assertNotIn(b"selftest", out)
+            self.assertEqual(sorted(os.listdir(directory)), ["loopd.toml"])
+
+        return running.addCallback(ended)
+
+
 class DefaultPathTests(SynchronousTestCase):
     """
     Where the config is read from and the gateway listens when nothing says otherwise.

@@ -60,6 +60,8 @@ class CallRecord:
     @ivar timings: the server's counts of a completed call.
     @ivar thinking_capped: loopd ended its thinking at the cap.
     @ivar reasoning_tokens: the reasoning tokens of a completed call.
+    @ivar finish_reason: why a completed call's answer ended (C{stop}, C{length},
+        C{tool_calls}, ...).
     @ivar retries: how many times the client tried again.
     @ivar error: why it failed, if it did.
     """
@@ -75,6 +77,7 @@ class CallRecord:
     timings: Timings | None = None
     thinking_capped: bool = False
     reasoning_tokens: int = 0
+    finish_reason: str | None = None
     retries: int = 0
     error: str | None = None
 
@@ -252,6 +255,7 @@ class Activity:
         call.timings = completion.timings
         call.thinking_capped = completion.thinking_capped
         call.reasoning_tokens = completion.reasoning_tokens
+        call.finish_reason = completion.finish_reason.value
         self._tell("call_ended", record, call)
 
     def call_failed(self, record: RequestRecord, call: CallRecord, error: str) -> None:

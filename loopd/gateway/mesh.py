@@ -293,8 +293,11 @@ class MeshExchange:
     def _progress(self, event: Mapping[str, Any]) -> None:
         """
         One progress event of the turn: a C{: loopd} comment for a streaming client, held back
-        until the stream opens at the first worker that answered.
+        until the stream opens at the first worker that answered. The turn says it calls a
+        reducer just before it does: the calls from then on are the reducer's.
         """
+        if event.get("event") == "mesh_reducer":
+            self._calls.role = "reducer"
         if not self._stream or self._reply.done:
             return
         self._pending.append(comment_line(dict(event)))

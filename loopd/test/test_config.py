@@ -34,6 +34,7 @@ from loopd.settings import (
     Retry,
     Sampling,
     Server,
+    Telemetry,
     Thinking,
 )
 from loopd.test.support.config_docs import (
@@ -125,6 +126,7 @@ class DefaultsTests(SynchronousTestCase):
             Sampling: config_module._SAMPLING_RULES,
             Expect: config_module._EXPECT_RULES,
             HealthProbe: config_module._HEALTH_RULES,
+            Telemetry: config_module._TELEMETRY_RULES,
         }
         for cls, table in rules.items():
             self.assertEqual(set(table), {f.name for f in fields(cls)}, cls)
@@ -701,3 +703,109 @@ class TcpListenerConfigTests(SynchronousTestCase):
         """token_file is a path, ~ expanded."""
         path = self.server('token_file = "~/t"').token_file
         self.assertEqual(path, os.path.expanduser("~/t"))
+
+
+class TelemetryConfigTests(SynchronousTestCase):
+    """
+    C{[telemetry]}: OpenTelemetry traces, off by default, exported to a collector's Unix
+    socket (DESIGN decision 48).
+    """
+
+    def telemetry(self, lines: str) -> Telemetry:
+        """The [telemetry] of a document with C{lines} in it."""
+        return parse_config(f"[telemetry]\n{lines}\n" + EP).telemetry
+
+    def problems(self, lines: str) -> tuple[str, ...]:
+        """The problems of a document with C{lines} in [telemetry]."""
+        return problems_of(self, f"[telemetry]\n{lines}\n" + EP)
+
+    def test_defaults(self) -> None:
+        """Off; service loopd; OTLP's path; OpenTelemetry's batch defaults; sessions hashed."""
+        self.assertEqual(parse_config(EP).telemetry, Telemetry())
+        self.assertEqual(
+            Telemetry(),
+            Telemetry(
+                enabled=False,
+                service_name="loopd",
+                socket=None,
+                path="/v1/traces",
+                export_interval_ms=5000,
+                max_batch=512,
+                max_queue=2048,
+                export_timeout_ms=10_000,
+                stop_wait_ms=2000,
+                session_ids="hash",
+            ),
+        )
+
+    def test_enabled(self) -> None:
+        """Every key is read; the socket's ~ is expanded."""
+        telemetry = self.telemetry(
+            'enabled = true\nservice_name = "gw"\nsocket = "~/otlp.sock"\npath = "/otlp/v1/t"\n'
+            "export_interval_ms = 100\nmax_batch = 10\nmax_queue = 10\n"
+            'export_timeout_ms = 50\nstop_wait_ms = 0\nsession_ids = "plain"'
+        )
+        expected = Telemetry(
+            enabled=True,
+            service_name="gw",
+            socket=os.path.expanduser("~/otlp.sock"),
+            path="/otlp/v1/t",
+            export_interval_ms=100,
+            max_batch=10,
+            max_queue=10,
+            export_timeout_ms=50,
+            stop_wait_ms=0,
+            session_ids="plain",
+        )
+        self.assertEqual(telemetry, expected)
+
+    def test_socket_needed(self) -> None:
+        """Enabled without a socket is one error saying what the socket is."""
+        self.assertEqual(
+            self.problems("enabled = true"),
+            (
+                "telemetry.socket: needed with enabled = true: the Unix socket of the "
+                "OTLP/HTTP collector, or of a `twist inferproxy` in front of one that listens "
+                "on TCP",
+            ),
+        )
+        # Disabled, a socket may be named or not.
+        self.assertIsNone(self.telemetry("enabled = false").socket)
+
+    def test_batch_within_queue(self) -> None:
+        """A batch larger than the queue is an error at the key that was set."""
+        self.assertEqual(
+            self.problems("max_batch = 4096"),
+            (
+                "telemetry.max_batch: at most max_queue (2048): a batch is taken from the "
+                "queue (got 4096)",
+            ),
+        )
+        self.assertEqual(
+            self.problems("max_queue = 100"),
+            (
+                "telemetry.max_queue: at least max_batch (512): a batch is taken from the "
+                "queue (got 100)",
+            ),
+        )
+
+    def test_bad_values(self) -> None:
+        """Each malformed value is the one error, naming its key and what was expected."""
+        cases = {
+            'enabled = "yes"': 'telemetry.enabled: expected a boolean (true or false), got "yes"',
+            'service_name = ""': 'telemetry.service_name: expected a non-empty string, got ""',
+            'socket = ""': 'telemetry.socket: expected a non-empty path string, got ""',
+            f'socket = "/{"s" * SOCKET_PATH_MAX}"': "telemetry.socket: expected a Unix socket",
+            'path = "v1/traces"': 'telemetry.path: expected a request target: "/" then',
+            'path = "/v1 traces"': 'telemetry.path: expected a request target: "/" then',
+            "export_interval_ms = 0": "telemetry.export_interval_ms: expected an integer from 1",
+            "max_batch = 0": "telemetry.max_batch: expected an integer from 1",
+            "max_queue = 1.5": "telemetry.max_queue: expected an integer from 1",
+            "export_timeout_ms = 0": "telemetry.export_timeout_ms: expected an integer from 1",
+            "stop_wait_ms = -1": "telemetry.stop_wait_ms: expected an integer from 0",
+            'session_ids = "sha256"': 'telemetry.session_ids: expected one of "hash", "plain"',
+            'sampler = "always_on"': "telemetry.sampler: unknown key",
+        }
+        for lines, expected in cases.items():
+            (line,) = self.problems(lines)
+            self.assertTrue(line.startswith(expected), (lines, line))

@@ -20,6 +20,7 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from loopd.gateway.activity import ActivityWatcher, RequestRecord
 from loopd.settings import Config, Retry
 from loopd.testing.fake_llama import CHAT
 from loopd.testing.gateway import Response
@@ -818,3 +819,29 @@ class AffinityTests(MeshTestCase):
         response = harness.ask(ASK, 1.0)
         self.assertEqual(response.status, 200)
         self.assertEqual(self.routing_keys(harness), [None, None])
+
+
+class RecordTests(MeshTestCase):
+    """The turn's request record (L{loopd.gateway.activity}) names each call's role."""
+
+    def test_roles(self) -> None:
+        """Two workers, then the reducer: the reducer's call is recorded as the reducer's."""
+        harness = MeshHarness(mesh_config(TWO))
+        records: list[RequestRecord] = []
+
+        class Ended(ActivityWatcher):
+            def request_ended(self, record: RequestRecord) -> None:
+                records.append(record)
+
+        harness.gateway.activity.watch(Ended())
+        harness.script(
+            llama_70b=[says("Use grep.", 1.0), says("Use grep -r here.", 0.5)],
+            mistral_7b=says("Do not use grep.", 0.5),
+        )
+        self.assertEqual(harness.ask(ASK, 1.5).status, 200)
+        (record,) = records
+        self.assertTrue(record.mesh)
+        self.assertEqual(
+            [(call.role, call.endpoint) for call in record.calls],
+            [("worker", "mistral-7b"), ("worker", "llama-70b"), ("reducer", "llama-70b")],
+        )

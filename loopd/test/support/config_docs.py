@@ -26,6 +26,7 @@ from loopd.settings import (
     Retry,
     Sampling,
     Server,
+    Telemetry,
     Thinking,
 )
 
@@ -44,6 +45,7 @@ SECTION_TYPES: dict[str, type] = {
     "mesh": Mesh,
     "health": HealthProbe,
     "doors": Doors,
+    "telemetry": Telemetry,
 }
 """Each top-level table of a document other than [[endpoint]], with its dataclass."""
 
@@ -248,6 +250,21 @@ configs = st.builds(
         timeout_ms=st.integers(1, 2**31 - 1),
     ),
     doors=st.builds(Doors, hosted_tools=st.sampled_from(["drop", "refuse"])),
+    telemetry=st.integers(1, 2**31 - 1).flatmap(
+        lambda queue: st.builds(
+            Telemetry,
+            enabled=st.booleans(),
+            service_name=st.text(min_size=1, max_size=12),
+            socket=st.just("/tmp/ld/otlp.sock"),
+            path=st.from_regex(r"/[!-~]{0,20}", fullmatch=True),
+            export_interval_ms=st.integers(1, 2**31 - 1),
+            max_queue=st.just(queue),
+            max_batch=st.integers(1, queue),
+            export_timeout_ms=st.integers(1, 2**31 - 1),
+            stop_wait_ms=st.integers(0, 2**31 - 1),
+            session_ids=st.sampled_from(["hash", "plain"]),
+        )
+    ),
     queue=st.builds(
         Queue,
         serve=st.booleans(),
