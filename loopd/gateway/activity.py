@@ -110,6 +110,8 @@ class RequestRecord:
         event ended it).
     @ivar outcome: C{ok}, an error code, or C{client_gone}.
     @ivar error: the error's message, if it failed.
+    @ivar error_from_server: the message carries the model server's own error text, which
+        may quote the prompt or the model's output (the status document leaves it out).
     @ivar body: the request body as it came, kept only when a watcher asks for text.
     @ivar completion: the answer, kept only when a watcher asks for text.
     """
@@ -130,6 +132,7 @@ class RequestRecord:
     status: int | None = None
     outcome: str | None = None
     error: str | None = None
+    error_from_server: bool = False
     body: bytes | None = None
     completion: Completion | None = None
 
@@ -276,9 +279,12 @@ class Activity:
         outcome: str,
         error: str | None = None,
         completion: Completion | None = None,
+        *,
+        error_from_server: bool = False,
     ) -> None:
         """
-        C{record}'s answer ended with HTTP C{status} and C{outcome}; told once (a record
+        C{record}'s answer ended with HTTP C{status} and C{outcome} (and C{error}'s message,
+        C{error_from_server} when it carries the model server's text); told once (a record
         already ended is left as it is).
         """
         if record.ended is not None:
@@ -287,6 +293,7 @@ class Activity:
         record.status = status
         record.outcome = outcome
         record.error = error
+        record.error_from_server = error_from_server
         if completion is not None and self.keep_text:
             record.completion = completion
         self._tell("request_ended", record)

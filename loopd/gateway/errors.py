@@ -27,7 +27,7 @@ from loopd.errors import (
     WaitTimeout,
 )
 
-__all__ = ["GatewayError", "MeshTurnError", "error_for"]
+__all__ = ["GatewayError", "MeshTurnError", "error_for", "quotes_server"]
 
 
 class GatewayError(Exception):
@@ -172,6 +172,19 @@ def error_for(error: BaseException) -> GatewayError:
             message = f"{message}: {error}"
         return GatewayError(502, message, "upstream_error", _snake_case(type(error).__name__))
     return GatewayError(500, INTERNAL_MESSAGE, "server_error", "internal_error")
+
+
+def quotes_server(error: BaseException) -> bool:
+    """
+    Whether the message L{error_for} makes of C{error} carries the model server's own text
+    (an upstream error body, a protocol failure's detail), which may quote the prompt or the
+    model's output; loopd's own messages (connect failures, its fixed ones) do not.
+    """
+    if isinstance(error, (GatewayError, Connect, ProxyRefused)):
+        return False
+    if any(isinstance(error, kind) for kind, *_ in _FIXED):
+        return False
+    return isinstance(error, InferError)
 
 
 def _from_connect(error: Connect) -> GatewayError:

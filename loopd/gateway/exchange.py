@@ -65,7 +65,7 @@ from loopd.gateway.channel import GatewayChannel
 from loopd.gateway.doors.door import EVENT_STREAM, Door, comment_line
 from loopd.gateway.doors.hosted_tools import DROPPED_HEADER
 from loopd.gateway.doors.params import refusal, refused_fields
-from loopd.gateway.errors import GatewayError, error_for
+from loopd.gateway.errors import GatewayError, error_for, quotes_server
 from loopd.gateway.health import EndpointUnavailableError, means_down
 from loopd.gateway.mesh import MeshExchange, MeshHost, mesh_pool
 from loopd.gateway.reply import Phase, Reply
@@ -476,7 +476,7 @@ class _Exchange:
         if down and tried:
             self._end_with_error(health.unavailable(tried, self._host.reactor.seconds()))
             return
-        self._end_with_error(error_for(error))
+        self._end_with_error(error_for(error), from_server=quotes_server(error))
 
     def _fail_over(self, reason: Failure) -> None:
         """
@@ -492,7 +492,7 @@ class _Exchange:
         self._use(self._alternatives.pop(0))
         self._go()
 
-    def _end_with_error(self, error: GatewayError) -> None:
+    def _end_with_error(self, error: GatewayError, from_server: bool = False) -> None:
         """Answer C{error} as a status or, once streaming, as an error event; stop the call."""
         if self._reply.done:
             return
@@ -503,7 +503,13 @@ class _Exchange:
             lambda: self._answer.stream_error(error),
             lambda: self._reply.respond(*self._answer.error(error), retry_after(error)),
         )
-        self._host.activity.end(self._record, self._request.code, error.code, error.message)
+        self._host.activity.end(
+            self._record,
+            self._request.code,
+            error.code,
+            error.message,
+            error_from_server=from_server,
+        )
         if call is not None:
             call.cancel()
 

@@ -315,7 +315,7 @@ def request_entry(record: RequestRecord) -> dict[str, Any]:
         "stream": record.stream,
         "status": record.status,
         "outcome": record.outcome,
-        "error": record.error,
+        "error": _public_error(record),
         "started": record.wall_started,
         "seconds": since(record.ended),
         "first_token_seconds": since(record.first_token),
@@ -327,6 +327,17 @@ def request_entry(record: RequestRecord) -> dict[str, Any]:
         "evaluated_tokens": totals.prompt_n,
         "generated_tokens": totals.predicted_n,
     }
+
+
+def _public_error(record: RequestRecord) -> str | None:
+    """
+    A failed request's message as the status lists it: loopd's own words, but never the
+    model server's text (it may quote the prompt or the answer), which only its code and
+    a note stand for.
+    """
+    if record.error is None or not record.error_from_server:
+        return record.error
+    return f"the model server's error ({record.outcome}); its text is left out here"
 
 
 def _mean(old: float | None, new: float) -> float:

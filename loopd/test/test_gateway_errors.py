@@ -28,7 +28,7 @@ from loopd.errors import (
     WaitTimeout,
 )
 from loopd.gateway.doors.chat_read import parse_request
-from loopd.gateway.errors import GatewayError, error_for
+from loopd.gateway.errors import GatewayError, error_for, quotes_server
 from loopd.gateway.request import GatewayRequest
 from loopd.test.support.json_paths import paths
 
@@ -541,3 +541,25 @@ class WrongTypeTests(SynchronousTestCase):
                     parse_request(encode(document))
                 except GatewayError as error:
                     self.assertEqual(error.status, 400)
+
+
+class QuotesServerTests(SynchronousTestCase):
+    """L{quotes_server}: which errors' messages carry the model server's text."""
+
+    def test_server_text(self) -> None:
+        """An upstream error body and a protocol failure's detail are the server's text."""
+        for error in (Http(500, "Failed to parse input: ZEBRA"), Http(400, "bad"), Protocol("x")):
+            self.assertTrue(quotes_server(error), error)
+        self.assertIn("ZEBRA", error_for(Http(500, "Failed to parse input: ZEBRA")).message)
+
+    def test_loopd_words(self) -> None:
+        """loopd's own messages: connect failures, its fixed ones, its own errors."""
+        for error in (
+            Connect("refused", endpoint="tiny"),
+            ProxyRefused("max_connections"),
+            Busy(),
+            WaitTimeout("no lease"),
+            GatewayError(400, "bad", "invalid_request_error", "x"),
+            ValueError("internal"),
+        ):
+            self.assertFalse(quotes_server(error), error)

@@ -12,7 +12,7 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from loopd.testing.fake_llama import CHAT
+from loopd.testing.fake_llama import CHAT, error_reply
 from loopd.testing.gateway import HI, NOW, GatewayHarness, make_config
 from loopd.testing.llama_replies import answer
 from loopd.testing.mesh import MeshHarness, says
@@ -125,6 +125,22 @@ class DocumentTests(SynchronousTestCase):
             (404, "model_not_found", None),
         )
         self.assertIn("nowhere", request["error"])
+
+    def test_server_text_left_out(self) -> None:
+        """
+        A model server's error text may quote the prompt: the list gives its code, not its
+        text (the client still gets the whole message).
+        """
+        harness = GatewayHarness()
+        harness.fake.script("POST", CHAT, error_reply(500, "server_error", "bad input: swordfish"))
+        connection = harness.post(SECRET)
+        harness.advance(1)
+        self.assertIn("swordfish", connection.response().body.decode())
+        document = status(harness)
+        self.assertNotIn("swordfish", json.dumps(document))
+        [request] = document["requests"]
+        self.assertEqual(request["outcome"], "http")
+        self.assertIn("(http)", request["error"])
 
     def test_under_way(self) -> None:
         """A running request: in flight, its slot running with its session."""
