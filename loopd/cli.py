@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +37,7 @@ from loopd.errors import Connect
 from loopd.llama import Client
 from loopd.llama.discovery import Discovered, discover_routers
 from loopd.reactor import ILoopdReactor, IUnixReactor, global_reactor
+from loopd.replay import ReplayError, read_capture, replay_session, request_bodies
 from loopd.selftest import SelftestFailed, SelftestReport, require_selftests
 from loopd.service import default_socket_path, listen_path, queue_socket_path
 from loopd.settings import Config, Server
@@ -49,6 +51,7 @@ __all__ = [
     "main",
     "own_gateway",
     "queue_socket",
+    "replay_command",
     "run_on_reactor",
     "selftest_command",
     "status_command",
@@ -118,6 +121,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument(
         "--json", action="store_true", help="print the status document (JSON) as loopd sends it"
+    )
+    replay = commands.add_parser(
+        "replay",
+        help="send a captured session's requests to loopd again, in order, and print what "
+        "each did (a capture made with [capture] prompts = true)",
+    )
+    replay.add_argument("file", metavar="FILE", help="a capture file, or the capture directory")
+    replay.add_argument("--session", metavar="ID", required=True, help="the session to replay")
+    replay.add_argument(
+        "--socket",
+        metavar="PATH",
+        help="loopd's socket (default: the default config's [server] listen, "
+        f"else {default_socket_path()})",
+    )
+    replay.add_argument(
+        "--model", metavar="NAME", help="send every request to this model instead of its own"
     )
     queue = commands.add_parser("queue", help="the lease scheduler")
     queue_commands = queue.add_subparsers(dest="queue_command", metavar="COMMAND", required=True)
@@ -206,6 +225,8 @@ def main(argv: Sequence[str] | None = None, *, run: Runner | None = None) -> int
                 reactor, socket_path, out, err, watch=args.watch, as_json=args.json, clear=clear
             )
         )
+    if args.command == "replay":
+        return replay_command(args, runner, out, err)
     if args.command == "token":
         return token_command(args.config, out, err)
     if args.command == "queue":
@@ -349,6 +370,38 @@ def run_on_reactor(command: Command) -> int:
     reactor.run()
     restore_blocking()
     return outcome[0] if outcome else INTERRUPTED
+
+
+def replay_command(args: argparse.Namespace, runner: Runner, write: Write, err: Write) -> int:
+    """
+    C{loopd replay FILE --session ID}: read the session's requests from the capture, then
+    send them to loopd (L{loopd.replay}) under a new session id.
+
+    @return: the exit status: L{USAGE_ERROR} (after one line on C{err}) for a capture that
+        cannot be replayed or a bad config; else what the replay fires with.
+    """
+    try:
+        socket_path = chat_socket_path(args.socket)
+        requests, skipped = read_capture(os.path.expanduser(args.file), args.session)
+        bodies = request_bodies(requests, args.model)
+    except (ConfigError, ValueError, ReplayError) as e:
+        err(f"loopd replay: {e}\n")
+        return USAGE_ERROR
+    if skipped:
+        err(f"loopd replay: passed over {skipped} lines that are not capture lines\n")
+    session_id = f"replay-{uuid.uuid4().hex[:12]}"
+    return runner(
+        lambda reactor: replay_session(
+            reactor,
+            socket_path,
+            requests,
+            bodies,
+            write,
+            err,
+            session_id=session_id,
+            captured_as=args.session,
+        )
+    )
 
 
 # -- status --------------------------------------------------------------------------------

@@ -157,6 +157,16 @@ class ParserTests(SynchronousTestCase):
         args = cli.build_parser().parse_args(["status", "--socket", "/s", "--watch", "--json"])
         self.assertEqual((args.socket, args.watch, args.json), ("/s", True, True))
 
+    def test_replay(self) -> None:
+        """replay takes FILE and --session, and --socket and --model."""
+        args = cli.build_parser().parse_args(["replay", "cap", "--session", "s1"])
+        self.assertEqual(
+            (args.file, args.session, args.socket, args.model), ("cap", "s1", None, None)
+        )
+        argv = ["replay", "cap", "--session", "s1", "--socket", "/s", "--model", "m"]
+        args = cli.build_parser().parse_args(argv)
+        self.assertEqual((args.socket, args.model), ("/s", "m"))
+
     def test_demo(self) -> None:
         """demo takes --once and an integer --port (default 0)."""
         self.assertEqual(cli.build_parser().parse_args(["demo"]).port, 0)
@@ -169,7 +179,8 @@ class ParserTests(SynchronousTestCase):
         """No command, an unknown one or a bad port is a usage error (status 2)."""
         self.patch(sys, "stderr", io.StringIO())
         bad_models = [["demo", "--models", n] for n in ("1", "10", "x", "-2")]
-        for argv in ([], ["nope"], ["demo", "--port", "x"], *bad_models):
+        replays = [["replay", "cap"], ["replay", "--session", "s1"]]
+        for argv in ([], ["nope"], ["demo", "--port", "x"], *bad_models, *replays):
             with self.assertRaises(SystemExit) as caught:
                 cli.build_parser().parse_args(argv)
             self.assertEqual(caught.exception.code, 2, argv)
