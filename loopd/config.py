@@ -46,6 +46,7 @@ from loopd._validate import (
 )
 from loopd.settings import (
     Caps,
+    Capture,
     Config,
     Doors,
     Endpoint,
@@ -526,6 +527,27 @@ def _parse_telemetry(value: object, path: str, problems: Problems) -> Any:
     return Telemetry(**values)
 
 
+_CAPTURE_RULES: Final[Mapping[str, Rule]] = {
+    "dir": _file_path,
+    "max_bytes": integer(1, 2**62),
+    "prompts": boolean,
+}
+
+
+def _parse_capture(value: object, path: str, problems: Problems) -> Any:
+    """[capture]: C{dir} is needed, since a capture table says to capture."""
+    if value is ABSENT:
+        return ABSENT
+    table = as_table(value, path, problems)
+    values = read_fields(table, path, _CAPTURE_RULES, problems)
+    if "dir" not in table:
+        problems.add(
+            key_path(path, "dir"),
+            "missing: the directory of the capture files (remove [capture] to capture nothing)",
+        )
+    return Capture(**values)
+
+
 @dataclass(frozen=True)
 class _Section:
     """A known top-level key: the L{Config} field it fills and its parser."""
@@ -549,6 +571,7 @@ _SECTIONS: Final[Mapping[str, _Section]] = {
     "health": _Section("health", table_parser(HealthProbe, _HEALTH_RULES)),
     "doors": _Section("doors", table_parser(Doors, {"hosted_tools": one_of("drop", "refuse")})),
     "telemetry": _Section("telemetry", _parse_telemetry),
+    "capture": _Section("capture", _parse_capture),
 }
 
 

@@ -24,6 +24,8 @@ from twisted.logger import Logger, LoggingFile
 from twisted.python.failure import Failure
 
 from loopd.access_token import load_or_create_token, token_path
+from loopd.gateway.capture import CaptureWatcher
+from loopd.gateway.capture_files import CaptureFiles
 from loopd.gateway.leases import GatewayLeases
 from loopd.gateway.site import Gateway
 from loopd.gateway.slot_dir import open_slot_directories
@@ -157,6 +159,8 @@ class LoopdService(Service):
         self._queue_port: IListeningPort | None = None
         self.queue: QueueHost | None = None
         self._watcher: ConfigWatcher | None = None
+        #: The request capture's files, once opened (C{[capture] dir}).
+        self.capture: CaptureFiles | None = None
         self._exit_process = exit_process
         self._ready_waiters: list[Deferred[None]] = []
         self._started: Failure | None | bool = False
@@ -208,6 +212,7 @@ class LoopdService(Service):
         tcp, token = self._prepare_tcp()
         telemetry = load_telemetry() if self.config.telemetry.enabled else None
         open_slot_directories(self.config.endpoints)
+        self._open_capture()
         yield self._expand_routers()
         reports = yield require_selftests(self._reactor, self.config, self.clients)
         for report in reports:
@@ -240,6 +245,7 @@ class LoopdService(Service):
             routers=self.routers,
             router_starts=self.router_starts,
         )
+        self._watch_capture(self.gateway)
         self.gateway.start()
         if telemetry is not None:
             self._start_telemetry(telemetry, self.gateway)
@@ -322,6 +328,31 @@ class LoopdService(Service):
                 models = ()
             loaded[name] = [m.id for m in models if m.loaded]
         self.router_starts = router_starts(self.config.endpoints, self._capacities, loaded)
+
+    def _open_capture(self) -> None:
+        """
+        Before anything starts: check and open the capture directory when C{[capture]}
+        names one (L{loopd.gateway.capture_files}).
+
+        @raise loopd.runtime_dir.DirectoryError: the directory is unsafe or unusable.
+        """
+        settings = self.config.capture
+        if settings.dir is not None:
+            self.capture = CaptureFiles(settings.dir, settings.max_bytes)
+
+    def _watch_capture(self, gateway: Gateway) -> None:
+        """Capture each request of C{gateway} to the files opened at start, if any."""
+        if self.capture is None:
+            return
+        prompts = self.config.capture.prompts
+        paths = {door.name: path for path, door in gateway.doors.by_path}
+        gateway.activity.watch(CaptureWatcher(self.capture, prompts, paths))
+        _log.info(
+            "capturing every request to {path} (at most {budget} bytes; {what})",
+            path=self.capture.path,
+            budget=self.capture.max_bytes,
+            what="prompts and answers included" if prompts else "no prompt or answer text",
+        )
 
     def _start_queue(self, slot_counts: dict[str, int]) -> GatewayLeases:
         """
@@ -450,8 +481,9 @@ class LoopdService(Service):
     def stopService(self) -> Deferred[None] | None:
         """
         End the exchanges under way with an error, stop the lease queue and the config
-        watcher, and stop listening (removing the sockets); the telemetry sends its last
-        spans (those of the exchanges just ended too), waiting at most C{stop_wait_ms}.
+        watcher, close the capture's file, and stop listening (removing the sockets); the
+        telemetry sends its last spans (those of the exchanges just ended too), waiting at
+        most C{stop_wait_ms}.
         """
         super().stopService()
         if self.gateway is not None:
@@ -460,6 +492,9 @@ class LoopdService(Service):
             self.queue.stop()
         if self._watcher is not None:
             self._watcher.stop()
+        if self.capture is not None:
+            self.capture.close()
+            self.capture = None
         stopping: list[Deferred[Any]] = []
         if self.telemetry is not None:
             stopping.append(self.telemetry.stop())

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 __all__ = [
+    "Capture",
     "Caps",
     "Config",
     "Doors",
@@ -354,6 +355,23 @@ class Telemetry:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Capture:
+    """
+    Request capture ([capture], DESIGN decision 48): off unless C{dir} is set. Prompts and
+    answers are written only with C{prompts = true}.
+    """
+
+    dir: str | None = None
+    """The directory of the capture files, C{~} expanded: yours, mode 0700 (made so when it
+    is missing and its parent is safe), else loopd refuses to start. None: no capture."""
+    max_bytes: int = 256 * 1024**2
+    """The capture files' disk budget: beyond it the oldest files are deleted (> 0)."""
+    prompts: bool = False
+    """Also write each request's body as the agent sent it and the answer's text, reasoning
+    and tool calls. False: a line has the request's figures and no text at all."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """The whole of loopd.toml."""
 
@@ -385,6 +403,9 @@ class Config:
     """The front doors."""
     telemetry: Telemetry = field(default_factory=Telemetry)
     """OpenTelemetry traces, off by default."""
+
+    capture: Capture = field(default_factory=Capture)
+    """Request capture."""
 
     def endpoint(self, name: str) -> Endpoint:
         """Return the endpoint called C{name}; raise KeyError if there is none."""

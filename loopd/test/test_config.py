@@ -26,6 +26,7 @@ from loopd.config import (
 )
 from loopd.settings import (
     Caps,
+    Capture,
     Config,
     Endpoint,
     Expect,
@@ -127,6 +128,7 @@ class DefaultsTests(SynchronousTestCase):
             Expect: config_module._EXPECT_RULES,
             HealthProbe: config_module._HEALTH_RULES,
             Telemetry: config_module._TELEMETRY_RULES,
+            Capture: config_module._CAPTURE_RULES,
         }
         for cls, table in rules.items():
             self.assertEqual(set(table), {f.name for f in fields(cls)}, cls)
@@ -283,6 +285,21 @@ class ValidDocumentTests(SynchronousTestCase):
         self.assertEqual(endpoint.slot_dir, os.path.expanduser("~/slots"))
         self.assertEqual(endpoint.slot_dir_bytes, 16 * 1024**3)
         self.assertFalse(parse_config(OPENAI + "slot_save = false").endpoints[0].slot_save)
+
+    def test_capture(self) -> None:
+        """
+        Nothing is captured without [capture]; with it, dir (~ expanded) turns capture on,
+        with a 256 MiB budget and no prompts unless said.
+        """
+        self.assertEqual(parse_config(EP).capture, Capture())
+        self.assertIsNone(Capture().dir)
+        capture = parse_config('[capture]\ndir = "~/cap"\n' + EP).capture
+        self.assertEqual(capture, Capture(dir=os.path.expanduser("~/cap")))
+        self.assertEqual((capture.max_bytes, capture.prompts), (256 * 1024**2, False))
+        text = '[capture]\ndir = "/c"\nmax_bytes = 1000\nprompts = true\n' + EP
+        self.assertEqual(
+            parse_config(text).capture, Capture(dir="/c", max_bytes=1000, prompts=True)
+        )
 
     def test_expect_partial_and_case(self) -> None:
         """Expect keys are optional one by one; the SHA-256 is stored in lowercase."""
@@ -509,6 +526,19 @@ OTHER_PROBLEMS = [
         OPENAI + "slot_save = true",
         "endpoint[0].slot_save: must be false for an openai endpoint: slot files need "
         "llama-server's /slots",
+    ),
+    (
+        "[capture]\nprompts = true\n" + EP,
+        "capture.dir: missing: the directory of the capture files (remove [capture] to capture "
+        "nothing)",
+    ),
+    (
+        '[capture]\ndir = "/tmp/c"\nmax_bytes = 0\n' + EP,
+        "capture.max_bytes: expected an integer from 1 to 4611686018427387904, got 0",
+    ),
+    (
+        '[capture]\ndir = "/tmp/c"\nprompts = 1\n' + EP,
+        "capture.prompts: expected a boolean (true or false), got 1",
     ),
     ("max_tokens = 5", "endpoint: at least one [[endpoint]] table is required"),
     ("endpoint = []", "endpoint: at least one [[endpoint]] table is required"),

@@ -58,8 +58,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the front doors, pure", ("loopd.gateway.doors.*",)),
     ("the gateway", ("loopd.gateway.*",)),
     (
-        "the daemon and the terminal chat",
-        ("loopd.service", "loopd.tap.*", "loopd.chatui", "loopd.chatloop"),
+        "the daemon, the terminal chat, status and replay",
+        (
+            "loopd.service",
+            "loopd.tap.*",
+            "loopd.chatui",
+            "loopd.chatloop",
+            "loopd.status_show",
+            "loopd.replay",
+        ),
     ),
     ("the commands", ("loopd.cli", "loopd.ui_command", "loopd.demo.*")),
     ("the public test kit", ("loopd.testing.*",)),

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from loopd import config as config_module
 from loopd.settings import (
     Caps,
+    Capture,
     Config,
     Doors,
     Endpoint,
@@ -46,8 +47,14 @@ SECTION_TYPES: dict[str, type] = {
     "health": HealthProbe,
     "doors": Doors,
     "telemetry": Telemetry,
+    "capture": Capture,
 }
-"""Each top-level table of a document other than [[endpoint]], with its dataclass."""
+"""
+Each top-level table of a document other than [[endpoint]], with its dataclass. A document
+has [capture] only when it captures (its C{dir} is needed there).
+"""
+CAPTURE_DIR = "/tmp/ld/capture"
+"""The capture directory of the generated documents that capture."""
 
 
 def minimal_mapping() -> dict[str, object]:
@@ -74,7 +81,11 @@ def mapping_of(config: Config) -> dict[str, object]:
     return {
         "max_tokens": config.max_tokens,
         "cache_loss_tokens": config.cache_loss_tokens,
-        **{name: table_of(getattr(config, name)) for name in SECTION_TYPES},
+        **{
+            name: table_of(getattr(config, name))
+            for name in SECTION_TYPES
+            if name != "capture" or config.capture.dir is not None
+        },
         "endpoint": [table_of(endpoint) for endpoint in config.endpoints],
     }
 
@@ -107,7 +118,8 @@ def toml_text(document: Any) -> str:
 
     lines = pairs({k: v for k, v in document.items() if isinstance(v, int)})
     for name in SECTION_TYPES:
-        lines += [f"[{name}]", *pairs(document[name])]
+        if name in document:
+            lines += [f"[{name}]", *pairs(document[name])]
     for endpoint in document["endpoint"]:
         lines += ["[[endpoint]]", *pairs(endpoint)]
         lines += ["[endpoint.expect]", *pairs(endpoint["expect"])]
@@ -274,6 +286,13 @@ configs = st.builds(
         sweep_ms=st.integers(1, 2**31 - 1),
         grace_ms=st.integers(0, 2**31 - 1),
     ),
+    capture=st.just(Capture())
+    | st.builds(
+        Capture,
+        dir=st.just(CAPTURE_DIR),
+        max_bytes=st.integers(1, 2**62),
+        prompts=st.booleans(),
+    ),
 )
 """Valid configurations, every key set to a value the loader accepts."""
 json_like = st.recursive(
@@ -290,7 +309,13 @@ TABLES: list[tuple[str, Callable[[Any], Any], set[str]]] = [
     *[
         (name, lambda doc, name=name: doc[name], {f.name for f in fields(cls)})
         for name, cls in SECTION_TYPES.items()
+        if name != "capture"
     ],
+    (
+        "capture",
+        lambda doc: doc.setdefault("capture", {"dir": CAPTURE_DIR}),
+        {f.name for f in fields(Capture)},
+    ),
     ("endpoint[0]", lambda doc: doc["endpoint"][0], {f.name for f in fields(Endpoint)}),
     (
         "endpoint[0].expect",
