@@ -103,7 +103,10 @@ def start_pair(
         ("before", before, ""),
         ("after", ROOT, telemetry.format(socket=receiver_path)),
     ):
-        listen = os.path.join(children.dir, f"loopd-{name}.sock")
+        # A directory each: beside its socket each loopd serves its lease socket.
+        home = os.path.join(children.dir, f"loopd-{name}")
+        os.mkdir(home, 0o700)
+        listen = os.path.join(home, "loopd.sock")
         config = os.path.join(children.dir, f"loopd-{name}.toml")
         with open(config, "w", encoding="utf-8") as f:
             f.write(loopd_config(listen, infer) + "\n" + more)
@@ -112,7 +115,23 @@ def start_pair(
         proc = children.spawn(f"loopd-{name}", argv, log=True, cwd=cwd, env=env)
         wait_socket(children, proc, f"loopd-{name}", listen)
         sockets[name] = listen
+    # Each runs the code it should: /v1/status came with issue 28.
+    for name, expected in (("before", 404), ("after", 200)):
+        if _status_code(sockets[name]) != expected:
+            raise BenchError(f"loopd {name}: GET /v1/status is not {expected}: wrong code?")
     return sockets, receiver
+
+
+def _status_code(path: str) -> int:
+    """The status of GET /v1/status on loopd's socket path."""
+    conn = UnixHTTPConnection(path)
+    try:
+        conn.request("GET", "/v1/status")
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    finally:
+        conn.close()
 
 
 def _poll(path: str, stop: threading.Event, count: list[int]) -> None:
