@@ -616,7 +616,7 @@ def _give_up(serving: Deferred[int], write: Write, message: str) -> None:
 def serving_text(stack: DemoStack) -> str:
     """
     What to tell while serving: both listeners, the token, commands and SDK settings to try
-    them with, and where the logs are.
+    them with (the status in the terminal and the status page too), and where the logs are.
     """
     socket, url, token = stack.loopd_socket, stack.tcp_url, stack.token
     names = ", ".join(repr(name) for name in stack.model_names)
@@ -628,6 +628,8 @@ def serving_text(stack: DemoStack) -> str:
         f"  loopd chat --socket {socket}",
         f"  curl --unix-socket {socket} http://loopd/v1/models",
         f'  curl -H "Authorization: Bearer {token}" {url}/v1/models',
+        f"  loopd status --watch --socket {socket}",
+        f"  loopd ui --open --socket {socket}    (the status page, in this machine's browser)",
         f"An SDK or agent over TCP (model {stack.model_names[0]}):",
         f"  export OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY={token}",
         f"  export ANTHROPIC_BASE_URL={url} ANTHROPIC_API_KEY={token}",

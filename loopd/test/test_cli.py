@@ -689,7 +689,10 @@ class DemoConfigTests(SynchronousTestCase):
         self.assertIsNone(tcp_url_from_log(log[1:]))
 
     def test_serving_text(self) -> None:
-        """While serving, the demo names both listeners, the token, SDK lines and the logs."""
+        """
+        While serving, the demo names both listeners, the token, the status commands, SDK
+        lines and the logs.
+        """
         stack = DemoStack(SpawningReactor(), lambda text: None)
         self.addCleanup(shutil.rmtree, stack.directory, True)
         stack.tcp_url, stack.token = "http://127.0.0.1:4321", "loopd-TOKEN"
@@ -699,6 +702,8 @@ class DemoConfigTests(SynchronousTestCase):
         self.assertIn('curl -H "Authorization: Bearer loopd-TOKEN" http://127.0.0.1:4321/', text)
         self.assertIn("OPENAI_BASE_URL=http://127.0.0.1:4321/v1 OPENAI_API_KEY=loopd-TOKEN", text)
         self.assertIn("ANTHROPIC_BASE_URL=http://127.0.0.1:4321 ANTHROPIC_API_KEY=loopd-", text)
+        self.assertIn(f"loopd status --watch --socket {stack.loopd_socket}", text)
+        self.assertIn(f"loopd ui --open --socket {stack.loopd_socket}", text)
         self.assertIn(f"Logs: loopd {stack.directory}/loopd.log, inferproxy ", text)
         self.assertIn(f"{stack.directory}/inferproxy.log", text)
 
