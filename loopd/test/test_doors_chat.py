@@ -55,6 +55,8 @@ USAGE = {
     "completion_tokens": 7,
     "total_tokens": 127,
     "prompt_tokens_details": {"cached_tokens": 100},
+    "prompt_cache_hit_tokens": 100,
+    "prompt_cache_miss_tokens": 20,
 }
 
 
@@ -98,6 +100,24 @@ class CompletionJsonTests(SynchronousTestCase):
         )
         self.assertEqual(rendered["timings"], {"cache_n": 0, "prompt_n": 5, "predicted_n": 3})
         self.assertEqual(rendered["usage"]["total_tokens"], 8)
+
+    def test_usage_cache_fields(self) -> None:
+        """
+        The tokens the server reused and evaluated are in OpenAI's C{cached_tokens} (read by
+        OpenCode, pi, Cline, Qwen Code) and in DeepSeek's C{prompt_cache_hit_tokens} and
+        C{prompt_cache_miss_tokens} (read by Aider through LiteLLM, and by pi), which add up
+        to the prompt.
+        """
+        for cache_n, prompt_n in [(0, 12), (9000, 35), (4, 0)]:
+            with self.subTest(cache_n=cache_n, prompt_n=prompt_n):
+                timings = Timings(cache_n=cache_n, prompt_n=prompt_n, predicted_n=2)
+                usage = completion_json(
+                    replace(ANSWER, timings=timings), completion_id="c", model="m", created=1
+                )["usage"]
+                self.assertEqual(usage["prompt_tokens_details"], {"cached_tokens": cache_n})
+                self.assertEqual(usage["prompt_cache_hit_tokens"], cache_n)
+                self.assertEqual(usage["prompt_cache_miss_tokens"], prompt_n)
+                self.assertEqual(usage["prompt_tokens"], cache_n + prompt_n)
 
 
 class ChunkStreamTests(SynchronousTestCase):

@@ -37,6 +37,8 @@ USAGE = {
     "completion_tokens": 2,
     "total_tokens": 15,
     "prompt_tokens_details": {"cached_tokens": 3},
+    "prompt_cache_hit_tokens": 3,
+    "prompt_cache_miss_tokens": 10,
 }
 #: The upstream deltas of a streamed tool call, and the call they make.
 CALL_DELTAS = (

@@ -53,13 +53,20 @@ def new_completion_id() -> str:
 
 
 def _usage(timings: Timings) -> dict[str, Any]:
-    """OpenAI's C{usage}: the prompt counts both the reused and the evaluated tokens."""
+    """
+    OpenAI's C{usage}: the prompt counts both the reused and the evaluated tokens, the reused
+    ones in C{prompt_tokens_details.cached_tokens}; and the same split in DeepSeek's fields
+    C{prompt_cache_hit_tokens} and C{prompt_cache_miss_tokens}, the ones Aider (through
+    LiteLLM) reads for its "cache hit" figure, which ignores OpenAI's (docs/cache-report.md).
+    """
     prompt = timings.cache_n + timings.prompt_n
     return {
         "prompt_tokens": prompt,
         "completion_tokens": timings.predicted_n,
         "total_tokens": prompt + timings.predicted_n,
         "prompt_tokens_details": {"cached_tokens": timings.cache_n},
+        "prompt_cache_hit_tokens": timings.cache_n,
+        "prompt_cache_miss_tokens": timings.prompt_n,
     }
 
 
@@ -71,7 +78,8 @@ def completion_json(
     every choice of a request for C{n}, by index), each a message with C{content},
     C{reasoning_content} when set and C{tool_calls} when any, its C{finish_reason}, and
     C{logprobs} (C{{"content": [...]}}, the server's entries) when the server sent them;
-    then C{usage} (with C{prompt_tokens_details.cached_tokens}) and the upstream's
+    then C{usage} (with C{prompt_tokens_details.cached_tokens}, and DeepSeek's
+    C{prompt_cache_hit_tokens} and C{prompt_cache_miss_tokens}) and the upstream's
     C{timings} (C{cache_n}, C{prompt_n}, C{predicted_n} and, when known,
     C{predicted_per_second}).
     """
