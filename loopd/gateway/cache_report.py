@@ -35,7 +35,7 @@ def cache_report(
 ) -> dict[str, int]:
     """
     C{record}'s completed calls' reused and evaluated prompt tokens and the milliseconds the
-    reuse saved, each call at its own prompt speed or its endpoint's (C{prompt_speed}).
+    reuse saved, each call at its endpoint's measured prompt speed (C{prompt_speed}).
     """
     reused = evaluated = 0
     saved = 0.0

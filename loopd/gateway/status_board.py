@@ -14,10 +14,15 @@ activity (L{loopd.gateway.activity}) that keeps, within fixed bounds,
  - a minute-by-minute series over the last hour of tokens generated and of cache reuse,
    for the page's plot.
 
-The prefill time saved is estimated: the tokens reused divided by the endpoint's prompt
-speed, that request's own when it evaluated enough tokens to measure one
-(L{SPEED_SAMPLE_TOKENS}), else the endpoint's running mean of those, else unknown (counted
-as none saved). Pure: no I/O, no clock of its own (the records carry the times).
+The prefill time saved is estimated: the tokens reused divided by the endpoint's measured
+prompt speed (L{PrefillSpeed}: the prompt tokens its requests evaluated over the time they
+took, recent ones weighing more, each request that evaluated at least
+L{SPEED_SAMPLE_TOKENS} counted), else unknown (counted as none saved). A request's own
+speed is not used for its own saving: measured on a few tokens at the end of a long context
+it is far below the speed of evaluating that context from the start (an agent's 17,529
+reused tokens came out at 6.8 s by its own speed; the cold prefill of that prompt took
+2.3 s), and a long prompt's tokens, weighing most in the sum, set the endpoint's speed.
+Pure: no I/O, no clock of its own (the records carry the times).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ __all__ = [
     "RECENT_REQUESTS",
     "SERIES_MINUTES",
     "SPEED_SAMPLE_TOKENS",
+    "PrefillSpeed",
     "SessionFigures",
     "StatusBoard",
     "saved_seconds",
@@ -46,8 +52,10 @@ RECENT_REQUESTS = 50
 SERIES_MINUTES = 60
 #: The fewest prompt tokens evaluated for a request's own prompt speed to count.
 SPEED_SAMPLE_TOKENS = 64
-#: The weight of a new sample in an endpoint's running mean of speeds.
+#: The weight of a new sample in an endpoint's running mean of generation speeds.
 _SPEED_WEIGHT = 0.3
+#: What an earlier request's share of an endpoint's prompt speed keeps at each new one.
+_SPEED_DECAY = 0.9
 
 
 @dataclass
@@ -111,16 +119,38 @@ class _Slot:
 
 def saved_seconds(timings: Timings, speed: float | None) -> float:
     """
-    The prefill seconds C{timings}' reused tokens saved at C{speed} prompt tokens per
-    second: the request's own speed when it evaluated at least L{SPEED_SAMPLE_TOKENS},
-    else C{speed}; none when neither is known.
+    The prefill seconds C{timings}' reused tokens saved at C{speed}, the endpoint's prompt
+    tokens per second (L{PrefillSpeed}); none when it is not known.
     """
-    own = timings.prompt_per_second
-    if own and timings.prompt_n >= SPEED_SAMPLE_TOKENS:
-        speed = own
     if not speed or speed <= 0:
         return 0.0
     return timings.cache_n / speed
+
+
+class PrefillSpeed:
+    """
+    An endpoint's prompt speed: the prompt tokens its requests evaluated over the seconds
+    they took, each earlier request's share decayed by L{_SPEED_DECAY} at every new one, so
+    a long prompt weighs as much as its tokens and the speed follows the server's changes.
+    """
+
+    def __init__(self) -> None:
+        """No request measured yet."""
+        self._tokens = 0.0
+        self._seconds = 0.0
+
+    def add(self, timings: Timings) -> None:
+        """Count a request that evaluated at least L{SPEED_SAMPLE_TOKENS} at a known speed."""
+        speed = timings.prompt_per_second
+        if not speed or speed <= 0 or timings.prompt_n < SPEED_SAMPLE_TOKENS:
+            return
+        self._tokens = self._tokens * _SPEED_DECAY + timings.prompt_n
+        self._seconds = self._seconds * _SPEED_DECAY + timings.prompt_n / speed
+
+    @property
+    def value(self) -> float | None:
+        """Tokens per second; C{None} before a request was counted."""
+        return self._tokens / self._seconds if self._seconds > 0 else None
 
 
 class StatusBoard(ActivityWatcher):
@@ -146,7 +176,7 @@ class StatusBoard(ActivityWatcher):
         self._recent: deque[dict[str, Any]] = deque(maxlen=recent)
         self._running: dict[tuple[str, int], tuple[str, str]] = {}
         self._slots: dict[tuple[str, int], _Slot] = {}
-        self._prompt_speed: dict[str, float] = {}
+        self._prompt_speed: dict[str, PrefillSpeed] = {}
         self._generation_speed: dict[str, float] = {}
         self._under_way: dict[int, RequestRecord] = {}
         self._series: OrderedDict[int, _Minute] = OrderedDict()
@@ -180,10 +210,9 @@ class StatusBoard(ActivityWatcher):
         timings = call.timings
         if timings is None:
             return
-        speed = self._prompt_speed.get(call.endpoint)
-        saved = saved_seconds(timings, speed)
-        if timings.prompt_per_second and timings.prompt_n >= SPEED_SAMPLE_TOKENS:
-            self._prompt_speed[call.endpoint] = _mean(speed, timings.prompt_per_second)
+        prefill = self._prompt_speed.setdefault(call.endpoint, PrefillSpeed())
+        prefill.add(timings)
+        saved = saved_seconds(timings, prefill.value)
         if timings.predicted_per_second:
             self._generation_speed[call.endpoint] = _mean(
                 self._generation_speed.get(call.endpoint), timings.predicted_per_second
@@ -243,11 +272,12 @@ class StatusBoard(ActivityWatcher):
 
     def prompt_speed(self, endpoint: str) -> float | None:
         """C{endpoint}'s measured prompt speed, tokens per second; C{None} before one."""
-        return self._prompt_speed.get(endpoint)
+        prefill = self._prompt_speed.get(endpoint)
+        return None if prefill is None else prefill.value
 
     def speeds(self, endpoint: str) -> tuple[float | None, float | None]:
         """C{endpoint}'s measured prompt and generation speeds, tokens per second."""
-        return self._prompt_speed.get(endpoint), self._generation_speed.get(endpoint)
+        return self.prompt_speed(endpoint), self._generation_speed.get(endpoint)
 
     def series(self, now: float) -> dict[str, Any]:
         """

@@ -112,13 +112,16 @@ class ReportTests(SynchronousTestCase):
         return record
 
     def test_sums_calls(self) -> None:
-        """Each call at its own speed or its endpoint's; a failed call adds nothing."""
+        """
+        Each call at its endpoint's speed (not its own), none where that is unknown; a
+        failed call adds nothing.
+        """
         record = self.record(
-            Timings(1000, 100, 1, prompt_per_second=500.0), Timings(300, 1, 1), None
+            Timings(1000, 100, 1, prompt_per_second=5.0), Timings(300, 1, 1), None, Timings(7, 1, 1)
         )
-        speeds = {"e1": 100.0}
+        speeds = {"e0": 500.0, "e1": 100.0}
         self.assertEqual(
-            cache_report(record, speeds.get), {"reused": 1300, "evaluated": 101, "saved_ms": 5000}
+            cache_report(record, speeds.get), {"reused": 1307, "evaluated": 102, "saved_ms": 5000}
         )
 
     def test_header(self) -> None:

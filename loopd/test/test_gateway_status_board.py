@@ -11,7 +11,12 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.gateway.activity import Activity, RequestRecord
-from loopd.gateway.status_board import SPEED_SAMPLE_TOKENS, StatusBoard, saved_seconds
+from loopd.gateway.status_board import (
+    SPEED_SAMPLE_TOKENS,
+    PrefillSpeed,
+    StatusBoard,
+    saved_seconds,
+)
 from loopd.llama.types import Completion, FinishReason, Timings
 
 WALL = 1_700_000_000.0
@@ -60,21 +65,41 @@ class Stage:
 
 
 class SavedSecondsTests(SynchronousTestCase):
-    """L{saved_seconds}: the reused tokens at a prompt speed."""
+    """L{saved_seconds} and L{PrefillSpeed}: the reused tokens at the endpoint's speed."""
 
-    def test_own_speed(self) -> None:
-        """A request that evaluated enough tokens is priced at its own prompt speed."""
-        timings = Timings(1000, SPEED_SAMPLE_TOKENS, 1, prompt_per_second=500.0)
-        self.assertEqual(saved_seconds(timings, 100.0), 2.0)
-
-    def test_endpoint_speed(self) -> None:
-        """Too few evaluated tokens to measure: the endpoint's speed."""
-        timings = Timings(1000, SPEED_SAMPLE_TOKENS - 1, 1, prompt_per_second=5.0)
-        self.assertEqual(saved_seconds(timings, 250.0), 4.0)
-
-    def test_unknown(self) -> None:
-        """No speed at all: nothing is counted as saved."""
+    def test_at_speed(self) -> None:
+        """The reused tokens over the speed; nothing without one."""
+        self.assertEqual(saved_seconds(Timings(1000, 1, 1), 250.0), 4.0)
         self.assertEqual(saved_seconds(Timings(1000, 1, 1), None), 0.0)
+
+    def test_long_prompts_weigh_most(self) -> None:
+        """
+        A cold 17,000-token prefill at 7,600 tokens/s, then a 200-token tail at the end of
+        that context at 2,600 tokens/s: the speed stays near the prefill's (the tail alone
+        would make the next saving three times too long).
+        """
+        speed = PrefillSpeed()
+        self.assertIsNone(speed.value)
+        speed.add(Timings(0, 17_000, 1, prompt_per_second=7_600.0))
+        speed.add(Timings(17_000, 200, 1, prompt_per_second=2_600.0))
+        assert speed.value is not None
+        self.assertTrue(7_000 < speed.value < 7_600, speed.value)
+
+    def test_small_or_unknown_not_counted(self) -> None:
+        """Fewer than SPEED_SAMPLE_TOKENS evaluated, or no speed reported: not a sample."""
+        speed = PrefillSpeed()
+        speed.add(Timings(0, SPEED_SAMPLE_TOKENS - 1, 1, prompt_per_second=10.0))
+        speed.add(Timings(0, 5000, 1))
+        self.assertIsNone(speed.value)
+
+    def test_follows_changes(self) -> None:
+        """Earlier requests fade: after a slower server's many requests, its speed rules."""
+        speed = PrefillSpeed()
+        speed.add(Timings(0, 1000, 1, prompt_per_second=1000.0))
+        for _ in range(60):
+            speed.add(Timings(0, 1000, 1, prompt_per_second=100.0))
+        assert speed.value is not None
+        self.assertTrue(100.0 <= speed.value < 101.0, speed.value)
 
 
 class SessionTests(SynchronousTestCase):
