@@ -68,7 +68,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "loopd.replay",
         ),
     ),
-    ("the commands", ("loopd.cli", "loopd.ui_command", "loopd.demo.*")),
+    ("the commands", ("loopd.cli", "loopd.ui_command", "loopd.status_command", "loopd.demo.*")),
     ("the public test kit", ("loopd.testing.*",)),
     ("loopd's own tests", ("loopd.test.*",)),
 )
