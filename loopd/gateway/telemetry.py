@@ -15,8 +15,10 @@ reactor's clock, placed on the wall clock by the request's arrival):
  - under it, each upstream call made for it (the answer's, a fail-over's, each mesh
    worker's and the reducer's): C{chat {model}}, kind CLIENT, from its start (its lease wait
    included) to its end, with an event C{sent} when the request went to the server;
- - under each call that took a lease, its wait: C{lease wait}, from the call's start to the
-   grant.
+ - under each call that waited for its lease (L{LEASE_WAIT_SPAN_SECONDS} or more), its
+   wait: C{lease wait}, from the call's start to the grant. A lease granted at once is no
+   wait to trace (the call's C{loopd.lease.wait_seconds} says it): that span would be a
+   third of every request's spans, the most of what telemetry costs the gateway.
 
 Their attributes follow OpenTelemetry's GenAI semantic conventions where one fits
 (L{GEN_AI_ATTRIBUTES}), and are loopd's own (C{loopd.*}) where none does; docs/telemetry.md
@@ -24,9 +26,9 @@ lists them all. No text of a prompt or an answer is ever in a span, nor an error
 (it may quote the request): an error is its kind (C{error.type}). The session is named by a
 pseudonym (the first 16 hex digits of its id's SHA-256) unless C{session_ids = "plain"}.
 
-L{GatewayTelemetry} puts it together for C{twist loopd}: a tracer provider whose spans go to a
-L{SpanQueue} that exports them to the collector's Unix socket
-(L{loopd.gateway.span_export}), and the watcher.
+L{GatewayTelemetry} puts it together for C{twist loopd}: the watcher, whose finished spans
+go to a L{SpanQueue} that exports them to the collector's Unix socket
+(L{loopd.gateway.span_export}).
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
-from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer, set_span_in_context
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.util.types import AttributeValue
 from twisted.internet.defer import Deferred
 
@@ -50,6 +53,7 @@ from loopd.settings import Endpoint, Telemetry
 
 __all__ = [
     "GEN_AI_ATTRIBUTES",
+    "LEASE_WAIT_SPAN_SECONDS",
     "GatewayTelemetry",
     "TelemetryWatcher",
     "session_label",
@@ -69,6 +73,9 @@ GEN_AI_ATTRIBUTES: Final = {
     "GEN_AI_USAGE_OUTPUT_TOKENS": "gen_ai.usage.output_tokens",
     "GEN_AI_USAGE_REASONING_OUTPUT_TOKENS": "gen_ai.usage.reasoning.output_tokens",
 }
+
+#: The shortest lease wait that is a span of its own, in seconds.
+LEASE_WAIT_SPAN_SECONDS: Final = 0.001
 
 _OPERATION = GEN_AI_ATTRIBUTES["GEN_AI_OPERATION_NAME"]
 _PROVIDER = GEN_AI_ATTRIBUTES["GEN_AI_PROVIDER_NAME"]
@@ -111,42 +118,100 @@ def session_label(session: str, mode: str) -> str:
 class TelemetryWatcher(ActivityWatcher):
     """
     Turns each finished request's record into its spans; see the module docstring.
+
+    The spans are made finished, as OpenTelemetry's SDK hands a finished span to its
+    processors (a L{ReadableSpan}), not through a tracer: the record already holds every
+    time and figure, and a tracer's live spans (sampling, attribute checks, a context per
+    span) cost the gateway more than all of loopd's own observation (bench/gateway.py part
+    4). Every request is traced (no sampling); the attributes are loopd's own values, of
+    the types OpenTelemetry takes.
     """
 
     def __init__(
-        self, tracer: Tracer, endpoints: Sequence[Endpoint] = (), session_ids: str = "hash"
+        self,
+        emit: Callable[[ReadableSpan], None],
+        endpoints: Sequence[Endpoint] = (),
+        session_ids: str = "hash",
+        resource: Resource | None = None,
     ) -> None:
         """
-        @param tracer: makes the spans.
+        @param emit: takes each finished span (a span processor's C{on_end}, an exporter).
         @param endpoints: the gateway's endpoints (a router's models included), for each
             call's model and provider; a call to an endpoint not named here is described
             by its name alone.
         @param session_ids: C{hash} or C{plain} (L{session_label}).
+        @param resource: the spans' resource (default: OpenTelemetry's own, from its
+            environment variables).
         """
-        self._tracer = tracer
+        self._emit = emit
         self._endpoints: Mapping[str, Endpoint] = {e.name: e for e in endpoints}
         self._session_ids = session_ids
+        self._resource = resource if resource is not None else Resource.create({})
+        self._scope = InstrumentationScope("loopd", loopd.__version__)
+        self._ids = RandomIdGenerator()
 
     def request_ended(self, record: RequestRecord) -> None:
         """C{record}'s request ended: make its span, its calls' and their lease waits'."""
         ns = _wall_ns(record)
         ended = record.ended if record.ended is not None else record.started
         model = record.model[:MODEL_NAME_MAX] if record.model else None
-        span = self._tracer.start_span(
-            f"{CHAT} {model}" if model else CHAT,
-            context=Context(),
-            kind=SpanKind.SERVER,
-            attributes=self._request_attributes(record),
-            start_time=ns(record.started),
-        )
-        parent = set_span_in_context(span)
+        trace_id = self._ids.generate_trace_id()
+        request = self._context(trace_id)
         for call in record.calls:
-            self._call_span(record, call, parent, ns, ended)
+            self._call_span(record, call, request, ns, ended)
+        events: tuple[Event, ...] = ()
         if record.first_token is not None:
-            span.add_event("first_token", timestamp=ns(record.first_token))
-        if _failed(record):
-            span.set_status(Status(StatusCode.ERROR))
-        span.end(end_time=ns(ended))
+            events = (Event("first_token", timestamp=ns(record.first_token)),)
+        self._span(
+            f"{CHAT} {model}" if model else CHAT,
+            request,
+            None,
+            SpanKind.SERVER,
+            self._request_attributes(record),
+            ns(record.started),
+            ns(ended),
+            _failed(record),
+            events,
+        )
+
+    def _context(self, trace_id: int) -> SpanContext:
+        """A new span's context in trace C{trace_id}, sampled."""
+        return SpanContext(
+            trace_id,
+            self._ids.generate_span_id(),
+            is_remote=False,
+            trace_flags=TraceFlags(TraceFlags.SAMPLED),
+        )
+
+    def _span(
+        self,
+        name: str,
+        context: SpanContext,
+        parent: SpanContext | None,
+        kind: SpanKind,
+        attributes: _Attributes,
+        start: int,
+        end: int,
+        failed: bool = False,
+        events: Sequence[Event] = (),
+    ) -> None:
+        """Make one finished span and hand it on."""
+        status = Status(StatusCode.ERROR) if failed else Status(StatusCode.UNSET)
+        self._emit(
+            ReadableSpan(
+                name,
+                context,
+                parent,
+                self._resource,
+                attributes,
+                events,
+                kind=kind,
+                status=status,
+                start_time=start,
+                end_time=end,
+                instrumentation_scope=self._scope,
+            )
+        )
 
     def _request_attributes(self, record: RequestRecord) -> _Attributes:
         """The request span's attributes."""
@@ -190,34 +255,37 @@ class TelemetryWatcher(ActivityWatcher):
         self,
         record: RequestRecord,
         call: CallRecord,
-        parent: Context,
+        request: SpanContext,
         ns: Callable[[float], int],
         request_ended: float,
     ) -> None:
         """One call's span under the request's, and its lease wait's under it."""
         ended = call.ended if call.ended is not None else request_ended
         model = self._model(call.endpoint)
-        span = self._tracer.start_span(
-            f"{CHAT} {model}",
-            context=parent,
-            kind=SpanKind.CLIENT,
-            attributes=self._call_attributes(call, model),
-            start_time=ns(call.started),
-        )
-        if call.leased is not None:
-            wait = self._tracer.start_span(
+        context = self._context(request.trace_id)
+        if call.lease_wait is not None and call.lease_wait >= LEASE_WAIT_SPAN_SECONDS:
+            assert call.leased is not None
+            self._span(
                 "lease wait",
-                context=set_span_in_context(span),
-                kind=SpanKind.INTERNAL,
-                attributes={"loopd.endpoint": call.endpoint},
-                start_time=ns(call.started),
+                self._context(request.trace_id),
+                context,
+                SpanKind.INTERNAL,
+                {"loopd.endpoint": call.endpoint},
+                ns(call.started),
+                ns(call.leased),
             )
-            wait.end(end_time=ns(call.leased))
-        if call.sent is not None:
-            span.add_event("sent", timestamp=ns(call.sent))
-        if _outcome(call) == "error":
-            span.set_status(Status(StatusCode.ERROR))
-        span.end(end_time=ns(ended))
+        events = () if call.sent is None else (Event("sent", timestamp=ns(call.sent)),)
+        self._span(
+            f"{CHAT} {model}",
+            context,
+            request,
+            SpanKind.CLIENT,
+            self._call_attributes(call, model),
+            ns(call.started),
+            ns(ended),
+            _outcome(call) == "error",
+            events,
+        )
 
     def _call_attributes(self, call: CallRecord, model: str) -> _Attributes:
         """A call span's attributes."""
@@ -316,11 +384,10 @@ def _wall_ns(record: RequestRecord) -> Callable[[float], int]:
 
 class GatewayTelemetry:
     """
-    C{twist loopd}'s telemetry: a tracer provider whose spans a L{SpanQueue} exports to the
-    collector's Unix socket, and the L{TelemetryWatcher} that makes them.
+    C{twist loopd}'s telemetry: the L{TelemetryWatcher} that makes the spans (their resource
+    has C{service.name} and C{service.version}, and whatever C{OTEL_RESOURCE_ATTRIBUTES}
+    adds) and the L{SpanQueue} that exports them to the collector's Unix socket.
 
-    @ivar provider: the tracer provider (a resource with C{service.name} and
-        C{service.version}, and whatever C{OTEL_RESOURCE_ATTRIBUTES} adds).
     @ivar queue: the spans on their way to the collector.
     @ivar watcher: the watcher to add to the gateway's activity.
     """
@@ -350,10 +417,9 @@ class GatewayTelemetry:
         resource = Resource.create(
             {"service.name": settings.service_name, "service.version": loopd.__version__}
         )
-        self.provider = TracerProvider(resource=resource, shutdown_on_exit=False)
-        self.provider.add_span_processor(self.queue)
-        tracer = self.provider.get_tracer("loopd", loopd.__version__)
-        self.watcher = TelemetryWatcher(tracer, endpoints, settings.session_ids)
+        self.watcher = TelemetryWatcher(
+            self.queue.on_end, endpoints, settings.session_ids, resource
+        )
 
     def start(self) -> None:
         """Start the export's timer."""
