@@ -29,6 +29,8 @@ from twisted.logger import Logger
 from loopd.llama.types import Completion, Timings
 
 __all__ = [
+    "AGENT_NAME_MAX",
+    "MODEL_NAME_MAX",
     "Activity",
     "ActivityWatcher",
     "CallRecord",
@@ -40,6 +42,8 @@ _log = Logger(namespace="loopd.gateway.activity")
 
 #: The longest agent name kept, in characters (a User-Agent can be long).
 AGENT_NAME_MAX = 64
+#: The longest model name a record keeps, in characters (a request may name any model).
+MODEL_NAME_MAX = 256
 
 
 @dataclass
@@ -64,6 +68,8 @@ class CallRecord:
         C{tool_calls}, ...).
     @ivar retries: how many times the client tried again.
     @ivar error: why it failed, if it did.
+    @ivar saved_seconds: the prefill time its reused tokens saved, as the status board
+        estimates it when the call completes (L{loopd.gateway.status_board}).
     """
 
     endpoint: str
@@ -80,6 +86,7 @@ class CallRecord:
     finish_reason: str | None = None
     retries: int = 0
     error: str | None = None
+    saved_seconds: float = 0.0
 
     @property
     def lease_wait(self) -> float | None:
@@ -100,7 +107,7 @@ class RequestRecord:
         anonymous id); empty until the door read it.
     @ivar anonymous: it named no session.
     @ivar agent: the agent that sent it (L{agent_name}); C{None} when nothing names it.
-    @ivar model: the model it asked for.
+    @ivar model: the model it asked for (its first L{MODEL_NAME_MAX} characters).
     @ivar stream: it asked for a stream.
     @ivar mesh: a mesh turn serves it.
     @ivar calls: its upstream calls, in the order they began.
@@ -200,19 +207,13 @@ class Activity:
         self._wall_clock = wall_clock
         self.watchers: list[ActivityWatcher] = list(watchers)
         self._serial = itertools.count(1)
-
-    @property
-    def keep_text(self) -> bool:
-        """Whether a watcher needs the bodies and answers (L{ActivityWatcher.wants_text})."""
-        return any(w.wants_text for w in self.watchers)
-
-    def now(self) -> float:
-        """The reactor's time."""
-        return self._clock()
+        #: Whether a watcher needs the bodies and answers (L{ActivityWatcher.wants_text}).
+        self.keep_text = any(w.wants_text for w in self.watchers)
 
     def watch(self, watcher: ActivityWatcher) -> None:
         """Tell C{watcher} every step from now on."""
         self.watchers.append(watcher)
+        self.keep_text = self.keep_text or watcher.wants_text
 
     def begin(self, door: str, body: bytes) -> RequestRecord:
         """

@@ -3,7 +3,7 @@
 What loopd tells an agent its cache did for one answer (DESIGN decision 48): the prompt
 tokens the server reused from its cache, the ones it evaluated, and the prefill time the
 reuse saved (L{loopd.gateway.status_board.saved_seconds}, at the endpoint's measured prompt
-speed).
+speed before the answer).
 
 Every door's usage fields already carry the counts in its API's own names (chat's
 C{prompt_tokens_details.cached_tokens}, Messages' C{cache_read_input_tokens}, Responses'
@@ -19,10 +19,7 @@ comment. A mesh turn counts every worker's and the reducer's calls.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from loopd.gateway.activity import RequestRecord
-from loopd.gateway.status_board import saved_seconds
 
 __all__ = ["CACHE_HEADER", "cache_header", "cache_report"]
 
@@ -30,12 +27,11 @@ __all__ = ["CACHE_HEADER", "cache_header", "cache_report"]
 CACHE_HEADER = b"x-loopd-cache"
 
 
-def cache_report(
-    record: RequestRecord, prompt_speed: Callable[[str], float | None]
-) -> dict[str, int]:
+def cache_report(record: RequestRecord) -> dict[str, int]:
     """
     C{record}'s completed calls' reused and evaluated prompt tokens and the milliseconds the
-    reuse saved, each call at its endpoint's measured prompt speed (C{prompt_speed}).
+    reuse saved, as the status board estimated each call's (C{CallRecord.saved_seconds}, at
+    its endpoint's prompt speed before the call), so the answer and C{/v1/status} agree.
     """
     reused = evaluated = 0
     saved = 0.0
@@ -45,7 +41,7 @@ def cache_report(
             continue
         reused += timings.cache_n
         evaluated += timings.prompt_n
-        saved += saved_seconds(timings, prompt_speed(call.endpoint))
+        saved += call.saved_seconds
     return {"reused": reused, "evaluated": evaluated, "saved_ms": round(saved * 1000)}
 
 

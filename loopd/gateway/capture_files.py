@@ -190,6 +190,7 @@ class CaptureFiles:
         self._size = 0
         self._counter = 0
         self._failing = False
+        self._closed = False
         self._open_directory(directory)
 
     @property
@@ -208,8 +209,11 @@ class CaptureFiles:
         beginning a new one if it would pass L{file_bytes} or is gone; then delete the
         oldest files beyond the budget. A failure is logged once and loses the line.
 
-        @return: whether the line went out.
+        @return: whether the line went out; never once L{close}d (a request that ends while
+            loopd stops is not captured, and nothing is opened again).
         """
+        if self._closed:
+            return False
         try:
             if self._directory is None:
                 self._open_directory(None)
@@ -235,7 +239,8 @@ class CaptureFiles:
         return True
 
     def close(self) -> None:
-        """Close the current file and the directory."""
+        """Close the current file and the directory, for good."""
+        self._closed = True
         self._close_file()
         if self._directory is not None:
             os.close(self._directory)

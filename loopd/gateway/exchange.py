@@ -59,7 +59,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from loopd.errors import ProxyRefused
-from loopd.gateway.activity import RequestRecord, agent_name
+from loopd.gateway.activity import MODEL_NAME_MAX, RequestRecord, agent_name
 from loopd.gateway.cache_report import cache_header, cache_report
 from loopd.gateway.channel import GatewayChannel
 from loopd.gateway.doors.door import EVENT_STREAM, Door, comment_line
@@ -148,7 +148,11 @@ class DoorRoute(Resource):
                     raise refusal(refused, "on model mesh")
                 record.mesh = True
                 activity.started(record)
-                MeshExchange(host, self._door, request, parsed, pool, record).start()
+                try:
+                    MeshExchange(host, self._door, request, parsed, pool, record).start()
+                except BaseException:
+                    activity.end(record, 500, "internal_error")
+                    raise
                 return NOT_DONE_YET
             parsed = _placed(host, parsed)
             if pool is None:
@@ -172,7 +176,11 @@ class DoorRoute(Resource):
             activity.end(record, request.code, e.code, e.message)
             return answer
         activity.started(record)
-        _Exchange(host, self._door, request, parsed, first, rest, record).start()
+        try:
+            _Exchange(host, self._door, request, parsed, first, rest, record).start()
+        except BaseException:
+            activity.end(record, 500, "internal_error")
+            raise
         return NOT_DONE_YET
 
     def _tell_dropped(self, request: Request, parsed: GatewayRequest) -> None:
@@ -197,7 +205,8 @@ def _describe(record: RequestRecord, parsed: GatewayRequest) -> None:
     """What the door read, on the request's record."""
     record.session = parsed.session.id
     record.anonymous = parsed.session.anonymous
-    record.model = parsed.model
+    # A client may name any model: what /v1/status, the traces and the capture keep is cut.
+    record.model = parsed.model[:MODEL_NAME_MAX] if parsed.model else parsed.model
     record.stream = parsed.stream
 
 
@@ -439,7 +448,7 @@ class _Exchange:
         self._stop_keepalive()
         name = self._endpoint.name
         self._host.metrics.observe_request(name, "ok")
-        report = cache_report(self._record, self._host.board.prompt_speed)
+        report = cache_report(self._record)
         if self._parsed.stream:
             self._start_stream()
             if self._door.stream_type == EVENT_STREAM:
@@ -503,6 +512,9 @@ class _Exchange:
             lambda: self._answer.stream_error(error),
             lambda: self._reply.respond(*self._answer.error(error), retry_after(error)),
         )
+        # The call's record ends (cancelled) before the request's does.
+        if call is not None:
+            call.cancel()
         self._host.activity.end(
             self._record,
             self._request.code,
@@ -510,8 +522,6 @@ class _Exchange:
             error.message,
             error_from_server=from_server,
         )
-        if call is not None:
-            call.cancel()
 
     def _client_gone(self) -> None:
         """The client left: count it and cancel the call (which gives its lease back)."""

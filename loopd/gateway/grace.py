@@ -59,6 +59,7 @@ __all__ = [
     "PRIOR_PROMPT_TOKENS_PER_SECOND",
     "SPEED_WEIGHT",
     "EndpointCosts",
+    "PrefillSpeed",
     "SwitchCosts",
     "release_at",
 ]
@@ -75,28 +76,62 @@ SPEED_WEIGHT: Final = 0.2
 MIN_PROMPT_TOKENS: Final = 32
 
 
+class PrefillSpeed:
+    """
+    An endpoint's measured prompt speed (module docstring): the prompt tokens its
+    completions evaluated over the seconds the server says they took, each completion that
+    evaluated at least L{MIN_PROMPT_TOKENS} at a known speed counted, the older ones fading
+    by L{SPEED_WEIGHT} a sample, so a long prompt weighs as much as its tokens.
+
+    @ivar samples: how many completions were counted.
+    """
+
+    def __init__(self) -> None:
+        """No sample yet."""
+        self._tokens = 0.0
+        self._seconds = 0.0
+        self.samples = 0
+
+    def add(self, timings: Timings) -> None:
+        """Take C{timings}' prompt speed as a sample when it is one."""
+        speed = timings.prompt_per_second
+        if speed is None or not 0 < speed < math.inf or timings.prompt_n < MIN_PROMPT_TOKENS:
+            return
+        keep = 1.0 - SPEED_WEIGHT
+        self._tokens = self._tokens * keep + timings.prompt_n
+        self._seconds = self._seconds * keep + timings.prompt_n / speed
+        self.samples += 1
+
+    @property
+    def value(self) -> float | None:
+        """Tokens per second; C{None} before a sample."""
+        return self._tokens / self._seconds if self._seconds > 0 else None
+
+
 @dataclass
 class EndpointCosts:
     """
     One endpoint's learned figures.
 
-    @ivar speed_samples: how many prompt speeds were measured.
+    @ivar speed: its measured prompt speed.
     @ivar losses: the latest returning sessions' outcomes, C{True} for a loss, oldest first.
     @ivar occupants: each slot's session of its last completion.
     """
 
-    speed_samples: int = 0
     losses: deque[bool] = field(default_factory=lambda: deque(maxlen=LOSS_WINDOW))
     occupants: dict[int, str] = field(default_factory=dict)
-    _tokens: float = 0.0
-    _seconds: float = 0.0
+    speed: PrefillSpeed = field(default_factory=PrefillSpeed)
+
+    @property
+    def speed_samples(self) -> int:
+        """How many prompt speeds were measured."""
+        return self.speed.samples
 
     @property
     def prompt_tokens_per_second(self) -> float:
         """The measured prefill speed, or the prior before any sample."""
-        if self._seconds <= 0:
-            return PRIOR_PROMPT_TOKENS_PER_SECOND
-        return self._tokens / self._seconds
+        measured = self.speed.value
+        return PRIOR_PROMPT_TOKENS_PER_SECOND if measured is None else measured
 
     @property
     def loss_share(self) -> float | None:
@@ -125,13 +160,7 @@ class EndpointCosts:
 
     def observe_speed(self, timings: Timings) -> None:
         """Take C{timings}' prompt speed as a sample when it is one (module docstring)."""
-        speed = timings.prompt_per_second
-        if speed is None or not 0 < speed < math.inf or timings.prompt_n < MIN_PROMPT_TOKENS:
-            return
-        keep = 1.0 - SPEED_WEIGHT
-        self._tokens = self._tokens * keep + timings.prompt_n
-        self._seconds = self._seconds * keep + timings.prompt_n / speed
-        self.speed_samples += 1
+        self.speed.add(timings)
 
 
 class SwitchCosts:

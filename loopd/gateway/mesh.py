@@ -334,7 +334,7 @@ class MeshExchange:
         self._host.metrics.observe_request(MODEL, "ok")
         completion = self._completion(result)
         answer = self._answer
-        report = cache_report(self._record, self._host.board.prompt_speed)
+        report = cache_report(self._record)
         if not self._stream:
             headers.append(cache_header(report))
             self._reply.respond(200, answer.body(completion), headers, with_length=True)

@@ -68,7 +68,7 @@ def status_document(
         "endpoints": [_endpoint(host, e.name, e.kind, e.model) for e in host.config.endpoints],
         "sessions": board.session_list(),
         "leases": _leases(leases),
-        "in_flight": [_under_way(r, now) for r in under_way],
+        "in_flight": [_under_way(r, now, leases is not None) for r in under_way],
         "mesh_turns": sum(1 for r in under_way if r.mesh),
         "requests": board.recent(),
         "totals": {"requests": board.requests, **totals},
@@ -110,8 +110,11 @@ def _leases(leases: GatewayLeases | None) -> list[dict[str, Any]] | None:
     return list(leases.scheduler.status())
 
 
-def _under_way(record: Any, now: float) -> dict[str, Any]:
-    """A request under way: who, what, where, for how long, and its calls."""
+def _under_way(record: Any, now: float, leasing: bool) -> dict[str, Any]:
+    """
+    A request under way: who, what, where, for how long, and its calls (a call waits for
+    its lease only when the gateway leases).
+    """
     return {
         "id": record.id,
         "door": record.door,
@@ -125,7 +128,10 @@ def _under_way(record: Any, now: float) -> dict[str, Any]:
                 "endpoint": c.endpoint,
                 "role": c.role,
                 "slot": c.slot,
-                "waiting_for_lease": c.leased is None and c.sent is None and c.ended is None,
+                "waiting_for_lease": leasing
+                and c.leased is None
+                and c.sent is None
+                and c.ended is None,
                 "ended": c.ended is not None,
             }
             for c in record.calls

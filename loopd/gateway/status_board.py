@@ -15,14 +15,16 @@ activity (L{loopd.gateway.activity}) that keeps, within fixed bounds,
    for the page's plot.
 
 The prefill time saved is estimated: the tokens reused divided by the endpoint's measured
-prompt speed (L{PrefillSpeed}: the prompt tokens its requests evaluated over the time they
-took, recent ones weighing more, each request that evaluated at least
-L{SPEED_SAMPLE_TOKENS} counted), else unknown (counted as none saved). A request's own
-speed is not used for its own saving: measured on a few tokens at the end of a long context
-it is far below the speed of evaluating that context from the start (an agent's 17,529
-reused tokens came out at 6.8 s by its own speed; the cold prefill of that prompt took
-2.3 s), and a long prompt's tokens, weighing most in the sum, set the endpoint's speed.
-Pure: no I/O, no clock of its own (the records carry the times).
+prompt speed as it stood before the request (L{loopd.gateway.grace.PrefillSpeed}, the
+estimator the grace prices switches with: the prompt tokens the endpoint's requests
+evaluated over the time they took, recent ones weighing more), else unknown (counted as none
+saved). The board writes it on the call's record (C{CallRecord.saved_seconds}), where the
+answer's cache report reads it. A request's own speed is not used for its own saving:
+measured on a few tokens at the end of a long context it is far below the speed of
+evaluating that context from the start (an agent's 17,529 reused tokens came out at 6.8 s by
+its own speed; the cold prefill of that prompt took 2.3 s), and a long prompt's tokens,
+weighing most in the sum, set the endpoint's speed. Pure: no I/O, no clock of its own (the
+records carry the times).
 """
 
 from __future__ import annotations
@@ -33,14 +35,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from loopd.gateway.activity import ActivityWatcher, CallRecord, RequestRecord
+from loopd.gateway.grace import PrefillSpeed
 from loopd.gateway.sessions import DEFAULT_MAX_SESSIONS
 from loopd.llama.types import Timings
 
 __all__ = [
+    "MAX_UNDER_WAY",
     "RECENT_REQUESTS",
     "SERIES_MINUTES",
-    "SPEED_SAMPLE_TOKENS",
-    "PrefillSpeed",
     "SessionFigures",
     "StatusBoard",
     "saved_seconds",
@@ -50,12 +52,10 @@ __all__ = [
 RECENT_REQUESTS = 50
 #: How many minutes the series covers.
 SERIES_MINUTES = 60
-#: The fewest prompt tokens evaluated for a request's own prompt speed to count.
-SPEED_SAMPLE_TOKENS = 64
 #: The weight of a new sample in an endpoint's running mean of generation speeds.
 _SPEED_WEIGHT = 0.3
-#: What an earlier request's share of an endpoint's prompt speed keeps at each new one.
-_SPEED_DECAY = 0.9
+#: The most requests the board lists as under way (a safety bound: each ends its record).
+MAX_UNDER_WAY = 10_000
 
 
 @dataclass
@@ -127,32 +127,6 @@ def saved_seconds(timings: Timings, speed: float | None) -> float:
     return timings.cache_n / speed
 
 
-class PrefillSpeed:
-    """
-    An endpoint's prompt speed: the prompt tokens its requests evaluated over the seconds
-    they took, each earlier request's share decayed by L{_SPEED_DECAY} at every new one, so
-    a long prompt weighs as much as its tokens and the speed follows the server's changes.
-    """
-
-    def __init__(self) -> None:
-        """No request measured yet."""
-        self._tokens = 0.0
-        self._seconds = 0.0
-
-    def add(self, timings: Timings) -> None:
-        """Count a request that evaluated at least L{SPEED_SAMPLE_TOKENS} at a known speed."""
-        speed = timings.prompt_per_second
-        if not speed or speed <= 0 or timings.prompt_n < SPEED_SAMPLE_TOKENS:
-            return
-        self._tokens = self._tokens * _SPEED_DECAY + timings.prompt_n
-        self._seconds = self._seconds * _SPEED_DECAY + timings.prompt_n / speed
-
-    @property
-    def value(self) -> float | None:
-        """Tokens per second; C{None} before a request was counted."""
-        return self._tokens / self._seconds if self._seconds > 0 else None
-
-
 class StatusBoard(ActivityWatcher):
     """
     The gateway's past, as L{loopd.gateway.status} reports it; see the module docstring.
@@ -188,6 +162,8 @@ class StatusBoard(ActivityWatcher):
     def request_started(self, record: RequestRecord) -> None:
         """Count the request under way; its session was seen now."""
         self._under_way[record.id] = record
+        if len(self._under_way) > MAX_UNDER_WAY:
+            del self._under_way[next(iter(self._under_way))]
         if record.session:
             figures = self._session(record.session)
             figures.last_seen = record.wall_started
@@ -211,8 +187,9 @@ class StatusBoard(ActivityWatcher):
         if timings is None:
             return
         prefill = self._prompt_speed.setdefault(call.endpoint, PrefillSpeed())
-        prefill.add(timings)
         saved = saved_seconds(timings, prefill.value)
+        call.saved_seconds = saved
+        prefill.add(timings)
         if timings.predicted_per_second:
             self._generation_speed[call.endpoint] = _mean(
                 self._generation_speed.get(call.endpoint), timings.predicted_per_second

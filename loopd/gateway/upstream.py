@@ -299,15 +299,19 @@ class Upstreams:
         (L{loopd.gateway.swap_gate}) until a swap is worth it or its bound is reached.
         """
         settings = self.config.endpoint(endpoint)
-        tracked = None
-        if record is not None:
-            tracked = (record, self.activity.call(record, endpoint, role, keys.session))
+
+        def tracked() -> tuple[RequestRecord, CallRecord] | None:
+            # The call's record begins when it may go: a swap gate's wait is the request's.
+            if record is None:
+                return None
+            return record, self.activity.call(record, endpoint, role, keys.session)
+
         if self.swaps is None or settings.router is None:
-            return self._call_now(endpoint, request, keys, on_event, retryable, flow, tracked)
+            return self._call_now(endpoint, request, keys, on_event, retryable, flow, tracked())
         swaps = self.swaps
 
         def go(key: Hashable) -> Deferred[Completion]:
-            calling = self._call_now(endpoint, request, keys, on_event, retryable, flow, tracked)
+            calling = self._call_now(endpoint, request, keys, on_event, retryable, flow, tracked())
 
             def ended(result: Completion | Failure) -> Completion | Failure:
                 timings = result.timings if isinstance(result, Completion) else None
@@ -316,17 +320,7 @@ class Upstreams:
 
             return calling.addBoth(ended)
 
-        admitted = swaps.admit(settings, on_event).addCallback(go)
-        if tracked is not None:
-            admitted.addErrback(self._untracked, tracked)
-        return admitted
-
-    def _untracked(self, reason: Failure, tracked: tuple[RequestRecord, CallRecord]) -> Failure:
-        """A call that failed before it began (at the swap gate) ends its record too."""
-        record, call = tracked
-        if call.ended is None:
-            self.activity.call_failed(record, call, _why(reason))
-        return reason
+        return swaps.admit(settings, on_event).addCallback(go)
 
     def _call_now(
         self,
@@ -711,9 +705,10 @@ class _LeasedCall:
             self._endpoint, self._slot, self._keys.history, self._restored, completion.timings
         )
         self._up.account(self._endpoint, self._keys, self._slot, completion, self._conversation)
-        self._give_back(self._keys.ends)
+        # Told before the give-back, which may hand the slot to a waiter at once.
         if self._tracked is not None:
             self._up.activity.call_completed(*self._tracked, completion)
+        self._give_back(self._keys.ends)
         self._result.callback(completion)
 
     def _failed(self, reason: Failure) -> None:
@@ -725,8 +720,8 @@ class _LeasedCall:
         # Nothing of the session is cached where nothing answered (no connection, or the
         # inferproxy refused it before the server saw it, or the server is gone): no grace.
         unanswered = reason.check(Connect, ProxyRefused, EndpointUnavailableError) is not None
-        self._give_back(self._keys.ends or unanswered)
         self._tell_ended(_why(reason))
+        self._give_back(self._keys.ends or unanswered)
         if not self._result.called:
             self._result.errback(reason)
 
@@ -736,8 +731,8 @@ class _LeasedCall:
         step, self._step = self._step, None
         if step is not None:
             step.cancel()
-        self._give_back(self._keys.ends)
         self._tell_ended("cancelled")
+        self._give_back(self._keys.ends)
 
     def _tell_ended(self, why: str) -> None:
         """Tell the activity the call ended without a completion (once)."""

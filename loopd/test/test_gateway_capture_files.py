@@ -270,6 +270,21 @@ class BudgetTests(CaptureDirCase):
         files.close()
 
 
+class CloseTests(CaptureDirCase):
+    """Closed at loopd's stop, the capture writes and opens nothing again."""
+
+    def test_closed_for_good(self) -> None:
+        """A line after close is refused; no file is made or opened for it."""
+        path = self.make()
+        files = self.files(path)
+        self.assertTrue(files.write(b"{}\n"))
+        files.close()
+        before = {name: os.stat(os.path.join(path, name)).st_size for name in os.listdir(path)}
+        self.assertFalse(files.write(b"{}\n"))
+        after = {name: os.stat(os.path.join(path, name)).st_size for name in os.listdir(path)}
+        self.assertEqual(after, before)
+
+
 class FailureTests(CaptureDirCase):
     """A failure to write loses its lines, is said once, and the capture comes back."""
 

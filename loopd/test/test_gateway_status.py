@@ -98,7 +98,8 @@ class DocumentTests(SynchronousTestCase):
         [session] = document["sessions"]
         self.assertEqual(
             {k: session[k] for k in ("id", "agent", "turns", "reused_tokens", "saved_seconds")},
-            {"id": "s1", "agent": "pi/0.9", "turns": 1, "reused_tokens": 900, "saved_seconds": 4.5},
+            # A fresh endpoint's first request is not priced (no speed measured before it).
+            {"id": "s1", "agent": "pi/0.9", "turns": 1, "reused_tokens": 900, "saved_seconds": 0.0},
         )
         [request] = document["requests"]
         self.assertEqual(
@@ -173,6 +174,23 @@ class LeaseTests(SynchronousTestCase):
         self.assertEqual([h["sessionKey"] for h in queue["holders"]], ["s1"])
         harness.advance(10)
         self.assertEqual(status(harness)["endpoints"][0]["slots"][0]["state"], "idle")
+
+    def test_slot_handed_on(self) -> None:
+        """
+        A waiter given the slot at once (no grace) shows there as running, under its own
+        session: the call that ended is told before its lease is given back (before, the
+        ended call cleared the waiter's running state and wrote its own session).
+        """
+        harness = GatewayHarness(make_config(slots=1), leases=True, grace_ms=0)
+        harness.fake.script(
+            "POST", CHAT, answer({"content": "a"}), answer({"content": "b"}, delay_s=0.1)
+        )
+        harness.post(HI, "a")
+        harness.post(HI, "b")
+        for _ in range(3):
+            harness.advance(0.05)
+        [slot] = status(harness)["endpoints"][0]["slots"]
+        self.assertEqual((slot["state"], slot["session"]), ("running", "b"))
 
 
 class MeshTests(SynchronousTestCase):

@@ -11,12 +11,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from loopd.gateway.activity import Activity, RequestRecord
-from loopd.gateway.status_board import (
-    SPEED_SAMPLE_TOKENS,
-    PrefillSpeed,
-    StatusBoard,
-    saved_seconds,
-)
+from loopd.gateway.status_board import StatusBoard, saved_seconds
 from loopd.llama.types import Completion, FinishReason, Timings
 
 WALL = 1_700_000_000.0
@@ -65,41 +60,25 @@ class Stage:
 
 
 class SavedSecondsTests(SynchronousTestCase):
-    """L{saved_seconds} and L{PrefillSpeed}: the reused tokens at the endpoint's speed."""
+    """L{saved_seconds}, and the speed it is priced at: the endpoint's before the request."""
 
     def test_at_speed(self) -> None:
         """The reused tokens over the speed; nothing without one."""
         self.assertEqual(saved_seconds(Timings(1000, 1, 1), 250.0), 4.0)
         self.assertEqual(saved_seconds(Timings(1000, 1, 1), None), 0.0)
 
-    def test_long_prompts_weigh_most(self) -> None:
+    def test_speed_before_the_request(self) -> None:
         """
-        A cold 17,000-token prefill at 7,600 tokens/s, then a 200-token tail at the end of
-        that context at 2,600 tokens/s: the speed stays near the prefill's (the tail alone
-        would make the next saving three times too long).
+        A fresh endpoint's first request saves nothing it can price (its own speed, measured
+        on the tokens after a reused context, would overstate it); the next is priced at the
+        speed the first measured, and the call's record carries it for the cache report.
         """
-        speed = PrefillSpeed()
-        self.assertIsNone(speed.value)
-        speed.add(Timings(0, 17_000, 1, prompt_per_second=7_600.0))
-        speed.add(Timings(17_000, 200, 1, prompt_per_second=2_600.0))
-        assert speed.value is not None
-        self.assertTrue(7_000 < speed.value < 7_600, speed.value)
-
-    def test_small_or_unknown_not_counted(self) -> None:
-        """Fewer than SPEED_SAMPLE_TOKENS evaluated, or no speed reported: not a sample."""
-        speed = PrefillSpeed()
-        speed.add(Timings(0, SPEED_SAMPLE_TOKENS - 1, 1, prompt_per_second=10.0))
-        speed.add(Timings(0, 5000, 1))
-        self.assertIsNone(speed.value)
-
-    def test_follows_changes(self) -> None:
-        """Earlier requests fade: after a slower server's many requests, its speed rules."""
-        speed = PrefillSpeed()
-        speed.add(Timings(0, 1000, 1, prompt_per_second=1000.0))
-        for _ in range(60):
-            speed.add(Timings(0, 1000, 1, prompt_per_second=100.0))
-        assert speed.value is not None
-        self.assertTrue(100.0 <= speed.value < 101.0, speed.value)
+        stage = Stage()
+        first = stage.turn("s1", Timings(5000, 200, 1, prompt_per_second=500.0))
+        second = stage.turn("s1", Timings(5200, 200, 1, prompt_per_second=100.0))
+        self.assertEqual([c.saved_seconds for c in first.calls], [0.0])
+        self.assertEqual([c.saved_seconds for c in second.calls], [10.4])
+        self.assertEqual(stage.board.session_list()[0]["saved_seconds"], 10.4)
 
 
 class SessionTests(SynchronousTestCase):
